@@ -1,0 +1,278 @@
+"""Cache configuration: pydantic models, TOML files and ``TIERCACHE_*`` environment overrides.
+
+Every default knob of tiercache lives here and nowhere else. A config is given as a dict, as a
+path to a TOML file with the same tables, or by ``TIERCACHE_CONFIG`` naming that file; any field
+can then be overridden by an environment variable ``TIERCACHE_<TABLE>__<FIELD>`` (for example
+``TIERCACHE_S3__ENDPOINT_URL``) or, for top-level fields, ``TIERCACHE_<FIELD>``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from tiercache.errors import ConfigError
+
+SCHEMA_VERSION = 1
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": KIB, "ki": KIB,
+    "m": 1000**2, "mb": 1000**2, "mib": MIB, "mi": MIB,
+    "g": 1000**3, "gb": 1000**3, "gib": GIB, "gi": GIB,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
+}
+
+
+def parse_size(value: object) -> int:
+    """Parse a byte size: an int, or a string such as ``"4GiB"``, ``"100 GB"``, ``"64MiB"``.
+
+    Raises:
+        ValueError: If the value is negative or not a size.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a byte size such as 4GiB, not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a byte size cannot be negative")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if m and (m.group(2) or "").lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    raise ValueError(f"expected a byte size such as 4GiB or 500MB, got {value!r}")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RamConfig(_Model):
+    """The RAM arena: staging area for every save, and the fastest tier for restores.
+
+    Attributes:
+        capacity: Arena size; allocated once on first use, pre-faulted, never exceeded.
+        serve_reads: Keep durable versions in the arena after they are written, so restores
+            of recent versions run at memcpy speed.
+        pin_memory: Pin the arena (page-locked) when CUDA is available, for async GPU copies.
+    """
+
+    capacity: ByteSize = 4 * GIB
+    serve_reads: bool = True
+    pin_memory: bool = True
+
+
+class DiskConfig(_Model):
+    """A local directory (NVMe) tier.
+
+    Attributes:
+        path: Root directory; created 0700 if missing.
+        capacity: Byte budget, or ``None`` for the free space of the filesystem.
+        o_direct: Write and read chunks with O_DIRECT (falls back to buffered I/O where the
+            filesystem refuses it).
+        io_threads: Parallel readers/writers on this tier.
+    """
+
+    path: Path
+    capacity: ByteSize | None = None
+    o_direct: bool = True
+    io_threads: int = Field(default=4, ge=1, le=64)
+
+
+class S3Config(_Model):
+    """An S3-compatible object store tier.
+
+    Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_PROFILE``, instance roles); they are never part of this config or of any output.
+
+    Attributes:
+        url: ``s3://bucket/prefix`` under which this cache keeps its objects.
+        endpoint_url: Endpoint of a non-AWS store (MinIO, SeaweedFS), e.g. ``http://127.0.0.1:9000``.
+        region: AWS region name.
+        verify_tls: Verify the endpoint's TLS certificate (turn off only for self-signed tests).
+        part_size: Multipart part size for large objects.
+        max_concurrency: Parallel part uploads/downloads.
+        max_attempts: Attempts per request for retryable errors (throttling, 5xx, resets).
+        connect_timeout: Seconds to wait for a connection.
+        read_timeout: Seconds to wait for a response.
+        addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
+            when an endpoint_url is set.
+    """
+
+    url: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    verify_tls: bool = True
+    part_size: ByteSize = 16 * MIB
+    max_concurrency: int = Field(default=8, ge=1, le=64)
+    max_attempts: int = Field(default=5, ge=1, le=20)
+    connect_timeout: float = Field(default=5.0, gt=0)
+    read_timeout: float = Field(default=60.0, gt=0)
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith("s3://") or not v[5:].split("/", 1)[0]:
+            raise ValueError("expected s3://bucket/prefix")
+        return v.rstrip("/")
+
+    @property
+    def bucket(self) -> str:
+        """The bucket part of ``url``."""
+        return self.url[5:].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix part of ``url`` (no leading or trailing slash; may be empty)."""
+        parts = self.url[5:].split("/", 1)
+        return parts[1].strip("/") if len(parts) > 1 else ""
+
+
+class PolicyConfig(_Model):
+    """Which policy decides placement, retention and compression, and its parameters.
+
+    Attributes:
+        name: A registered policy name (``write-through``...), a preset in ``policies/``, or
+            ``package.module:Class``.
+        params: Keyword arguments for the policy's constructor.
+    """
+
+    name: str = "write-through"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class CacheConfig(_Model):
+    """The whole configuration of one cache.
+
+    Attributes:
+        schema_version: Version of this config schema.
+        ram: The RAM arena, or ``None`` for a minimal staging arena that serves no reads.
+        disk: The local disk tier, if any.
+        s3: The S3 tier, if any.
+        policy: The policy.
+        chunk_bytes: Largest chunk; big tensors are split into chunks of this size.
+        pack_below: Tensors smaller than this are packed together into shared chunks.
+        hash: Content hash that names chunks.
+        allow_pickle: Store leaves that are not tensors or plain values with pickle, and
+            unpickle them on restore (only for versions written with this opt-in).
+        io_threads: Background threads hashing and writing.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    ram: RamConfig | None = None
+    disk: DiskConfig | None = None
+    s3: S3Config | None = None
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    chunk_bytes: ByteSize = Field(default=64 * MIB)
+    pack_below: ByteSize = Field(default=1 * MIB)
+    hash: Literal["xxh3-128", "blake2b"] = "xxh3-128"
+    allow_pickle: bool = False
+    io_threads: int = Field(default=4, ge=1, le=64)
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _check_chunk(cls, v: int) -> int:
+        if v < 64 * KIB or v % 4096:
+            raise ValueError("chunk_bytes must be a multiple of 4096 and at least 64KiB")
+        return v
+
+    def tier_names(self) -> list[str]:
+        """Names of the configured durable tiers, fastest first."""
+        return [n for n in ("disk", "s3") if getattr(self, n) is not None]
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in env.items():
+        if not k.startswith("TIERCACHE_") or k == "TIERCACHE_CONFIG" or k.startswith("TIERCACHE_TEST_"):
+            continue
+        path = k[len("TIERCACHE_"):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = v
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    extra = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"invalid config {source}: field '{field}': {first['msg']}{extra}"
+
+
+def load_config(
+    source: CacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> CacheConfig:
+    """Build a :class:`CacheConfig` from a dict, a TOML file path, or ``TIERCACHE_CONFIG``.
+
+    Args:
+        source: A config object (returned as is), a mapping with the config's tables, a path to
+            a TOML file, or ``None`` to read the file named by ``TIERCACHE_CONFIG``
+            (or ``./tiercache.toml`` if it exists).
+        env: Environment to read ``TIERCACHE_*`` overrides from (defaults to ``os.environ``).
+
+    Returns:
+        The validated, frozen config.
+
+    Raises:
+        ConfigError: If the file is missing or unreadable TOML, or a field is invalid; the
+            message names the source and the field.
+    """
+    if isinstance(source, CacheConfig):
+        return source
+    env = os.environ if env is None else env
+    label = "(dict)"
+    if source is None:
+        named = env.get("TIERCACHE_CONFIG")
+        if named:
+            source = named
+        elif Path("tiercache.toml").is_file():
+            source = "tiercache.toml"
+        else:
+            source = {}
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        label = str(path)
+        try:
+            with path.open("rb") as fh:
+                data: dict[str, Any] = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found: pass an existing TOML file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    else:
+        data = dict(source)
+    data = _merge(data, _env_overrides(env))
+    try:
+        return CacheConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, label)) from None

@@ -1,0 +1,93 @@
+"""The whole tiercache exception tree.
+
+Every error tiercache raises derives from :class:`TierCacheError` and also from the builtin
+exception a caller would naturally catch (``LookupError`` for a missing version, ``OSError`` for a
+full tier, ``ValueError`` for bad configuration). Errors from S3 or the OS are mapped onto this
+tree with the original kept as ``__cause__``; callers never need to match message strings.
+"""
+
+from __future__ import annotations
+
+
+class TierCacheError(Exception):
+    """Root of every error raised by tiercache."""
+
+
+class ConfigError(TierCacheError, ValueError):
+    """The configuration (dict, TOML file or TIERCACHE_* variable) is invalid."""
+
+
+class InvalidNameError(TierCacheError, ValueError):
+    """A branch, tag, version id or key does not match ``[A-Za-z0-9._-]{1,128}``."""
+
+
+class UnsupportedStateError(TierCacheError, TypeError):
+    """A state-dict leaf cannot be stored safely (and pickle was not opted into)."""
+
+
+class VersionNotFoundError(TierCacheError, LookupError):
+    """A ref, branch, tag or version id does not resolve to a stored version."""
+
+
+class AmbiguousRefError(TierCacheError, LookupError):
+    """A version id prefix matches more than one version."""
+
+
+class ConflictError(TierCacheError):
+    """A compare-and-swap on a ref lost: somebody else moved it (or the tag already exists)."""
+
+
+class IntegrityError(TierCacheError):
+    """Stored bytes do not match their content id, or a manifest is malformed or unsafe."""
+
+
+class StorageError(TierCacheError, OSError):
+    """A tier failed to read or write (the underlying error is the ``__cause__``)."""
+
+
+class TierFullError(StorageError):
+    """A tier has no room for the bytes it was asked to hold (ENOSPC or over its capacity)."""
+
+
+class TierUnavailableError(StorageError, ConnectionError):
+    """A tier cannot be reached: an S3 endpoint that refuses connections or times out."""
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The credentials are refused by the storage (S3 403, EACCES on disk)."""
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+    """The S3 bucket named in the configuration does not exist."""
+
+
+class DeadlineExceededError(StorageError, TimeoutError):
+    """A write kept failing with retryable errors until its deadline passed."""
+
+
+class SkippedError(TierCacheError):
+    """The policy skipped this version for a durability level, so that level is never reached."""
+
+
+class CacheClosedError(TierCacheError, RuntimeError):
+    """The cache was closed; no further calls are accepted."""
+
+
+__all__ = [
+    "AccessDeniedError",
+    "AmbiguousRefError",
+    "BucketNotFoundError",
+    "CacheClosedError",
+    "ConfigError",
+    "ConflictError",
+    "DeadlineExceededError",
+    "IntegrityError",
+    "InvalidNameError",
+    "SkippedError",
+    "StorageError",
+    "TierCacheError",
+    "TierFullError",
+    "TierUnavailableError",
+    "UnsupportedStateError",
+    "VersionNotFoundError",
+]

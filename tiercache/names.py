@@ -1,0 +1,89 @@
+"""Validation of user-supplied names and of the storage keys built from them.
+
+Branch and tag names, version ids and every segment of a storage key must match
+``[A-Za-z0-9._-]{1,128}`` and must not start with a dot (so ``.``/``..`` and the tiers' own
+``.tmp-*`` files can never be named). Keys are ``/``-separated segments; nothing else reaches a
+tier, so a key can never escape a tier's root.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tiercache.errors import InvalidNameError
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+_CHUNK_ID_RE = re.compile(r"[0-9a-f]{32,128}")
+
+#: Key prefixes of the layout shared by every durable tier (DESIGN.md section 2).
+CHUNKS = "chunks/"
+VERSIONS = "versions/"
+REFS = "refs/"
+
+
+def check_name(name: object, what: str = "name") -> str:
+    """Return ``name`` if it is a valid branch, tag or version name.
+
+    Args:
+        name: The candidate name.
+        what: What the name is for, used in the error message (``"branch"``, ``"tag"``...).
+
+    Returns:
+        The name, unchanged.
+
+    Raises:
+        InvalidNameError: If the name is not a string matching ``[A-Za-z0-9._-]{1,128}`` or
+            starts with a dot.
+    """
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+        raise InvalidNameError(
+            f"invalid {what} {name!r}: use 1-128 characters from A-Z a-z 0-9 . _ - "
+            "(no '/', no '..', not starting with '.')"
+        )
+    return name
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if every ``/``-separated segment of it is a valid name.
+
+    Raises:
+        InvalidNameError: If any segment is empty, too long, starts with a dot or has a
+            character outside ``[A-Za-z0-9._-]``.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidNameError(f"invalid storage key {key!r}")
+    for part in key.split("/"):
+        if _NAME_RE.fullmatch(part) is None:
+            raise InvalidNameError(f"invalid storage key {key!r}: bad segment {part!r}")
+    return key
+
+
+def check_chunk_id(chunk_id: object) -> str:
+    """Return ``chunk_id`` if it is a lowercase hex content id.
+
+    Raises:
+        InvalidNameError: If the id is not 32-128 lowercase hex digits.
+    """
+    if not isinstance(chunk_id, str) or _CHUNK_ID_RE.fullmatch(chunk_id) is None:
+        raise InvalidNameError(f"invalid chunk id {chunk_id!r}: expected lowercase hex")
+    return chunk_id
+
+
+def chunk_key(chunk_id: str) -> str:
+    """Storage key of a chunk: ``chunks/<id[:2]>/<id>``."""
+    check_chunk_id(chunk_id)
+    return f"{CHUNKS}{chunk_id[:2]}/{chunk_id}"
+
+
+def version_key(version_id: str) -> str:
+    """Storage key of a version manifest: ``versions/<id>.json``."""
+    check_name(version_id, "version id")
+    return f"{VERSIONS}{version_id}.json"
+
+
+def ref_key(kind: str, name: str) -> str:
+    """Storage key of a ref: ``refs/branch/<name>`` or ``refs/tag/<name>``."""
+    if kind not in ("branch", "tag"):
+        raise InvalidNameError(f"invalid ref kind {kind!r}: expected 'branch' or 'tag'")
+    check_name(name, kind)
+    return f"{REFS}{kind}/{name}"

@@ -1,0 +1,132 @@
+"""The contract every storage tier (RAM arena, disk directory, S3 prefix) implements.
+
+A tier is a flat key -> bytes store with the key layout of DESIGN.md section 2
+(``chunks/<id[:2]>/<id>``, ``versions/<id>.json``, ``refs/branch/<name>``, ``refs/tag/<name>``),
+plus compare-and-swap on refs. The engine is the only caller; it never holds a lock across calls.
+
+Threading: every method may be called concurrently from several engine threads, for different
+keys or the same key; implementations make that safe themselves.
+
+Call order the engine follows on a durable tier (and that tiers may rely on): ``put`` every chunk
+of a version, then ``put`` its manifest, then ``write_ref``. GC runs the other way round.
+
+Semantics every implementation must honour (checked by ``tests/tier_conformance.py``):
+
+* ``put`` is atomic: a reader sees the whole new object or nothing (never a torn object), and on a
+  durable tier the object is durable when ``put`` returns. Re-putting a key overwrites it; for
+  content-addressed chunks that is idempotent.
+* ``get``/``read_into``/``size`` return ``None`` on a missing key; they never raise for a miss.
+* ``delete`` of a missing key is a no-op.
+* ``list(prefix)`` returns every stored key that starts with ``prefix``, sorted; temporary files
+  or in-flight uploads never appear.
+* ``write_ref(key, data, expect=None)`` creates the ref and raises :class:`ConflictError` if it
+  exists; ``write_ref(key, data, expect=token)`` replaces it only if its current token is
+  ``token``, else raises :class:`ConflictError`. A write whose response was lost and that did land
+  is a success, not a conflict. It returns the new token.
+* Keys are validated with :func:`tiercache.names.check_key` before any I/O; an invalid key raises
+  :class:`InvalidNameError` and touches nothing.
+* Errors are mapped onto :mod:`tiercache.errors` (``TierFullError`` for ENOSPC or capacity,
+  ``TierUnavailableError``, ``AccessDeniedError``, ``BucketNotFoundError``, ``StorageError``) with
+  the original exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+#: Anything exposing the buffer protocol that ``put`` accepts.
+Buffer = bytes | bytearray | memoryview
+
+
+class RefValue(NamedTuple):
+    """A ref's current content and the opaque token a compare-and-swap must present."""
+
+    data: bytes
+    token: str
+
+
+class Tier(ABC):
+    """A key -> bytes store with atomic puts and compare-and-swap refs.
+
+    Attributes:
+        name: The tier's name in configs, manifests and CLI output (``ram``, ``disk``, ``s3``).
+        durable: Whether a completed ``put`` survives the process (``False`` only for RAM).
+        capacity: Byte budget of the tier, or ``None`` for unbounded.
+    """
+
+    name: str
+    durable: bool
+    capacity: int | None = None
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """Return the whole object stored at ``key``, or ``None`` if there is none."""
+
+    @abstractmethod
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+        """Read bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
+
+        Args:
+            key: The object's key.
+            out: A writable, C-contiguous byte buffer (for example a tensor's memory).
+            offset: Where in the object to start reading.
+
+        Returns:
+            The number of bytes read (short only at the end of the object), or ``None`` if the
+            object does not exist.
+        """
+
+    @abstractmethod
+    def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` at ``key`` atomically (and durably, on a durable tier).
+
+        Raises:
+            TierFullError: If the tier has no room; nothing partial is left behind.
+        """
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Return the stored object's length in bytes, or ``None`` if it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        """Return whether an object is stored at ``key``."""
+        return self.size(key) is not None
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; removing a missing key is a no-op."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Return every stored key starting with ``prefix``, sorted."""
+
+    @abstractmethod
+    def read_ref(self, key: str) -> RefValue | None:
+        """Return a ref's content and CAS token, or ``None`` if the ref does not exist."""
+
+    @abstractmethod
+    def write_ref(self, key: str, data: bytes, *, expect: str | None) -> str:
+        """Create (``expect=None``) or compare-and-swap (``expect=token``) a ref.
+
+        Returns:
+            The ref's new token.
+
+        Raises:
+            ConflictError: If the ref exists (create) or its token is not ``expect`` (swap).
+        """
+
+    @abstractmethod
+    def delete_ref(self, key: str, *, expect: str) -> None:
+        """Delete a ref if its token is still ``expect``.
+
+        Raises:
+            ConflictError: If the ref changed since ``expect`` was read.
+        """
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Return the bytes this tier currently holds (for capacity decisions and ``stats``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
+        """Release connections, file descriptors and memory; the tier is unusable afterwards."""
