@@ -56,6 +56,13 @@ def parse_size(value: object) -> int:
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
+def _size_or_auto(value: object) -> int | str:
+    return "auto" if value == "auto" else parse_size(value)
+
+
+AutoByteSize = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -65,12 +72,13 @@ class RamConfig(_Model):
 
     Attributes:
         capacity: Arena size; allocated once on first use, pre-faulted, never exceeded.
+            ``"auto"`` sizes it at the first save to hold two versions of that state.
         serve_reads: Keep durable versions in the arena after they are written, so restores
             of recent versions run at memcpy speed.
         pin_memory: Pin the arena (page-locked) when CUDA is available, for async GPU copies.
     """
 
-    capacity: ByteSize = 4 * GIB
+    capacity: AutoByteSize = "auto"
     serve_reads: bool = True
     pin_memory: bool = True
 

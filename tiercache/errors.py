@@ -17,6 +17,10 @@ class ConfigError(TierCacheError, ValueError):
     """The configuration (dict, TOML file or TIERCACHE_* variable) is invalid."""
 
 
+class InvalidArgumentError(TierCacheError, ValueError):
+    """An argument has the wrong type or value (a non-int step, non-JSON meta, unknown level)."""
+
+
 class InvalidNameError(TierCacheError, ValueError):
     """A branch, tag, version id or key does not match ``[A-Za-z0-9._-]{1,128}``."""
 
@@ -69,6 +73,14 @@ class SkippedError(TierCacheError):
     """The policy skipped this version for a durability level, so that level is never reached."""
 
 
+class StateMismatchError(TierCacheError, ValueError):
+    """A tensor given in ``restore(into=...)`` does not match the saved one (dtype or shape)."""
+
+
+class LastCopyError(TierCacheError):
+    """The operation would drop the last durable copy of a chunk or version."""
+
+
 class CacheClosedError(TierCacheError, RuntimeError):
     """The cache was closed; no further calls are accepted."""
 
@@ -82,8 +94,11 @@ __all__ = [
     "ConflictError",
     "DeadlineExceededError",
     "IntegrityError",
+    "InvalidArgumentError",
     "InvalidNameError",
+    "LastCopyError",
     "SkippedError",
+    "StateMismatchError",
     "StorageError",
     "TierCacheError",
     "TierFullError",

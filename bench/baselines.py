@@ -1,0 +1,368 @@
+"""The limits and the baselines tiercache is measured against; each function returns seconds.
+
+Limits: a memcpy into pre-faulted buffers (the RAM tier cannot beat it), raw O_DIRECT sequential
+write + fsync and read of the same bytes (the disk cannot go faster), a boto3 multipart transfer
+(the S3 endpoint's speed). Baselines: what a trainer uses today -- ``torch.save``/``torch.load``,
+``torch.distributed.checkpoint`` save and async_save, and s3torchconnector's ``S3Checkpoint``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from bench.report import Row, measure, unavailable
+from bench.state import iter_tensors, state_nbytes
+
+_ALIGN = 4096
+# One O_DIRECT request: large enough that per-call overhead vanishes, small enough to stay in RAM.
+_DIRECT_BLOCK = 64 << 20
+_DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def _prefaulted_pairs(state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) for every tensor; destinations are new, already-touched buffers."""
+    # fill_ touches every page now, so the timed copy pays no page faults.
+    return [(t, torch.empty_like(t).fill_(1)) for t in iter_tensors(state)]
+
+
+def memcpy(state: Any) -> float:
+    """libc memcpy of every tensor of ``state`` into pre-faulted buffers: the RAM-tier limit."""
+    pairs = _prefaulted_pairs(state)
+    t0 = time.perf_counter()
+    for src, dst in pairs:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    return time.perf_counter() - t0
+
+
+def torch_copy(state: Any) -> float:
+    """``Tensor.copy_`` of every tensor into pre-faulted buffers, with torch's intra-op threads.
+
+    Shown next to :func:`memcpy` because on a small, shared machine the thread pool's wake-ups
+    can make ``copy_`` of MiB-sized tensors several times slower than one plain memcpy.
+    """
+    pairs = _prefaulted_pairs(state)
+    t0 = time.perf_counter()
+    for src, dst in pairs:
+        dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def _aligned_block() -> mmap.mmap:
+    """A page-aligned, pre-faulted buffer for O_DIRECT (anonymous mmaps start on a page)."""
+    buf = mmap.mmap(-1, _DIRECT_BLOCK)
+    buf.write(b"\xa5" * _DIRECT_BLOCK)
+    return buf
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def odirect_write(path: Path, nbytes: int) -> float:
+    """Write ``nbytes`` (rounded up to 4 KiB) to a new file with O_DIRECT, then fsync it."""
+    buf = _aligned_block()
+    path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        left = _round_up(nbytes)
+        with memoryview(buf) as view:
+            while left:
+                left -= os.write(fd, view[: min(left, _DIRECT_BLOCK)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def odirect_read(path: Path) -> float:
+    """Read a whole file with O_DIRECT into an aligned buffer: the cold sequential read limit."""
+    buf = _aligned_block()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        while os.readv(fd, [buf]) > 0:
+            pass
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def drop_page_cache(path: Path) -> str:
+    """Make the next read of ``path`` (a file or a directory tree) come from the disk.
+
+    As root the whole page cache is dropped; otherwise each file is fadvised out, which only
+    works for clean pages, so everything is synced first.
+
+    Returns:
+        The method used, for the report: ``"drop_caches"`` or ``"fadvise"``.
+    """
+    os.sync()
+    if os.geteuid() == 0:
+        try:
+            _DROP_CACHES.write_text("1\n")
+            return "drop_caches"
+        except OSError:
+            pass  # a container with a read-only /proc/sys: fall back to per-file advice
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def torch_save(state: Any, path: Path) -> float:
+    """``torch.save`` to a file and fsync it: all of it is time the training loop waits."""
+    t0 = time.perf_counter()
+    with path.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def torch_load(path: Path) -> float:
+    """``torch.load`` of a file written by :func:`torch_save` (the caller decides warm or cold)."""
+    t0 = time.perf_counter()
+    torch.load(path, weights_only=True)
+    return time.perf_counter() - t0
+
+
+def dcp_save(state: Any, directory: Path, *, threads: int) -> float:
+    """``torch.distributed.checkpoint.save`` with a FileSystemWriter (fsyncs), single process."""
+    t0 = time.perf_counter()
+    dcp.save(state, storage_writer=FileSystemWriter(directory, thread_count=threads), no_dist=True)
+    return time.perf_counter() - t0
+
+
+def dcp_async_save(state: Any, directory: Path, *, threads: int) -> tuple[float, float]:
+    """``torch.distributed.checkpoint.async_save``, single process.
+
+    Returns:
+        (seconds until ``async_save`` returned -- what training waits --, seconds until the
+        returned future completed, i.e. the checkpoint is written and fsynced).
+    """
+    t0 = time.perf_counter()
+    writer = FileSystemWriter(directory, thread_count=threads)
+    fut = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    waited = time.perf_counter() - t0
+    fut.result()
+    return waited, time.perf_counter() - t0
+
+
+def warm_file(path: Path) -> None:
+    """Read a file once so a following transfer reads it from the page cache, not the disk."""
+    with path.open("rb") as f:
+        while f.read(_DIRECT_BLOCK):
+            pass
+
+
+def s3_upload(client: Any, path: Path, bucket: str, key: str, *, part_size: int, concurrency: int) -> float:
+    """boto3 managed multipart upload of a file (warm in the page cache) with parallel parts."""
+    from boto3.s3.transfer import TransferConfig
+
+    cfg = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                         max_concurrency=concurrency)
+    t0 = time.perf_counter()
+    client.upload_file(str(path), bucket, key, Config=cfg)
+    return time.perf_counter() - t0
+
+
+def s3_download(client: Any, bucket: str, key: str, path: Path, *, part_size: int, concurrency: int) -> float:
+    """boto3 managed download with parallel ranged GETs into a (page-cached, unsynced) file."""
+    from boto3.s3.transfer import TransferConfig
+
+    cfg = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                         max_concurrency=concurrency)
+    t0 = time.perf_counter()
+    client.download_file(bucket, key, str(path), Config=cfg)
+    return time.perf_counter() - t0
+
+
+def s3torch_save(checkpoint: Any, state: Any, uri: str) -> float:
+    """``torch.save`` streamed into s3torchconnector's ``S3Checkpoint.writer``."""
+    t0 = time.perf_counter()
+    with checkpoint.writer(uri) as w:
+        torch.save(state, w)
+    return time.perf_counter() - t0
+
+
+def s3torch_load(checkpoint: Any, uri: str) -> float:
+    """``torch.load`` streamed from s3torchconnector's ``S3Checkpoint.reader``."""
+    t0 = time.perf_counter()
+    with checkpoint.reader(uri) as r:
+        torch.load(r, weights_only=True)
+    return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """Where the S3 rows run: an endpoint on loopback and a bucket the bench may fill and empty.
+
+    Credentials are the ``AWS_*`` variables of this process's environment.
+    """
+
+    endpoint_url: str
+    bucket: str
+    part_size: int
+    concurrency: int
+
+    def client(self) -> Any:
+        """A boto3 client for the endpoint with path-style addressing and enough connections."""
+        import boto3
+        from botocore.config import Config
+
+        cfg = Config(s3={"addressing_style": "path"}, max_pool_connections=2 * self.concurrency)
+        return boto3.client("s3", endpoint_url=self.endpoint_url, config=cfg)
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _run_memcpy(state: Any, nbytes: int, repeat: int) -> list[Row]:
+    return [
+        measure(Row("memcpy", "memcpy into pre-faulted buffers", "limit", nbytes=nbytes),
+                repeat, lambda: memcpy(state)),
+        measure(Row("memcpy.torch", "torch copy_ into pre-faulted buffers", "limit", nbytes=nbytes,
+                    note=f"{torch.get_num_threads()} intra-op threads"),
+                repeat, lambda: torch_copy(state)),
+    ]
+
+
+def _run_odirect(work: Path, nbytes: int, repeat: int) -> list[Row]:
+    path = work / "odirect.bin"
+    write = Row("odirect.write", "O_DIRECT write + fsync", "limit", nbytes=nbytes)
+    read = Row("odirect.read", "O_DIRECT read (cold)", "limit", nbytes=nbytes)
+    for _ in range(repeat):
+        write.runs.append(odirect_write(path, nbytes))
+        read.runs.append(odirect_read(path))
+    path.unlink()
+    return [write, read]
+
+
+def _run_torch(state: Any, work: Path, nbytes: int, repeat: int) -> list[Row]:
+    path = work / "torch.pt"
+    save = measure(Row("torch.save", "torch.save + fsync", "baseline", nbytes=nbytes),
+                   repeat, lambda: torch_save(state, path))
+    # The file was just written, so its pages are still cached: this is the warm read.
+    warm = measure(Row("torch.load_warm", "torch.load (page cache warm)", "baseline", nbytes=nbytes),
+                   repeat, lambda: torch_load(path))
+    cold = Row("torch.load_cold", "torch.load (page cache cold)", "baseline", nbytes=nbytes)
+    for _ in range(repeat):
+        cold.note = drop_page_cache(path)
+        cold.runs.append(torch_load(path))
+    path.unlink()
+    return [save, warm, cold]
+
+
+def _run_dcp(state: Any, work: Path, nbytes: int, repeat: int, threads: int) -> list[Row]:
+    target = work / "dcp"
+    note = f"FileSystemWriter, {threads} threads"
+    save = measure(Row("dcp.save", "DCP save", "baseline", nbytes=nbytes, note=note),
+                   repeat, lambda: dcp_save(state, target, threads=threads), lambda: _fresh_dir(target))
+    wait = Row("dcp.async_wait", "DCP async_save: training waits", "baseline", nbytes=nbytes, note=note)
+    durable = Row("dcp.async_durable", "DCP async_save: until durable", "baseline", nbytes=nbytes, note=note)
+    for _ in range(repeat):
+        _fresh_dir(target)
+        w, d = dcp_async_save(state, target, threads=threads)
+        wait.runs.append(w)
+        durable.runs.append(d)
+    shutil.rmtree(target)
+    return [save, wait, durable]
+
+
+def _run_s3(state: Any, work: Path, repeat: int, s3: S3Endpoint) -> list[Row]:
+    client = s3.client()
+    payload, back, key = work / "s3payload.pt", work / "s3download.bin", "bench/boto3.bin"
+    with payload.open("wb") as f:
+        torch.save(state, f)
+    size = payload.stat().st_size
+    note = f"part {s3.part_size >> 20} MiB x {s3.concurrency}"
+    up = measure(Row("s3.upload", "boto3 multipart upload", "limit", nbytes=size, note=note), repeat,
+                 lambda: s3_upload(client, payload, s3.bucket, key, part_size=s3.part_size,
+                                   concurrency=s3.concurrency),
+                 lambda: warm_file(payload))
+    down = measure(Row("s3.download", "boto3 parallel download", "limit", nbytes=size, note=note), repeat,
+                   lambda: s3_download(client, s3.bucket, key, back, part_size=s3.part_size,
+                                       concurrency=s3.concurrency),
+                   lambda: back.unlink(missing_ok=True))
+    client.delete_object(Bucket=s3.bucket, Key=key)
+    payload.unlink()
+    back.unlink()
+    return [up, down]
+
+
+def _run_s3torch(state: Any, nbytes: int, repeat: int, s3: S3Endpoint) -> list[Row]:
+    rows = (("s3torch.save", "s3torchconnector S3Checkpoint save"),
+            ("s3torch.load", "s3torchconnector S3Checkpoint load"))
+    try:
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+    except ImportError as e:
+        return [unavailable(k, n, "baseline", f"s3torchconnector not installed ({e})") for k, n in rows]
+    ckpt = S3Checkpoint(region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), endpoint=s3.endpoint_url,
+                        s3client_config=S3ClientConfig(force_path_style=True, part_size=s3.part_size))
+    uri = f"s3://{s3.bucket}/bench/s3torch.pt"
+    try:
+        save = measure(Row(rows[0][0], rows[0][1], "baseline", nbytes=nbytes),
+                       repeat, lambda: s3torch_save(ckpt, state, uri))
+        load = measure(Row(rows[1][0], rows[1][1], "baseline", nbytes=nbytes),
+                       repeat, lambda: s3torch_load(ckpt, uri))
+    except Exception as e:  # the CRT client reports endpoint problems with its own exception types
+        return [unavailable(k, n, "baseline", f"{type(e).__name__}: {e}") for k, n in rows]
+    s3.client().delete_object(Bucket=s3.bucket, Key="bench/s3torch.pt")
+    return [save, load]
+
+
+BASELINE_GROUPS = ("memcpy", "odirect", "torch", "dcp", "s3", "s3torch")
+
+
+def run_baselines(state: Any, work: Path, *, repeat: int, groups: Sequence[str], s3: S3Endpoint | None,
+                  dcp_threads: int) -> list[Row]:
+    """Measure the selected baseline groups (see ``BASELINE_GROUPS``) on ``state``, in order.
+
+    Args:
+        state: The state dict every row saves.
+        work: Scratch directory on the filesystem under test; the rows leave nothing in it.
+        repeat: Runs per row (the table shows the median).
+        groups: Which groups to run.
+        s3: The S3 endpoint, or ``None`` to skip the S3 groups.
+        dcp_threads: Writer threads for DCP's FileSystemWriter (the same as tiercache's disk tier).
+
+    Returns:
+        The rows, limits first.
+    """
+    nbytes = state_nbytes(state)
+    rows: list[Row] = []
+    for group in groups:
+        if group == "memcpy":
+            rows += _run_memcpy(state, nbytes, repeat)
+        elif group == "odirect":
+            rows += _run_odirect(work, nbytes, repeat)
+        elif group == "torch":
+            rows += _run_torch(state, work, nbytes, repeat)
+        elif group == "dcp":
+            rows += _run_dcp(state, work, nbytes, repeat, dcp_threads)
+        elif group == "s3" and s3 is not None:
+            rows += _run_s3(state, work, repeat, s3)
+        elif group == "s3torch" and s3 is not None:
+            rows += _run_s3torch(state, nbytes, repeat, s3)
+        gc.collect()
+    return rows

@@ -1,0 +1,288 @@
+"""The tiercache rows: save wait, time to local and remote, restores per tier, peak RSS, a training loop."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+import tiercache
+from bench.baselines import S3Endpoint, drop_page_cache, memcpy
+from bench.report import Row
+from bench.state import advance, iter_tensors, state_nbytes
+
+TIERCACHE_GROUPS = ("save", "restore", "rss", "loop")
+
+_MIB = 1 << 20
+_RSS_SAVES = 10
+_RSS_INTERVAL_S = 0.002
+_LOOP_STEPS = 20
+_LOOP_WIDTH = 2048
+_LOOP_BATCH = 64
+
+
+def ram_capacity(nbytes: int) -> int:
+    """The arena size the bench configures: two versions of the state plus room for alignment."""
+    return 2 * nbytes + 64 * _MIB
+
+
+def cache_config(root: Path, name: str, capacity: int, s3: S3Endpoint | None, policy: str) -> dict[str, Any]:
+    """A RAM + disk (+ S3) config whose disk directory and S3 prefix are both named ``name``."""
+    cfg: dict[str, Any] = {
+        "ram": {"capacity": capacity},
+        "disk": {"path": str(root / name)},
+        "policy": {"name": policy},
+    }
+    if s3 is not None:
+        cfg["s3"] = {"url": f"s3://{s3.bucket}/{name}", "endpoint_url": s3.endpoint_url,
+                     "part_size": s3.part_size, "max_concurrency": s3.concurrency}
+    return cfg
+
+
+def _check_same(restored: Any, state: Any, what: str) -> None:
+    """Refuse to report the speed of a restore that returned other bytes than were saved."""
+    got, want = list(iter_tensors(restored)), list(iter_tensors(state))
+    if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+        raise RuntimeError(f"{what} returned different tensors than were saved")
+
+
+def _tiers_of(cache: Any, version: str) -> tuple[str, ...]:
+    return next(v.tiers for v in cache.versions() if v.id == version)
+
+
+def _evict(cache: Any, version: str, tiers: Sequence[str]) -> None:
+    """Drop ``version`` from ``tiers`` where it is (a restore may have promoted it back)."""
+    held = _tiers_of(cache, version)
+    for tier in tiers:
+        if tier in held:
+            cache.evict(version, tier)
+
+
+def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool) -> tuple[list[Row], str]:
+    """Time ``save()`` and its ``local`` and ``remote`` futures; return the rows and the last version."""
+    nbytes = state_nbytes(state)
+    first = Row("tc.first_save_wait", "tiercache first save(): waits (arena allocation)", "tiercache",
+                nbytes=nbytes)
+    wait = Row("tc.save_wait", "tiercache save(): training waits", "tiercache", nbytes=nbytes)
+    local = Row("tc.local", "tiercache save: until local (disk)", "tiercache", nbytes=nbytes)
+    remote = Row("tc.remote", "tiercache save: until remote (S3)", "tiercache", nbytes=nbytes)
+    version = ""
+    for i in range(repeat + 1):
+        advance(state)
+        t0 = time.perf_counter()
+        h = cache.save(state, step=state["step"], meta={"bench_run": i})
+        waited = time.perf_counter() - t0
+        h.wait("local")
+        to_local = time.perf_counter() - t0
+        to_remote = 0.0
+        if with_s3:
+            h.wait("remote")
+            to_remote = time.perf_counter() - t0
+        version = h.version
+        if i == 0:
+            # The first save also allocates and pre-faults the arena: shown on its own row.
+            first.runs.append(waited)
+            continue
+        wait.runs.append(waited)
+        local.runs.append(to_local)
+        remote.runs.append(to_remote)
+    return [first, wait, local, *([remote] if with_s3 else [])], version
+
+
+def _prefaulted_like(state: Any) -> Any:
+    """A tree shaped like ``state`` whose tensors are new, already-touched buffers (for ``into=``)."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state).fill_(1)
+    if isinstance(state, dict):
+        return {k: _prefaulted_like(v) for k, v in state.items()}
+    return state
+
+
+def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, disk_root: Path,
+                 with_s3: bool) -> list[Row]:
+    """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone."""
+    nbytes = state_nbytes(state)
+    ram = Row("tc.restore_ram", "tiercache restore from RAM (into=)", "tiercache", nbytes=nbytes)
+    into = _prefaulted_like(state)
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        out = cache.restore(version, into=into)
+        ram.runs.append(time.perf_counter() - t0)
+        if i == 0:
+            _check_same(out, state, "restore from RAM")
+    del into, out
+    gc.collect()
+
+    disk = Row("tc.restore_disk", "tiercache restore from disk (cold)", "tiercache", nbytes=nbytes)
+    for i in range(repeat):
+        _evict(cache, version, ["ram"])
+        disk.note = drop_page_cache(disk_root)
+        t0 = time.perf_counter()
+        out = cache.restore(version)
+        disk.runs.append(time.perf_counter() - t0)
+        if i == 0:
+            _check_same(out, state, "restore from disk")
+        del out
+    if not with_s3:
+        return [ram, disk]
+
+    s3 = Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes)
+    for i in range(repeat):
+        _evict(cache, version, ["ram", "disk"])
+        t0 = time.perf_counter()
+        out = cache.restore(version)
+        s3.runs.append(time.perf_counter() - t0)
+        if i == 0:
+            _check_same(out, state, "restore from S3")
+        del out
+    return [ram, disk, s3]
+
+
+@contextmanager
+def _peak_rss() -> Iterator[list[int]]:
+    """Sample this process's RSS on a thread; the yielded list holds the peak when the block ends."""
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(_RSS_INTERVAL_S)
+
+    thread = threading.Thread(target=sample, name="bench-rss", daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        thread.join()
+        peak[0] = max(peak[0], proc.memory_info().rss)
+
+
+def _run_rss(config: dict[str, Any], state: dict[str, Any], capacity: int) -> list[Row]:
+    """Peak RSS while 10 saves run back to back (each a new version) and ``close()`` drains them."""
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    waits: list[float] = []
+    with _peak_rss() as peak:
+        t0 = time.perf_counter()
+        with tiercache.open(config) as cache:
+            for _ in range(_RSS_SAVES):
+                advance(state)
+                t1 = time.perf_counter()
+                cache.save(state, step=state["step"])
+                waits.append(time.perf_counter() - t1)
+        total = time.perf_counter() - t0
+    budget = before + int(capacity * 1.05)
+    note = (f"{_RSS_SAVES} saves + close in {total:.1f} s; save waits {min(waits):.3f}-{max(waits):.3f} s; "
+            f"peak - RSS before open = {(peak[0] - before) / 1e9:.2f} GB")
+    return [
+        Row("tc.rss_peak", "tiercache peak RSS, 10 back-to-back saves", "tiercache",
+            runs=[peak[0] / 1e9], unit="GB", note=note),
+        Row("tc.rss_budget", "RSS budget: RSS before open + capacity x1.05", "limit",
+            runs=[budget / 1e9], unit="GB",
+            note=f"capacity {capacity / 1e9:.2f} GB; the state is in the RSS before open"),
+    ]
+
+
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(_LOOP_WIDTH // 2, _LOOP_WIDTH), nn.ReLU(),
+                          nn.Linear(_LOOP_WIDTH, _LOOP_WIDTH), nn.ReLU(),
+                          nn.Linear(_LOOP_WIDTH, _LOOP_WIDTH // 2))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _train(cache: Any | None) -> tuple[float, dict[str, Any]]:
+    """Run the MLP loop; with a cache, checkpoint after every step without waiting for durability.
+
+    Returns:
+        (seconds per step, the last state saved), the state so its memcpy can be timed.
+    """
+    model, opt = _mlp()
+    x = torch.randn(_LOOP_BATCH, _LOOP_WIDTH // 2)
+    y = torch.randn(_LOOP_BATCH, _LOOP_WIDTH // 2)
+    state: dict[str, Any] = {}
+    t0 = 0.0
+    # One untimed step first: Adam creates its moments lazily, and the arena is allocated once.
+    for step in range(_LOOP_STEPS + 1):
+        if step == 1:
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        if cache is not None:
+            cache.save(state, step=step)
+    return (time.perf_counter() - t0) / _LOOP_STEPS, state
+
+
+def _run_loop(config: dict[str, Any], repeat: int) -> list[Row]:
+    """Per-step slowdown of a 1-thread CPU training loop that checkpoints every step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = Row("loop.plain", "MLP loop step, no checkpoint", "baseline")
+        ckpt = Row("loop.ckpt", "MLP loop step, tiercache save every step", "tiercache")
+        state: dict[str, Any] = {}
+        for _ in range(repeat):
+            plain.runs.append(_train(None)[0])
+            with tiercache.open(config) as cache:
+                per_step, state = _train(cache)
+            ckpt.runs.append(per_step)
+        nbytes = state_nbytes(state)
+        copy = Row("loop.memcpy", "memcpy of the loop's state", "limit", nbytes=nbytes)
+        copy.runs = [memcpy(state) for _ in range(repeat)]
+    finally:
+        torch.set_num_threads(threads)
+    slow = Row("tc.loop_slowdown", "loop slowdown per step from checkpointing", "tiercache",
+               runs=[max(0.0, c - p) for c, p in zip(ckpt.runs, plain.runs, strict=True)],
+               note=f"state {nbytes / 1e6:.0f} MB, {_LOOP_STEPS} steps, 1 torch thread, RAM + disk only")
+    return [plain, ckpt, copy, slow]
+
+
+def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Sequence[str],
+                  s3: S3Endpoint | None, policy: str) -> list[Row]:
+    """Measure the selected tiercache groups (see ``TIERCACHE_GROUPS``) on ``state``.
+
+    Each group opens its own cache on a fresh directory and S3 prefix and closes it; ``restore``
+    reuses the versions ``save`` wrote (and saves them first when run alone).
+
+    Args:
+        state: The state dict to save; changed in place between saves (see ``advance``).
+        work: Scratch directory on the filesystem under test.
+        repeat: Runs per row.
+        groups: Which groups to run.
+        s3: The S3 endpoint, or ``None`` for a RAM + disk cache.
+        policy: Policy name for the caches.
+
+    Returns:
+        The rows, in group order.
+    """
+    rows: list[Row] = []
+    capacity = ram_capacity(state_nbytes(state))
+    root = work / "tiercache"
+    if "save" in groups or "restore" in groups:
+        config = cache_config(root, "save", capacity, s3, policy)
+        with tiercache.open(config) as cache:
+            saved, version = _run_save(cache, state, repeat, s3 is not None)
+            if "save" in groups:
+                rows += saved
+            if "restore" in groups:
+                rows += _run_restore(cache, state, version, repeat, root / "save", s3 is not None)
+        gc.collect()
+    if "rss" in groups:
+        rows += _run_rss(cache_config(root, "rss", capacity, s3, policy), state, capacity)
+        gc.collect()
+    if "loop" in groups:
+        # The loop's state is small (~100 MB); S3 is left out because write-through would upload
+        # every step and the loop would then measure the S3 link, not the cost to training.
+        rows += _run_loop(cache_config(root, "loop", 512 * _MIB, None, policy), repeat)
+    return rows

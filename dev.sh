@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: sets up .venv (torch pinned to the CPU build first, so pip
+# never pulls a CUDA build), then runs what you ask for.
+#   ./dev.sh demo    run the demo (train, checkpoint through RAM -> disk -> local S3, kill, resume, branch)
+#   ./dev.sh test    run the test suite (add --slow, or TIERCACHE_SLOW=1, for the large trial counts)
+#   ./dev.sh bench   run the benchmark against the baselines (options: see bench/README.md)
+#   ./dev.sh setup   only set up .venv
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3}
+VENV=.venv
+TORCH_PIN="torch==2.13.0"
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.tiercache-setup"
+  local want
+  want="$(sha256sum pyproject.toml | cut -d' ' -f1) $TORCH_PIN"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN"
+  # The pin is repeated so the resolver can never trade torch for another build.
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev]" "$TORCH_PIN"
+  echo "$want" > "$stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/python" examples/demo.py "$@" ;;
+  test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+  bench) setup; exec "$VENV/bin/python" -m bench "$@" ;;
+  *) echo "usage: ./dev.sh demo|test|bench|setup [args]" >&2; exit 2 ;;
+esac

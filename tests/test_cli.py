@@ -1,0 +1,358 @@
+"""Tests of the ``tiercache`` command line against a real cache on a disk tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner, Result
+
+import tiercache
+from tiercache.cli import app, human_age, human_bytes, layout_graph
+
+# ---------------------------------------------------------------------------------------------
+# The pure graph layout
+
+
+def _render(nodes: list[tuple[str, str | None]]) -> list[str]:
+    return [row.graph + (f" {row.node}" if row.node else "") for row in layout_graph(nodes)]
+
+
+def test_graph_linear() -> None:
+    assert _render([("v3", "v2"), ("v2", "v1"), ("v1", None)]) == ["* v3", "* v2", "* v1"]
+
+
+def test_graph_one_branch_off_the_middle() -> None:
+    # main v1 <- v2 <- v3 <- v4; ft f1 <- f2 forked from v2 after v3 was saved.
+    nodes = [("f2", "f1"), ("v4", "v3"), ("f1", "v2"), ("v3", "v2"), ("v2", "v1"), ("v1", None)]
+    assert _render(nodes) == [
+        "* f2",
+        "| * v4",
+        "* | f1",
+        "| * v3",
+        "|/",
+        "* v2",
+        "* v1",
+    ]
+
+
+def test_graph_two_branches() -> None:
+    # main m1 <- m2 <- m3; a forks from m1 (a1 <- a2), b forks from m2 (b1).
+    nodes = [("a2", "a1"), ("m3", "m2"), ("b1", "m2"), ("a1", "m1"), ("m2", "m1"), ("m1", None)]
+    assert _render(nodes) == [
+        "* a2",
+        "| * m3",
+        "| | * b1",
+        "| |/",
+        "* | a1",
+        "| * m2",
+        "|/",
+        "* m1",
+    ]
+
+
+def test_graph_rolled_back_branch() -> None:
+    # main was v1 <- v2 <- v3, rolled back to v2, then v4 saved on it: v3 stays as a side line.
+    nodes = [("v4", "v2"), ("v3", "v2"), ("v2", "v1"), ("v1", None)]
+    assert _render(nodes) == ["* v4", "| * v3", "|/", "* v2", "* v1"]
+
+
+def test_graph_join_passes_under_a_lane() -> None:
+    # b's lane joins a's lane across y's lane, which continues to the root r.
+    nodes = [("x", "a"), ("y", "r"), ("b", "a"), ("a", "r"), ("r", None)]
+    assert _render(nodes) == ["* x", "| * y", "| | * b", "|_|/", "* | a", "|/", "* r"]
+
+
+def test_graph_root_with_lanes_to_its_right_and_unknown_parent() -> None:
+    # Unrelated histories, and a parent that is not shown (treated as a root).
+    assert _render([("p2", "p1"), ("x", None), ("p1", None)]) == ["* p2", "| * x", "* p1"]
+    assert _render([("x", None), ("p2", "p1"), ("p1", "gone")]) == ["* x", "* p2", "* p1"]
+    assert _render([("p2", "p1"), ("y2", "y1"), ("p1", None), ("y1", None)]) == [
+        "* p2",
+        "| * y2",
+        "* | p1",
+        " /",
+        "* y1",
+    ]
+
+
+def test_human_formats() -> None:
+    assert [human_bytes(n) for n in (0, 1023, 1024, 512 << 20, 3 << 30, 5 << 40)] == [
+        "0 B", "1023 B", "1.0 KiB", "512.0 MiB", "3.0 GiB", "5.0 TiB",
+    ]
+    now = datetime(2025, 1, 10, tzinfo=UTC)
+    ages = [timedelta(seconds=-5), timedelta(seconds=42), timedelta(minutes=3, seconds=59),
+            timedelta(hours=2, minutes=30), timedelta(days=5, hours=23)]
+    assert [human_age(now - d, now) for d in ages] == ["0s", "42s", "3m", "2h", "5d"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line against a real cache
+
+
+@dataclass(frozen=True)
+class _Repo:
+    """A cache on a disk tier with main v1 <- v2 <- v3, branch ft from v2 (f1), tag best on v2."""
+
+    config: Path
+    v1: str
+    v2: str
+    v3: str
+    f1: str
+    states: dict[str, dict[str, object]]
+
+
+def _state(seed: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=gen), "b": torch.arange(32, dtype=torch.int64) + seed},
+        "optim": {"lr": 0.1 * seed, "betas": [0.9, 0.999]},
+        "step": seed,
+    }
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Repo:
+    monkeypatch.delenv("TIERCACHE_CONFIG", raising=False)
+    config = tmp_path / "tiercache.toml"
+    config.write_text(f'[ram]\ncapacity = "64MiB"\n\n[disk]\npath = "{tmp_path / "store"}"\n')
+    ids: dict[str, str] = {}
+    states: dict[str, dict[str, object]] = {}
+    with tiercache.open(config) as cache:
+        for seed, name in enumerate(("v1", "v2", "v3"), start=1):
+            states[name] = _state(seed)
+            handle = cache.save(states[name], step=100 * seed, branch="main", meta={"loss": 1.0 / seed})
+            handle.wait("local")
+            ids[name] = handle.version
+        cache.branch("ft", ids["v2"])
+        states["f1"] = _state(4)
+        handle = cache.save(states["f1"], step=210, branch="ft", meta={"loss": 0.25})
+        handle.wait("local")
+        ids["f1"] = handle.version
+        cache.tag("best", ids["v2"])
+    return _Repo(config=config, states=states, **ids)
+
+
+def _run(repo: _Repo, *args: str) -> Result:
+    return CliRunner().invoke(app, ["--config", str(repo.config), *args])
+
+
+def _refs(repo: _Repo) -> dict[str, str]:
+    with tiercache.open(repo.config) as cache:
+        return cache.refs()
+
+
+def _assert_one_line_error(result: Result, code: int, *fragments: str) -> None:
+    assert result.exit_code == code, result.output
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def _assert_state_equal(got: object, want: object) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys()
+        for key in want:
+            _assert_state_equal(got[key], want[key])
+    else:
+        assert got == want
+
+
+def test_ls_json(repo: _Repo) -> None:
+    result = _run(repo, "ls", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    with tiercache.open(repo.config) as cache:
+        created = {v.id: v.created_at.isoformat() for v in cache.versions()}
+    nbytes = 64 * 32 * 4 + 32 * 8
+    expected = [
+        (repo.v1, 100, "main", None, {"loss": 1.0}, []),
+        (repo.v2, 200, "main", repo.v1, {"loss": 0.5}, ["tag/best"]),
+        (repo.v3, 300, "main", repo.v2, {"loss": 1.0 / 3}, ["branch/main"]),
+        (repo.f1, 210, "ft", repo.v2, {"loss": 0.25}, ["branch/ft"]),
+    ]
+    assert rows == [
+        {
+            "id": vid, "step": step, "branch": branch, "parent": parent, "created_at": created[vid],
+            "nbytes": nbytes, "meta": meta, "tiers": ["disk"], "refs": refs,
+        }
+        for vid, step, branch, parent, meta, refs in expected
+    ]
+    only_ft = json.loads(_run(repo, "ls", "--json", "--branch", "ft").stdout)
+    assert [row["id"] for row in only_ft] == [repo.f1]
+
+
+def test_ls_table(repo: _Repo) -> None:
+    result = _run(repo, "ls")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["id", "step", "branch", "size", "age", "refs", "ram", "disk"]
+    body = [line.split() for line in lines[1:]]
+    assert [row[:3] for row in body] == [
+        [repo.v1[:10], "100", "main"],
+        [repo.v2[:10], "200", "main"],
+        [repo.v3[:10], "300", "main"],
+        [repo.f1[:10], "210", "ft"],
+    ]
+    assert all(row[3:5] == ["8.2", "KiB"] for row in body)
+    assert [row[6:] for row in body] == [["✓"], ["tag:", "best", "✓"], ["main", "✓"], ["ft", "✓"]]
+
+
+def test_log_newest_first_with_parents(repo: _Repo) -> None:
+    result = _run(repo, "log")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f'{repo.f1}  ft@210  parent {repo.v2}  meta {{"loss": 0.25}} (ft)',
+        f'{repo.v3}  main@300  parent {repo.v2}  meta {{"loss": {1.0 / 3}}} (main)',
+        f'{repo.v2}  main@200  parent {repo.v1}  meta {{"loss": 0.5}} (tag: best)',
+        f'{repo.v1}  main@100  parent -  meta {{"loss": 1.0}}',
+    ]
+    ancestry = _run(repo, "log", "ft")
+    assert [line.split()[0] for line in ancestry.stdout.splitlines()] == [repo.f1, repo.v2, repo.v1]
+
+
+def test_log_graph(repo: _Repo) -> None:
+    result = _run(repo, "log", "--graph")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"* {repo.f1[:10]} ft@210 (ft)",
+        f"| * {repo.v3[:10]} main@300 (main)",
+        "|/",
+        f"* {repo.v2[:10]} main@200 (tag: best)",
+        f"* {repo.v1[:10]} main@100",
+    ]
+    assert _run(repo, "log", "--graph", "main~1").stdout.splitlines() == [
+        f"* {repo.v2[:10]} main@200 (tag: best)",
+        f"* {repo.v1[:10]} main@100",
+    ]
+
+
+def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.pt"
+    result = _run(repo, "restore", "best", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"restored {repo.v2} (main@200) -> {out} (8.2 KiB)\n"
+    with out.open("rb") as fh:
+        _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v2"])
+
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    result = _run(repo, "restore", repo.f1[:12], "--out", str(outdir))
+    assert result.exit_code == 0, result.output
+    with (outdir / "state.pt").open("rb") as fh:
+        _assert_state_equal(torch.load(fh, weights_only=True), repo.states["f1"])
+    assert sorted(p.name for p in outdir.iterdir()) == ["state.pt"]
+
+
+def test_restore_refuses_to_overwrite_without_force(repo: _Repo, tmp_path: Path) -> None:
+    out = tmp_path / "existing.pt"
+    out.write_bytes(b"keep me")
+    result = _run(repo, "restore", "main", "--out", str(out))
+    _assert_one_line_error(result, 2, str(out), "--force")
+    assert out.read_bytes() == b"keep me"
+
+    result = _run(repo, "restore", "main", "--out", str(out), "--force")
+    assert result.exit_code == 0, result.output
+    with out.open("rb") as fh:
+        _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v3"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.pt", "store", "tiercache.toml"]
+
+
+def test_branch_rollback_tag(repo: _Repo) -> None:
+    result = _run(repo, "branch", "ft-lr3e-5", "--from", "main@100")
+    assert (result.exit_code, result.stdout) == (0, f"branch ft-lr3e-5 -> {repo.v1} (main@100)\n")
+    result = _run(repo, "rollback", "main", "main~1")
+    assert (result.exit_code, result.stdout) == (0, f"rollback main -> {repo.v2} (main@200)\n")
+    result = _run(repo, "tag", "first", repo.v1[:12])
+    assert (result.exit_code, result.stdout) == (0, f"tag first -> {repo.v1} (main@100)\n")
+    assert _refs(repo) == {
+        "branch/main": repo.v2,
+        "branch/ft": repo.f1,
+        "branch/ft-lr3e-5": repo.v1,
+        "tag/best": repo.v2,
+        "tag/first": repo.v1,
+    }
+
+
+def test_promote_and_evict(repo: _Repo) -> None:
+    # Each CLI run opens its own cache, so its RAM arena starts empty like this fresh one.
+    with tiercache.open(repo.config) as cache:
+        copied = cache.promote("main", to="ram")
+    assert copied > 0
+    result = _run(repo, "promote", "main", "--to", "ram")
+    assert (result.exit_code, result.stdout) == (
+        0, f"promoted {repo.v3} (main@300) to ram: {human_bytes(copied)} copied\n"
+    )
+    _assert_one_line_error(_run(repo, "promote", "main", "--to", "nvme"), 2, "nvme")
+    # The disk tier holds the only durable copy: refused at runtime, and the version survives.
+    _assert_one_line_error(_run(repo, "evict", "main", "--from", "disk"), 1, "last durable copy")
+    assert json.loads(_run(repo, "ls", "--json").stdout)[2]["tiers"] == ["disk"]
+
+
+def test_unknown_ref_is_bad_input(repo: _Repo, tmp_path: Path) -> None:
+    for args in (["restore", "nope", "--out", str(tmp_path / "x.pt")], ["log", "nope"], ["tag", "t", "nope"]):
+        _assert_one_line_error(_run(repo, *args), 2, "nope")
+    assert not (tmp_path / "x.pt").exists()
+    assert "tag/t" not in _refs(repo)
+
+
+def test_invalid_name_is_bad_input(repo: _Repo) -> None:
+    _assert_one_line_error(_run(repo, "branch", "a/b", "--from", "main"), 2, "a/b")
+    _assert_one_line_error(_run(repo, "tag", "../x", "main"), 2, "../x")
+    assert set(_refs(repo)) == {"branch/main", "branch/ft", "tag/best"}
+
+
+def test_config_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERCACHE_CONFIG", raising=False)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[disk]\npath = "{tmp_path}"\nio_threads = 0\n')
+    runner = CliRunner()
+    _assert_one_line_error(runner.invoke(app, ["--config", str(bad), "ls"]), 2, "disk.io_threads")
+    missing = tmp_path / "missing.toml"
+    _assert_one_line_error(runner.invoke(app, ["--config", str(missing), "ls"]), 2, str(missing))
+    # Without --config, TIERCACHE_CONFIG names the file.
+    result = runner.invoke(app, ["ls"], env={"TIERCACHE_CONFIG": str(bad)})
+    _assert_one_line_error(result, 2, "disk.io_threads")
+
+
+def test_config_from_working_directory(repo: _Repo, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(repo.config.parent)
+    result = CliRunner().invoke(app, ["ls", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [row["id"] for row in json.loads(result.stdout)] == [repo.v1, repo.v2, repo.v3, repo.f1]
+
+
+def test_debug_reraises(repo: _Repo) -> None:
+    result = _run(repo, "--debug", "log", "nope")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, tiercache.errors.VersionNotFoundError)
+
+
+def test_usage_error_exits_2(repo: _Repo) -> None:
+    assert _run(repo, "restore", "main").exit_code == 2
+
+
+def test_python_m_end_to_end(repo: _Repo, tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(tiercache.__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "tiercache", "--config", str(repo.config)]
+    ok = subprocess.run([*cmd, "log", "--graph"], capture_output=True, text=True, env=env, check=False)
+    assert (ok.returncode, ok.stdout.splitlines()[0]) == (0, f"* {repo.f1[:10]} ft@210 (ft)")
+    bad = subprocess.run([*cmd, "restore", "nope", "--out", str(tmp_path / "o.pt")],
+                         capture_output=True, text=True, env=env, check=False)
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

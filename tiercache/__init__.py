@@ -1,0 +1,82 @@
+"""tiercache: a tiered checkpoint cache for PyTorch training.
+
+``save()`` snapshots a state dict into a RAM arena in the time of a memcpy and returns; the
+checkpoint then moves to local disk and S3 in the background. Versions are content-addressed,
+have parents, live on branches and can be tagged; ``restore()`` reads each chunk from the fastest
+tier that holds a good copy.
+
+Example:
+    >>> import tiercache
+    >>> cache = tiercache.open({"disk": {"path": "/tmp/ckpt"}})
+    >>> h = cache.save({"w": torch.ones(3)}, step=1)
+    >>> h.wait("local")
+    >>> cache.restore("main")["w"]
+"""
+
+from tiercache.cache import TierCache, open
+from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
+from tiercache.engine import SaveHandle
+from tiercache.errors import (
+    AccessDeniedError,
+    AmbiguousRefError,
+    BucketNotFoundError,
+    CacheClosedError,
+    ConfigError,
+    ConflictError,
+    DeadlineExceededError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidNameError,
+    LastCopyError,
+    SkippedError,
+    StateMismatchError,
+    StorageError,
+    TierCacheError,
+    TierFullError,
+    TierUnavailableError,
+    UnsupportedStateError,
+    VersionNotFoundError,
+)
+from tiercache.manifest import VersionInfo
+from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDeniedError",
+    "AmbiguousRefError",
+    "BucketNotFoundError",
+    "CacheClosedError",
+    "CacheConfig",
+    "ConfigError",
+    "ConflictError",
+    "DeadlineExceededError",
+    "DiskConfig",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "InvalidNameError",
+    "LastCopyError",
+    "Placement",
+    "Policy",
+    "PolicyConfig",
+    "PolicyContext",
+    "RamConfig",
+    "S3Config",
+    "SaveHandle",
+    "SkippedError",
+    "StateMismatchError",
+    "StorageError",
+    "TierCache",
+    "TierCacheError",
+    "TierFullError",
+    "TierPlan",
+    "TierStats",
+    "TierUnavailableError",
+    "UnsupportedStateError",
+    "VersionInfo",
+    "VersionNotFoundError",
+    "VersionView",
+    "__version__",
+    "load_config",
+    "open",
+]

@@ -1,0 +1,439 @@
+"""TierCache: the facade trainers and the CLI call.
+
+It wires the configured tiers, the catalog (versions and refs), the save engine, the policy, the
+throughput meter and the reader together, and implements the user-facing verbs: save, restore,
+versions, refs, branch, rollback, tag, promote, evict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from tiercache.catalog import Catalog
+from tiercache.config import CacheConfig, load_config
+from tiercache.engine import Engine, SaveHandle
+from tiercache.errors import (
+    CacheClosedError,
+    ConfigError,
+    ConflictError,
+    InvalidArgumentError,
+    LastCopyError,
+    StateMismatchError,
+    VersionNotFoundError,
+)
+from tiercache.format import dtype_from_name, flatten, unflatten
+from tiercache.manifest import RefRecord, Version, VersionInfo
+from tiercache.names import check_name, chunk_key, version_key
+from tiercache.policy.builtin import load_policy
+from tiercache.policy.meter import ThroughputMeter
+from tiercache.restore import Progress, Reader
+from tiercache.tiers.base import Tier
+
+log = logging.getLogger("tiercache.cache")
+
+ConfigLike = CacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def open(config: ConfigLike = None) -> TierCache:  # noqa: A001 - mirrors builtins.open on purpose
+    """Open a cache.
+
+    Args:
+        config: A dict with the tables ``ram``, ``disk``, ``s3``, ``policy`` (any subset of the
+            tiers), a path to a TOML file with the same tables, a :class:`CacheConfig`, or
+            ``None`` to use the file named by ``TIERCACHE_CONFIG`` (or ``./tiercache.toml``).
+
+    Returns:
+        The open cache; use it as a context manager or call :meth:`TierCache.close`.
+
+    Raises:
+        ConfigError: If the config is invalid (the message names the field).
+        BucketNotFoundError, TierUnavailableError, AccessDeniedError: If the S3 tier cannot be used.
+    """
+    return TierCache(load_config(config))
+
+
+def _make_tiers(cfg: CacheConfig) -> dict[str, Tier]:
+    tiers: dict[str, Tier] = {}
+    if cfg.disk is not None:
+        from tiercache.tiers.disk import DiskTier
+
+        tiers["disk"] = DiskTier(cfg.disk)
+    if cfg.s3 is not None:
+        try:
+            from tiercache.tiers.s3 import S3Tier
+        except ImportError as e:
+            raise ConfigError(f"the s3 tier needs boto3 ({e}): pip install 'tiercache[s3]'") from None
+        tiers["s3"] = S3Tier(cfg.s3)
+    if not tiers and cfg.ram is None:
+        raise ConfigError("no tier configured: add a [disk] path, an [s3] url, or a [ram] table")
+    return tiers
+
+
+class TierCache:
+    """A tiered checkpoint cache (RAM arena -> disk -> S3) with versions, branches and tags.
+
+    Create it with :func:`tiercache.open`. All methods are thread-safe; ``save`` is meant to be
+    called from the training loop and returns as soon as the state is copied into RAM.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.policy = load_policy(config.policy)
+        self.meter = ThroughputMeter()
+        self._tiers = _make_tiers(config)
+        ram = config.ram
+        self.catalog = Catalog(self._tiers)
+        self.engine = Engine(
+            config,
+            self._tiers,
+            arena_capacity=None if ram is None or ram.capacity == "auto" else int(ram.capacity),
+            pin_memory=ram.pin_memory if ram else True,
+            serve_reads=ram.serve_reads if ram else False,
+            catalog=self.catalog,
+            policy=self.policy,
+            meter=self.meter,
+        )
+        if ram is not None or not self.engine.tiers:
+            self.engine.ensure_arena()
+        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads * 2)
+        self._save_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Configured tiers, fastest first (``ram`` when a RAM tier is configured)."""
+        names = ["ram"] if self.config.ram is not None else []
+        return names + [n for n in ("disk", "s3") if n in self._tiers]
+
+    def _holds(self, tier: str, chunk_id: str) -> bool:
+        return chunk_id in self.catalog.chunks_on(tier)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one")
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
+        """Snapshot ``state`` into RAM and write it to the durable tiers in the background.
+
+        Training may change the tensors as soon as this returns: the version holds their values
+        at the call.
+
+        Args:
+            state: A state dict (nested dicts/lists/tuples of tensors and plain values).
+            step: The training step (used by ``NAME@STEP`` refs).
+            branch: Branch to save on; its head becomes the new version's parent.
+            meta: JSON-able metadata (loss, metrics...).
+
+        Returns:
+            A :class:`SaveHandle` with the version id and one future per durability level.
+
+        Raises:
+            UnsupportedStateError: If a leaf cannot be stored (the message names its key).
+            TierCacheError: An earlier background write's error that was not yet reported.
+        """
+        self._check_open()
+        check_name(branch, "branch")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise InvalidArgumentError(f"step must be an int, got {step!r}")
+        meta = _json_meta(meta)
+        with self._save_lock:
+            cur = self.catalog.ref("branch", branch)
+            parent = cur.version if cur else None
+            seq = cur.seq + 1 if cur else 0
+            handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq)
+            if handle.future("staged").exception() is None:
+                self.catalog.set_ref(RefRecord(kind="branch", name=branch, version=handle.version, seq=seq))
+        return handle
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(
+        self,
+        ref: str = "main",
+        *,
+        into: Any = None,
+        map_location: str | torch.device = "cpu",
+        progress: Progress | None = None,
+    ) -> Any:
+        """Return the state saved as ``ref``, bit-exact.
+
+        Args:
+            ref: A branch, a tag, a version id or unique prefix, ``NAME~N`` or ``NAME@STEP``.
+            into: A state (or part of one) whose tensors receive the saved bytes in place,
+                matched by key path; tensors it lacks are allocated.
+            map_location: Device for the tensors that are allocated.
+            progress: Called with the number of bytes of each chunk read.
+
+        Raises:
+            VersionNotFoundError: If the ref resolves to nothing.
+            IntegrityError: If a chunk has no good copy on any tier.
+            StateMismatchError: If a tensor in ``into`` has another dtype or shape.
+        """
+        self._check_open()
+        version = self.manifest(ref)
+        targets = _into_map(into)
+        dests: list[torch.Tensor] = []
+        finals: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for entry in version.tensors:
+            dtype = dtype_from_name(entry.dtype)
+            target = targets.get(entry.path)
+            if target is not None:
+                if target.dtype != dtype or tuple(target.shape) != tuple(entry.shape):
+                    raise StateMismatchError(
+                        f"restore into: {entry.path!r} is {target.dtype}{list(target.shape)} but the saved "
+                        f"tensor is {dtype}{list(entry.shape)}"
+                    )
+                if target.device.type == "cpu" and target.is_contiguous():
+                    dests.append(target)
+                    continue
+                tmp = torch.empty(entry.shape, dtype=dtype)
+                dests.append(tmp)
+                finals.append((target, tmp))
+                continue
+            dests.append(torch.empty(entry.shape, dtype=dtype))
+        self.reader.read_version(version, dests, progress)
+        for target, tmp in finals:
+            with torch.no_grad():
+                target.copy_(tmp)
+        tensors = []
+        for entry, d in zip(version.tensors, dests, strict=True):
+            target = targets.get(entry.path)
+            if target is not None:
+                tensors.append(target)
+            elif torch.device(map_location).type != "cpu":
+                tensors.append(d.to(map_location))
+            else:
+                tensors.append(d)
+        return unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
+
+    def manifest(self, ref: str) -> Version:
+        """Return the manifest of the version ``ref`` resolves to."""
+        vid = self.resolve(ref)
+        return self.catalog.get(vid)
+
+    # ------------------------------------------------------------------ versions and refs
+
+    def resolve(self, ref: str) -> str:
+        """Resolve a ref string (``main``, ``best``, ``01J..``, ``main~2``, ``main@1000``) to a version id."""
+        self._check_open()
+        self.engine.wait_published()
+        return self.catalog.resolve(ref)
+
+    def versions(self, branch: str | None = None) -> list[VersionInfo]:
+        """Every known version (durable, or staged by this process), oldest first."""
+        self._check_open()
+        self.engine.wait_published()
+        if branch is not None:
+            check_name(branch, "branch")
+        out = []
+        for v in self.catalog.all():
+            if branch is not None and v.branch != branch:
+                continue
+            out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
+                                   self.catalog.residency(v)))
+        return out
+
+    def refs(self) -> dict[str, str]:
+        """Every ref: ``{"branch/main": version_id, "tag/best": version_id, ...}``."""
+        self._check_open()
+        return {k: r.version for k, r in self.catalog.refs().items()}
+
+    def _write_ref_everywhere(self, rec: RefRecord) -> None:
+        self.engine.wait_job(rec.version)
+        for name in self.engine.tiers:
+            if self.catalog.manifest_on(name, rec.version):
+                self.catalog.write_ref(name, rec, only_if_newer=False)
+        self.catalog.set_ref(rec)
+
+    def branch(self, name: str, from_ref: str) -> str:
+        """Create branch ``name`` at the version ``from_ref`` resolves to; the next save on it has that parent.
+
+        Raises:
+            ConflictError: If the branch exists (use :meth:`rollback` to move it).
+        """
+        check_name(name, "branch")
+        vid = self.resolve(from_ref)
+        if self.catalog.ref("branch", name) is not None:
+            raise ConflictError(f"branch {name!r} already exists: use rollback to move it")
+        self._write_ref_everywhere(RefRecord(kind="branch", name=name, version=vid, seq=0))
+        return vid
+
+    def rollback(self, branch: str, ref: str) -> str:
+        """Move the head of ``branch`` to the version ``ref`` resolves to; history is kept.
+
+        Raises:
+            VersionNotFoundError: If the branch does not exist.
+        """
+        check_name(branch, "branch")
+        vid = self.resolve(ref)
+        cur = self.catalog.ref("branch", branch)
+        if cur is None:
+            raise VersionNotFoundError(f"branch {branch!r} does not exist: create it with branch()")
+        self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1))
+        return vid
+
+    def tag(self, name: str, ref: str) -> str:
+        """Tag the version ``ref`` resolves to as ``name``; a tag never moves.
+
+        Raises:
+            ConflictError: If the tag exists and points at another version.
+        """
+        check_name(name, "tag")
+        vid = self.resolve(ref)
+        cur = self.catalog.ref("tag", name)
+        if cur is not None:
+            if cur.version == vid:
+                return vid
+            raise ConflictError(f"tag {name!r} already points at {cur.version}: tags never move")
+        self._write_ref_everywhere(RefRecord(kind="tag", name=name, version=vid, seq=0))
+        return vid
+
+    # ------------------------------------------------------------------ tier moves
+
+    def promote(self, ref: str, to: str = "disk", progress: Progress | None = None) -> int:
+        """Copy a version's chunks into tier ``to`` ahead of a restore (e.g. S3 -> local NVMe).
+
+        Returns:
+            Bytes copied.
+        """
+        self._check_open()
+        version = self.manifest(ref)
+        if to == "ram":
+            target = self.engine.ensure_arena(sum(c.nbytes for c in version.chunks))
+        elif to in self._tiers:
+            target = self._tiers[to]
+        else:
+            raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
+        copied = 0
+        have = self.catalog.chunks_on(to)
+        for c in version.chunks:
+            if c.id in have:
+                if progress:
+                    progress(c.nbytes)
+                continue
+            data, _src = self.reader.read_object(c.id, c.nbytes, version.hash_algo)
+            target.put(chunk_key(c.id), data)
+            self.catalog.note_chunks(to, [c.id])
+            if to == "ram":
+                self.engine.cache_in_ram(chunk_key(c.id))
+            copied += len(data)
+            if progress:
+                progress(c.nbytes)
+        target.put(version_key(version.id), version.to_json())
+        self.catalog.mark_on(to, version.id)
+        return copied
+
+    def evict(self, ref: str, tier: str) -> int:
+        """Drop tier ``tier``'s copy of a version's chunks (those no other version there needs).
+
+        Returns:
+            Bytes freed.
+
+        Raises:
+            LastCopyError: If a chunk would be left with no durable copy.
+        """
+        self._check_open()
+        version = self.manifest(ref)
+        if tier not in self.tier_names and tier != "ram":
+            raise ConfigError(f"unknown tier {tier!r}: this cache has {', '.join(self.tier_names)}")
+        ids = {c.id for c in version.chunks}
+        # Chunks shared with other versions resident on this tier stay.
+        for other in self.catalog.all():
+            if other.id != version.id and tier in self.catalog.residency(other):
+                ids -= {c.id for c in other.chunks}
+        ids &= self.catalog.chunks_on(tier)
+        if tier == "ram":
+            return self.engine.evict_ram([chunk_key(i) for i in ids])
+        self.engine.wait_job(version.id)
+        others = [n for n in self.engine.tiers if n != tier]
+        lonely = [i for i in ids if not any(i in self.catalog.chunks_on(n) for n in others)]
+        if lonely:
+            raise LastCopyError(
+                f"evicting {version.id} from {tier} would drop the last durable copy of {len(lonely)} chunk(s): "
+                f"promote it to another tier first"
+            )
+        t = self._tiers[tier]
+        freed = 0
+        for i in ids:
+            freed += t.size(chunk_key(i)) or 0
+            t.delete(chunk_key(i))
+        self.catalog.note_chunks(tier, ids, present=False)
+        return freed
+
+    # ------------------------------------------------------------------ stats and lifetime
+
+    def stats(self) -> dict[str, Any]:
+        """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able)."""
+        snap = self.meter.snapshot()
+        tiers = {}
+        for name in self.tier_names:
+            t = self._tiers.get(name)
+            if t is None:
+                continue
+            tiers[name] = {"capacity": t.capacity, "used_bytes": t.used_bytes()}
+        return {"meter": snap, "tiers": tiers}
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every pending save has finished on every tier."""
+        self.engine.flush(timeout)
+
+    def close(self) -> None:
+        """Wait for pending writes, release the arena and connections.
+
+        Raises:
+            TierCacheError: The first background write error not yet reported by ``save``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            for t in self._tiers.values():
+                t.close()
+
+    def __enter__(self) -> TierCache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the exception already in flight matters more
+            log.error("error while closing the cache after another error: %s", e)
+
+    def __repr__(self) -> str:
+        return f"TierCache(tiers={self.tier_names}, policy={self.config.policy.name!r})"
+
+
+def _json_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = dict(meta or {})
+    try:
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"meta must be JSON-able (plain numbers, strings, lists, dicts): {e}") from None
+    return out
+
+
+def _into_map(into: Any) -> dict[str, torch.Tensor]:
+    if into is None:
+        return {}
+    flat = flatten(into, allow_pickle=True)
+    return {m.path: t for m, t in zip(flat.metas, flat.tensors, strict=True)}
+

@@ -1,0 +1,644 @@
+"""The background save pipeline: staging, hashing, per-tier writers, futures and backpressure.
+
+``stage()`` runs on the training thread and is the only part training waits for: it copies every
+tensor into page-aligned regions of the RAM arena (one copy per tensor or per chunk) and returns
+a :class:`SaveHandle`. Everything else runs on engine threads:
+
+1. a hasher names each staged chunk by the hash of its bytes, writes its header in place and
+   hands the regions to the RAM tier (a chunk already there is deduplicated on the spot);
+2. one writer thread per durable tier takes versions in save order, asks the policy whether and
+   how to write it there, writes the missing chunks in parallel, then the manifest, then moves
+   the ref with compare-and-swap, and completes that tier's durability future.
+
+A version keeps its arena regions pinned until every tier it was placed on has finished (or
+failed); regions then stay as a read cache if the RAM tier serves reads, and are evicted oldest
+first when a new save needs room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from tiercache import codecs
+from tiercache.catalog import Catalog
+from tiercache.config import CacheConfig
+from tiercache.errors import CacheClosedError, ConfigError, InvalidArgumentError, SkippedError, TierCacheError, TierFullError
+from tiercache.format import Flat, dtype_name, flatten
+from tiercache.layout import Layout, plan_layout
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
+from tiercache.names import chunk_key, version_key
+from tiercache.policy.base import Policy, PolicyContext, TierStats, VersionView
+from tiercache.policy.meter import ThroughputMeter
+from tiercache.tiers.base import Tier
+from tiercache.tiers.ram import Arena, RamTier, Region
+
+log = logging.getLogger("tiercache.engine")
+
+Level = Literal["staged", "local", "remote", "durable"]
+LEVELS: tuple[str, ...] = ("staged", "local", "remote", "durable")
+#: The durability level each durable tier provides.
+TIER_LEVEL = {"disk": "local", "s3": "remote"}
+_FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+_FLOAT_NAMES = {"float64", "float32", "float16", "bfloat16"}
+
+
+class SaveHandle:
+    """The result of ``save()``: the version id and one future per durability level.
+
+    Levels: ``staged`` (in the RAM arena; lost with the process), ``local`` (chunks, manifest and
+    ref durable on the disk tier), ``remote`` (durable in S3 with the ref committed), and
+    ``durable`` (whichever durable level is reached first). A level the cache has no tier for,
+    or that the policy skipped for this version, fails with a clear error instead of hanging.
+    """
+
+    def __init__(self, version: str, futures: dict[str, Future[str]]) -> None:
+        self.version = version
+        self._futures = futures
+
+    def future(self, level: Level = "durable") -> Future[str]:
+        """The future of one level; its result is the version id."""
+        if level not in self._futures:
+            raise InvalidArgumentError(f"unknown durability level {level!r}: use one of {', '.join(LEVELS)}")
+        return self._futures[level]
+
+    def wait(self, level: Level = "durable", timeout: float | None = None) -> str:
+        """Block until ``level`` is reached; re-raise the error of the write if it failed.
+
+        Returns:
+            The version id.
+        """
+        return self.future(level).result(timeout)
+
+    def done(self, level: Level = "durable") -> bool:
+        """Whether ``level`` has been reached (``False`` while pending or if it failed)."""
+        f = self.future(level)
+        return f.done() and not f.cancelled() and f.exception() is None
+
+    def __repr__(self) -> str:
+        states = {k: ("ok" if self.done(k) else "failed" if f.done() else "pending") for k, f in self._futures.items()}
+        return f"SaveHandle({self.version}, {states})"
+
+
+@dataclass
+class _Job:
+    """One version on its way through the pipeline."""
+
+    version_id: str
+    branch: str
+    step: int
+    seq: int
+    parent: str | None
+    meta: dict
+    created_at: float
+    flat: Flat
+    layout: Layout
+    regions: list[Region]
+    futures: dict[str, Future[str]]
+    manifest: Version | None = None
+    chunk_keys: list[str] = field(default_factory=list)
+    pending: set[str] = field(default_factory=set)
+    nbytes: int = 0
+
+    def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
+        float_bytes = sum(m.nbytes for m in self.flat.metas if m.dtype in _FLOAT_NAMES)
+        return VersionView(
+            id=self.version_id, branch=self.branch, step=self.step, nbytes=self.nbytes,
+            created_at=self.created_at, tiers=tiers, pending=frozenset(self.pending),
+            meta=self.meta, float_fraction=float_bytes / self.nbytes if self.nbytes else 0.0,
+        )
+
+
+class Engine:
+    """Runs the save pipeline for one cache.
+
+    Args:
+        config: The cache config.
+        tiers: Every tier by name, fastest first; the engine adds ``"ram"`` to this dict when it
+            creates the arena.
+        arena_capacity: Arena bytes, or ``None`` to size it at the first save (two versions).
+        pin_memory: Pin the arena when CUDA is available.
+        serve_reads: Whether staged chunks stay in RAM as a read cache once durable.
+        catalog: The catalog (versions, refs, residency).
+        policy: The policy consulted for placement and a full arena.
+        meter: Where every transfer's bytes and seconds are recorded.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tiers: dict[str, Tier],
+        *,
+        arena_capacity: int | None,
+        pin_memory: bool,
+        serve_reads: bool,
+        catalog: Catalog,
+        policy: Policy,
+        meter: ThroughputMeter,
+    ) -> None:
+        self.config = config
+        self.all_tiers = tiers
+        self.tiers = {n: t for n, t in tiers.items() if t.durable}
+        self._arena_capacity = arena_capacity
+        self._pin = pin_memory
+        self.arena: Arena | None = None
+        self.ram: RamTier | None = None
+        self.serve_reads = serve_reads
+        self.catalog = catalog
+        self.policy = policy
+        self.meter = meter
+        self._lock = threading.RLock()
+        self._layouts: dict[object, Layout] = {}
+        self._pins: dict[str, int] = {}
+        self._ram_lru: OrderedDict[str, None] = OrderedDict()
+        self._jobs: dict[str, _Job] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._arena_cv = threading.Condition()
+        self._last_remote: float | None = None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercache-hash")
+        self._queues: dict[str, queue.Queue[_Job | None]] = {}
+        self._writers: dict[str, threading.Thread] = {}
+        self._io: dict[str, ThreadPoolExecutor] = {}
+        for name in self.tiers:
+            self._queues[name] = queue.Queue()
+            threads = config.disk.io_threads if name == "disk" and config.disk else config.io_threads
+            self._io[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"tiercache-{name}")
+            t = threading.Thread(target=self._writer, args=(name,), name=f"tiercache-writer-{name}", daemon=True)
+            self._writers[name] = t
+            t.start()
+
+    # ------------------------------------------------------------------ training thread
+
+    def stage(
+        self, state: object, *, step: int, branch: str, meta: dict, parent: str | None, seq: int
+    ) -> SaveHandle:
+        """Copy ``state`` into the arena and start writing it; return the handle.
+
+        Raises:
+            CacheClosedError: If the cache is closed.
+            TierCacheError: The error of an earlier background write that nobody has seen yet.
+            UnsupportedStateError: If a leaf of ``state`` cannot be stored.
+            TierFullError: If the version can never fit in the RAM arena.
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one to save")
+        self.raise_background_error()
+        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        layout = self._layout(flat)
+        vid = new_version_id()
+        futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        job = _Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
+                   nbytes=sum(m.nbytes for m in flat.metas))
+        regions = self._reserve(layout, job)
+        if regions is None:
+            err = SkippedError(f"version at step {step} skipped: the RAM arena is full and the policy said skip")
+            for f in futures.values():
+                f.set_exception(err)
+            return SaveHandle(vid, futures)
+        job.regions = regions
+        try:
+            self._copy_in(flat, layout, regions)
+        except BaseException:
+            for r in regions:
+                self.arena.free(r)
+            raise
+        futures["staged"].set_result(vid)
+        for lvl, tier in (("local", "disk"), ("remote", "s3")):
+            if tier not in self.tiers:
+                futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
+        if not self.tiers:
+            futures["durable"].set_exception(ConfigError("no durable tier configured (only RAM)"))
+        with self._lock:
+            self._jobs[vid] = job
+        self._hasher.submit(self._after_stage, job)
+        return SaveHandle(vid, futures)
+
+    def _layout(self, flat: Flat) -> Layout:
+        layout = self._layouts.get(flat.structure_key)
+        if layout is None:
+            sizes = [m.nbytes for m in flat.metas]
+            items = [t.element_size() if t.dtype in _FLOAT_DTYPES else 1 for t in flat.tensors]
+            layout = plan_layout(sizes, items, chunk_bytes=self.config.chunk_bytes, pack_below=self.config.pack_below)
+            if len(self._layouts) > 16:
+                self._layouts.clear()
+            self._layouts[flat.structure_key] = layout
+        return layout
+
+    def ensure_arena(self, staged_bytes: int = 0) -> RamTier:
+        """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
+        with self._lock:
+            if self.ram is None:
+                cap = self._arena_capacity
+                if cap is None:
+                    cap = max(2 * staged_bytes, 64 << 20)
+                pin = self._pin and torch.cuda.is_available()
+                self.arena = Arena(cap, pin=pin)
+                self.ram = RamTier(self.arena)
+                self.all_tiers["ram"] = self.ram
+                # Keep "ram" first: it is the fastest tier.
+                for n in [n for n in self.all_tiers if n != "ram"]:
+                    self.all_tiers[n] = self.all_tiers.pop(n)
+            return self.ram
+
+    def _reserve(self, layout: Layout, job: _Job) -> list[Region] | None:
+        self.ensure_arena(layout.staged_bytes)
+        assert self.arena is not None
+        if layout.staged_bytes > self.arena.capacity:
+            raise TierFullError(
+                f"a version needs {layout.staged_bytes} bytes of RAM arena but ram.capacity is "
+                f"{self.arena.capacity}: raise ram.capacity"
+            )
+        while True:
+            got = self._try_alloc(layout)
+            if got is not None:
+                return got
+            if self._evict_ram_cache(layout.staged_bytes):
+                continue
+            decision = self.policy.on_full(layout.staged_bytes, self.context())
+            if decision == "skip":
+                return None
+            if decision == "evict" and self._cancel_oldest_pending():
+                continue
+            # "wait": block until a writer releases regions, then try again.
+            with self._arena_cv:
+                self._arena_cv.wait(0.2)
+            self.raise_background_error()
+
+    def _try_alloc(self, layout: Layout) -> list[Region] | None:
+        got: list[Region] = []
+        for c in layout.chunks:
+            r = self.arena.alloc(c.staged_bytes)
+            if r is None:
+                for g in got:
+                    self.arena.free(g)
+                return None
+            got.append(r)
+        return got
+
+    def _copy_in(self, flat: Flat, layout: Layout, regions: list[Region]) -> None:
+        hdr = codecs.HEADER_BYTES
+        views = [self.arena.tensor(r) for r in regions]
+        cuda = any(t.is_cuda for t in flat.tensors)
+        stream = torch.cuda.Stream() if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            for i, t in enumerate(flat.tensors):
+                pieces = layout.tensor_pieces[i]
+                if not pieces:
+                    continue
+                if len(pieces) == 1:
+                    ci, p = pieces[0]
+                    dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
+                    dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=cuda)
+                    continue
+                src = t if t.is_contiguous() else t.contiguous()
+                flat_bytes = src.reshape(-1).view(torch.uint8)
+                for ci, p in pieces:
+                    dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
+                    dst.copy_(flat_bytes[p.offset : p.offset + p.nbytes], non_blocking=cuda)
+            # Gaps between packed tensors must be zero so a pack's hash depends only on content.
+            for ci, c in enumerate(layout.chunks):
+                if not c.packed:
+                    continue
+                end = 0
+                for p in c.pieces:
+                    if p.chunk_offset > end:
+                        views[ci][hdr + end : hdr + p.chunk_offset].zero_()
+                    end = p.chunk_offset + p.nbytes
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            ev.synchronize()
+
+    # ------------------------------------------------------------------ background
+
+    def _after_stage(self, job: _Job) -> None:
+        try:
+            self._hash_and_publish(job)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the handle
+            self._fail_job(job, e, list(LEVELS[1:]))
+            return
+        targets = self._placement(job)
+        with self._lock:
+            job.pending = set(targets)
+        for name in self.tiers:
+            if name not in targets:
+                lvl = TIER_LEVEL.get(name)
+                if lvl and not job.futures[lvl].done():
+                    job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} not placed on {name}"))
+        if not targets:
+            self._check_durable(job)
+            self._release(job)
+            return
+        for name in targets:
+            self._queues[name].put(job)
+
+    def _hash_and_publish(self, job: _Job) -> None:
+        algo = self.config.hash
+        hdr = codecs.HEADER_BYTES
+        ids: list[str] = []
+        for c, r in zip(job.layout.chunks, job.regions, strict=True):
+            buf = self.arena.buffer(r)
+            t0 = time.perf_counter()
+            cid = codecs.content_id(buf[hdr : hdr + c.nbytes], algo)
+            self.meter.record("hash", "write", c.nbytes, time.perf_counter() - t0)
+            codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, "raw/1", c.itemsize, algo))
+            ids.append(cid)
+        tensors = []
+        for i, m in enumerate(job.flat.metas):
+            pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
+                           for ci, p in job.layout.tensor_pieces[i])
+            tensors.append(TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces))
+        manifest = Version(
+            id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
+            created_at=utcnow(), meta=job.meta, hash_algo=algo,
+            chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
+            tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
+        )
+        keys = [chunk_key(cid) for cid in ids]
+        with self._lock:
+            for key, c, r in zip(keys, job.layout.chunks, job.regions, strict=True):
+                if not self.ram.adopt(key, r, codecs.HEADER_BYTES + c.nbytes):
+                    pass  # already staged by an earlier version: the tier freed our copy (dedup)
+                self._pins[key] = self._pins.get(key, 0) + 1
+                self._ram_lru.pop(key, None)
+            self.ram.put(version_key(job.version_id), manifest.to_json())
+        job.regions = []
+        job.chunk_keys = keys
+        job.manifest = manifest
+        job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
+        self.catalog.add(manifest, "ram")
+        self.catalog.note_chunks("ram", ids)
+        self._notify_arena()
+
+    def _placement(self, job: _Job) -> list[str]:
+        placement = self.policy.place(job.view(frozenset({"ram"})), self.context())
+        return [p.tier for p in placement.plans if not p.skip and p.tier in self.tiers]
+
+    def _writer(self, name: str) -> None:
+        q = self._queues[name]
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                self._write_version(name, job)
+            except BaseException as e:  # noqa: BLE001 - reported on the handle and next save
+                lvl = TIER_LEVEL.get(name)
+                self._fail_job(job, e, [lvl] if lvl else [])
+                self._done_with(job, name)
+
+    def _write_version(self, name: str, job: _Job) -> None:
+        tier = self.tiers[name]
+        assert job.manifest is not None
+        plan = self.policy.place(job.view(frozenset({"ram"})), self.context()).plan_for(name)
+        lvl = TIER_LEVEL.get(name)
+        if plan.skip:
+            if lvl and not job.futures[lvl].done():
+                job.futures[lvl].set_exception(SkippedError(
+                    f"version {job.version_id} skipped for {name}: {plan.reason or 'policy decision'}"))
+            self._done_with(job, name)
+            return
+        have = self.catalog.chunks_on(name)
+        todo = [(k, c) for k, c in zip(job.chunk_keys, job.manifest.chunks, strict=True) if c.id not in have]
+        seen: set[str] = set()
+        uniq = [(k, c) for k, c in todo if not (c.id in seen or seen.add(c.id))]  # type: ignore[func-returns-value]
+        futs = [self._io[name].submit(self._put_chunk, name, tier, k, plan.codec) for k, _ in uniq]
+        for f in futs:
+            f.result()
+        self.catalog.note_chunks(name, [c.id for _, c in uniq])
+        tier.put(version_key(job.version_id), job.manifest.to_json())
+        self.catalog.mark_on(name, job.version_id)
+        rec = RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq)
+        self.catalog.write_ref(name, rec, only_if_newer=True)
+        if name == "s3":
+            self._last_remote = time.time()
+        if lvl:
+            job.futures[lvl].set_result(job.version_id)
+        if not job.futures["durable"].done():
+            job.futures["durable"].set_result(job.version_id)
+        self._done_with(job, name)
+
+    def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> None:
+        view = self.ram.view(key)
+        if view is None:
+            raise TierCacheError(f"chunk {key} vanished from the RAM arena before it was written to {name}")
+        data: memoryview | bytes = view
+        if codec != "raw/1":
+            data = self._encode(view, codec)
+        t0 = time.perf_counter()
+        tier.put(key, data)
+        self.meter.record(name, "write", len(data), time.perf_counter() - t0)
+
+    def _encode(self, view: memoryview, codec: str) -> bytes:
+        hdr = codecs.read_header(view[: codecs.HEADER_BYTES])
+        t0 = time.perf_counter()
+        payload = codecs.encode(codec, view[codecs.HEADER_BYTES :], itemsize=hdr.itemsize)
+        self.meter.record_codec(codec, hdr.raw_len, len(payload), time.perf_counter() - t0)
+        if len(payload) >= hdr.raw_len:
+            return bytes(view)  # incompressible: storing it raw is smaller and faster to read
+        out = bytearray(codecs.HEADER_BYTES + len(payload))
+        codecs.write_header(memoryview(out)[: codecs.HEADER_BYTES], codecs.ChunkHeader(
+            hdr.chunk_id, hdr.raw_len, len(payload), codec, hdr.itemsize, hdr.hash_algo))
+        out[codecs.HEADER_BYTES :] = payload
+        return bytes(out)
+
+    # ------------------------------------------------------------------ completion
+
+    def _fail_job(self, job: _Job, err: BaseException, levels: list[str]) -> None:
+        log.error("saving version %s failed: %s", job.version_id, err)
+        for lvl in levels:
+            if lvl and not job.futures[lvl].done():
+                job.futures[lvl].set_exception(err)
+        with self._lock:
+            if self._error is None and not isinstance(err, SkippedError):
+                self._error = err
+        if job.manifest is None:
+            for r in job.regions:
+                self.arena.free(r)
+            job.regions = []
+            with self._lock:
+                self._jobs.pop(job.version_id, None)
+            self._notify_arena()
+
+    def _done_with(self, job: _Job, name: str) -> None:
+        with self._lock:
+            job.pending.discard(name)
+            finished = not job.pending
+        if finished:
+            self._check_durable(job)
+            self._release(job)
+
+    def _check_durable(self, job: _Job) -> None:
+        f = job.futures["durable"]
+        if f.done():
+            return
+        for lvl in ("local", "remote"):
+            e = job.futures[lvl].exception() if job.futures[lvl].done() else None
+            if e is not None and not isinstance(e, ConfigError):
+                f.set_exception(e)
+                return
+        f.set_exception(SkippedError(f"version {job.version_id} reached no durable tier"))
+
+    def _release(self, job: _Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.version_id, None)
+            for key in job.chunk_keys:
+                n = self._pins.get(key, 0) - 1
+                if n > 0:
+                    self._pins[key] = n
+                    continue
+                self._pins.pop(key, None)
+                if self.serve_reads or not self.tiers:
+                    self._ram_lru[key] = None
+                else:
+                    self.ram.delete(key)
+                    self.catalog.note_chunks("ram", [key.rsplit("/", 1)[-1]], present=False)
+        self._notify_arena()
+
+    def _notify_arena(self) -> None:
+        with self._arena_cv:
+            self._arena_cv.notify_all()
+
+    def _evict_ram_cache(self, needed: int) -> bool:
+        """Drop RAM copies of durable chunks, oldest first, until ``needed`` may fit."""
+        freed = False
+        with self._lock:
+            while self._ram_lru and self.arena.free_bytes < needed:
+                key, _ = self._ram_lru.popitem(last=False)
+                if self._pins.get(key):
+                    continue
+                self.ram.delete(key)
+                self.catalog.note_chunks("ram", [key.rsplit("/", 1)[-1]], present=False)
+                freed = True
+            if not freed and self._ram_lru and self.arena.free_bytes >= needed:
+                # Enough bytes but fragmented: drop one more cached chunk and retry.
+                key, _ = self._ram_lru.popitem(last=False)
+                if not self._pins.get(key):
+                    self.ram.delete(key)
+                    self.catalog.note_chunks("ram", [key.rsplit("/", 1)[-1]], present=False)
+                    freed = True
+        return freed
+
+    def _cancel_oldest_pending(self) -> bool:
+        return False  # a version already handed to writers is never dropped half-way
+
+    def evict_ram(self, keys: list[str]) -> int:
+        """Drop the RAM copies of ``keys`` that no pending version needs; return bytes freed."""
+        freed = 0
+        if self.ram is None:
+            return 0
+        with self._lock:
+            for key in keys:
+                if self._pins.get(key):
+                    continue
+                size = self.ram.size(key)
+                if size is None:
+                    continue
+                self.ram.delete(key)
+                self._ram_lru.pop(key, None)
+                self.catalog.note_chunks("ram", [key.rsplit("/", 1)[-1]], present=False)
+                freed += size
+        self._notify_arena()
+        return freed
+
+    def cache_in_ram(self, key: str) -> None:
+        """Register a chunk copied into the RAM tier (by promote) as evictable cache."""
+        with self._lock:
+            if not self._pins.get(key):
+                self._ram_lru[key] = None
+
+    def wait_published(self) -> None:
+        """Block until every staged version's manifest is in the catalog (hashing is quick)."""
+        if not self._closed:
+            self._hasher.submit(lambda: None).result()
+
+    def pending_jobs(self) -> list[str]:
+        """Ids of versions still being written."""
+        with self._lock:
+            return list(self._jobs)
+
+    def wait_job(self, version_id: str, timeout: float | None = None) -> None:
+        """Block until the pipeline is done with ``version_id`` (whatever the outcome)."""
+        with self._lock:
+            job = self._jobs.get(version_id)
+        if job is None:
+            return
+        for f in job.futures.values():
+            try:
+                f.exception(timeout)
+            except Exception:  # noqa: BLE001, S110 - only waiting, outcomes are on the handle
+                pass
+
+    # ------------------------------------------------------------------ policy view
+
+    def context(self) -> PolicyContext:
+        """A snapshot of what the policy may look at."""
+        with self._lock:
+            pending: dict[str, list[str]] = {n: [] for n in self.tiers}
+            backlog: dict[str, int] = {n: 0 for n in self.tiers}
+            for job in self._jobs.values():
+                for n in job.pending:
+                    pending[n].append(job.version_id)
+                    backlog[n] += job.nbytes
+        arena = self.arena
+        stats = {"ram": TierStats("ram", False, arena.capacity if arena else self._arena_capacity,
+                                  arena.used_bytes if arena else 0,
+                                  self.meter.rate("ram", "read"), self.meter.rate("ram", "write"))}
+        for n, t in self.tiers.items():
+            stats[n] = TierStats(n, True, t.capacity, 0, self.meter.rate(n, "read"), self.meter.rate(n, "write"),
+                                 len(pending[n]), backlog[n])
+        since = time.time() - self._last_remote if self._last_remote is not None else None
+        return PolicyContext(now=time.time(), tiers=stats, pending={k: tuple(v) for k, v in pending.items()},
+                             seconds_since_remote=since)
+
+    # ------------------------------------------------------------------ errors and shutdown
+
+    def raise_background_error(self) -> None:
+        """Raise (once) the first background error nobody has seen through ``save``/``close``."""
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every submitted version has finished on every tier."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                jobs = list(self._jobs.values())
+            if not jobs:
+                return
+            for job in jobs:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.wait_job(job.version_id, left)
+            if deadline is not None and time.monotonic() > deadline:
+                return
+
+    def close(self) -> None:
+        """Finish pending writes, stop the threads; raise an unseen background error."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._writers.values():
+            t.join()
+        for pool in self._io.values():
+            pool.shutdown()
+        self._hasher.shutdown()
+        self.raise_background_error()

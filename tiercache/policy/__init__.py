@@ -1,0 +1,1 @@
+"""Placement policies: the contract, the built-ins, and the throughput meter they read."""

@@ -1,0 +1,259 @@
+"""ThroughputMeter: observed bytes/s per tier and direction, and codec speed and ratio.
+
+The engine feeds it every chunk transfer and every chunk it encodes or decodes; the policy reads
+the smoothed numbers through :class:`~tiercache.policy.base.PolicyContext`.
+
+How the smoothing works. Each series keeps two exponentially decayed sums, bytes ``B`` and
+seconds ``S``; an observation first multiplies both by ``d = 2 ** (-1 / half_life)`` and then adds
+its own bytes and seconds, and the rate is ``B / S``. So:
+
+* the half-life is counted in observations (transfers), not in wall-clock time: a tier that
+  suddenly changes speed moves the estimate halfway to the new speed after ``half_life``
+  transfers (3 by default), three quarters after twice that, whatever the gaps between
+  transfers (the engine writes in bursts, so clock-based decay would forget a tier between two
+  checkpoints and trust the first transfer of the next one alone);
+* within that window each transfer weighs by its duration: ``S / B`` is the byte-weighted mean of
+  seconds per byte, exactly what predicts how long the next N bytes take, and a constant speed
+  reads back as exactly that speed whatever the transfer sizes;
+* after a step change, with equal-sized transfers, the estimate moves monotonically from the old
+  speed to the new one, never overshooting.
+
+Codec ratios are smoothed the same way (decayed raw bytes over decayed encoded bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Direction = Literal["read", "write"]
+
+DEFAULT_HALF_LIFE = 3.0
+"""Observations after which an old speed weighs half as much as it did."""
+
+_DIRECTIONS: tuple[Direction, ...] = ("read", "write")
+
+
+@dataclass(frozen=True)
+class CodecStats:
+    """Observed behaviour of one codec on recent chunks.
+
+    Attributes:
+        encode_bps: Smoothed encode speed in raw bytes per second, or ``None`` if no encode has
+            taken measurable time yet.
+        decode_bps: Smoothed decode speed in raw bytes per second, or ``None`` if no decode time
+            has been recorded yet.
+        ratio: Smoothed compression ratio, raw bytes per encoded byte (2.0 halves the size), or
+            ``None`` while no encoded bytes have been seen.
+        chunks: Chunks recorded since the last reset.
+        raw_bytes: Total raw bytes recorded.
+        encoded_bytes: Total encoded bytes recorded.
+    """
+
+    encode_bps: float | None
+    decode_bps: float | None
+    ratio: float | None
+    chunks: int
+    raw_bytes: int
+    encoded_bytes: int
+
+
+class _Ewma:
+    """A pair of exponentially decayed sums whose quotient is the smoothed value."""
+
+    __slots__ = ("den", "num")
+
+    def __init__(self) -> None:
+        self.num = 0.0
+        self.den = 0.0
+
+    def add(self, num: float, den: float, decay: float) -> None:
+        self.num = self.num * decay + num
+        self.den = self.den * decay + den
+
+    def value(self) -> float | None:
+        return self.num / self.den if self.den > 0 else None
+
+
+class _TransferSeries:
+    """One (tier, direction): the smoothed rate and the plain totals."""
+
+    __slots__ = ("rate", "total_bytes", "total_seconds", "transfers")
+
+    def __init__(self) -> None:
+        self.rate = _Ewma()
+        self.total_bytes = 0
+        self.total_seconds = 0.0
+        self.transfers = 0
+
+
+class _CodecSeries:
+    """One codec: smoothed encode speed, decode speed and ratio, and the plain totals."""
+
+    __slots__ = ("chunks", "decode", "encode", "encoded_bytes", "ratio", "raw_bytes")
+
+    def __init__(self) -> None:
+        self.encode = _Ewma()
+        self.decode = _Ewma()
+        self.ratio = _Ewma()
+        self.chunks = 0
+        self.raw_bytes = 0
+        self.encoded_bytes = 0
+
+    def stats(self) -> CodecStats:
+        return CodecStats(
+            encode_bps=self.encode.value(),
+            decode_bps=self.decode.value(),
+            ratio=self.ratio.value(),
+            chunks=self.chunks,
+            raw_bytes=self.raw_bytes,
+            encoded_bytes=self.encoded_bytes,
+        )
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+class ThroughputMeter:
+    """Thread-safe EWMA of observed throughput per tier and direction, and of codec behaviour.
+
+    Every method may be called from any thread; each takes one short lock.
+
+    Args:
+        half_life: Observations after which an old measurement weighs half (see the module
+            docstring for why it counts observations rather than seconds).
+
+    Raises:
+        ValueError: If ``half_life`` is not a positive finite number.
+    """
+
+    def __init__(self, half_life: float = DEFAULT_HALF_LIFE) -> None:
+        if not (isinstance(half_life, int | float) and math.isfinite(half_life) and half_life > 0):
+            raise ValueError(f"half_life must be a positive number of observations, got {half_life!r}")
+        self._half_life = float(half_life)
+        self._decay = 2.0 ** (-1.0 / self._half_life)
+        self._lock = threading.Lock()
+        self._transfers: dict[tuple[str, Direction], _TransferSeries] = {}
+        self._codecs: dict[str, _CodecSeries] = {}
+
+    @property
+    def half_life(self) -> float:
+        """Observations after which an old measurement weighs half."""
+        return self._half_life
+
+    def record(self, tier: str, direction: Direction, nbytes: int, seconds: float) -> None:
+        """Record one transfer of ``nbytes`` to or from ``tier`` that took ``seconds``.
+
+        A transfer of zero measured seconds counts in the totals but cannot give a rate on its
+        own; :meth:`rate` stays ``None`` until some transfer took measurable time.
+
+        Args:
+            tier: Tier name.
+            direction: ``"read"`` or ``"write"``.
+            nbytes: Bytes moved.
+            seconds: Wall-clock duration of the transfer.
+
+        Raises:
+            ValueError: If ``direction`` is unknown or a count or duration is negative or not finite.
+        """
+        if direction not in _DIRECTIONS:
+            raise ValueError(f"direction must be 'read' or 'write', got {direction!r}")
+        _check_count("nbytes", nbytes)
+        _check_seconds("seconds", seconds)
+        with self._lock:
+            series = self._transfers.get((tier, direction))
+            if series is None:
+                series = self._transfers[(tier, direction)] = _TransferSeries()
+            series.rate.add(nbytes, seconds, self._decay)
+            series.total_bytes += nbytes
+            series.total_seconds += seconds
+            series.transfers += 1
+
+    def record_codec(
+        self,
+        codec: str,
+        raw_bytes: int,
+        encoded_bytes: int,
+        encode_seconds: float,
+        decode_seconds: float | None = None,
+    ) -> None:
+        """Record one chunk passed through ``codec``.
+
+        Args:
+            codec: Codec descriptor (``"zstd/1"``...).
+            raw_bytes: The chunk's raw length.
+            encoded_bytes: Its encoded length.
+            encode_seconds: Time spent encoding it.
+            decode_seconds: Time spent decoding it, when measured (e.g. a restore, or a trial
+                decode); leaves the decode speed untouched when ``None``.
+
+        Raises:
+            ValueError: If a count or duration is negative or not finite.
+        """
+        _check_count("raw_bytes", raw_bytes)
+        _check_count("encoded_bytes", encoded_bytes)
+        _check_seconds("encode_seconds", encode_seconds)
+        if decode_seconds is not None:
+            _check_seconds("decode_seconds", decode_seconds)
+        with self._lock:
+            series = self._codecs.get(codec)
+            if series is None:
+                series = self._codecs[codec] = _CodecSeries()
+            series.encode.add(raw_bytes, encode_seconds, self._decay)
+            series.ratio.add(raw_bytes, encoded_bytes, self._decay)
+            if decode_seconds is not None:
+                series.decode.add(raw_bytes, decode_seconds, self._decay)
+            series.chunks += 1
+            series.raw_bytes += raw_bytes
+            series.encoded_bytes += encoded_bytes
+
+    def rate(self, tier: str, direction: Direction) -> float | None:
+        """Return the smoothed bytes/s of ``tier`` in ``direction``, or ``None`` until observed."""
+        with self._lock:
+            series = self._transfers.get((tier, direction))
+            return None if series is None else series.rate.value()
+
+    def codec_stats(self, codec: str) -> CodecStats | None:
+        """Return what was observed for ``codec``, or ``None`` if it was never recorded."""
+        with self._lock:
+            series = self._codecs.get(codec)
+            return None if series is None else series.stats()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return everything observed as plain JSON-able data.
+
+        Returns:
+            ``{"half_life": h, "tiers": {tier: {direction: {"bps", "total_bytes",
+            "total_seconds", "transfers"}}}, "codecs": {codec: {"encode_bps", "decode_bps",
+            "ratio", "chunks", "raw_bytes", "encoded_bytes"}}}``, sorted by name; speeds and
+            ratios are ``None`` where nothing measurable was seen.
+        """
+        with self._lock:
+            tiers: dict[str, dict[str, dict[str, Any]]] = {}
+            for (tier, direction), series in sorted(self._transfers.items()):
+                tiers.setdefault(tier, {})[direction] = {
+                    "bps": series.rate.value(),
+                    "total_bytes": series.total_bytes,
+                    "total_seconds": series.total_seconds,
+                    "transfers": series.transfers,
+                }
+            codecs = {name: asdict(series.stats()) for name, series in sorted(self._codecs.items())}
+        return {"half_life": self._half_life, "tiers": tiers, "codecs": codecs}
+
+    def reset(self) -> None:
+        """Forget every observation."""
+        with self._lock:
+            self._transfers.clear()
+            self._codecs.clear()
+
+
+__all__ = ["DEFAULT_HALF_LIFE", "CodecStats", "Direction", "ThroughputMeter"]

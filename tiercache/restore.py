@@ -1,0 +1,222 @@
+"""The read path: every chunk from the fastest tier that holds a good copy, verified.
+
+For each chunk the reader tries the tiers that hold it, best observed read throughput first
+(RAM, then disk, then S3 before anything is measured). Every copy is checked against its content
+id; a missing or damaged copy is logged and the next tier is tried, and only when no tier has a
+good copy does the restore fail, naming the chunk. Chunks are read in parallel, and a raw chunk
+that holds one tensor's bytes is read from disk straight into the destination tensor (O_DIRECT
+where the memory is aligned) and verified in place, so restoring costs no second copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tiercache import codecs
+from tiercache.errors import IntegrityError, TierCacheError
+from tiercache.manifest import Version
+from tiercache.names import chunk_key
+from tiercache.policy.meter import ThroughputMeter
+from tiercache.tiers.base import Tier
+
+log = logging.getLogger("tiercache.restore")
+
+Progress = Callable[[int], None]
+_DEFAULT_ORDER = {"ram": 0, "disk": 1, "s3": 2}
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (no copy).
+
+    The caller keeps ``t`` alive while the view is used.
+    """
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def as_uint8(buf: memoryview) -> torch.Tensor:
+    """A 1-D uint8 tensor over ``buf`` (read-only buffers included; no copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
+        return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+
+
+class Reader:
+    """Reads versions' chunks from a set of tiers.
+
+    Args:
+        tiers: Callable returning the tiers to read from by name (the RAM tier appears once the
+            arena exists).
+        holds: ``holds(tier, chunk_id)`` says whether a tier is believed to hold a chunk.
+        meter: Read throughput per tier is recorded here and used to order the tiers.
+        threads: Chunks read in parallel.
+    """
+
+    def __init__(
+        self,
+        tiers: Callable[[], dict[str, Tier]],
+        holds: Callable[[str, str], bool],
+        meter: ThroughputMeter,
+        threads: int,
+    ) -> None:
+        self._tiers = tiers
+        self._holds = holds
+        self._meter = meter
+        self._threads = threads
+
+    def order(self, chunk_id: str) -> list[str]:
+        """Tiers believed to hold ``chunk_id``, best observed read speed first."""
+        names = [n for n in self._tiers() if self._holds(n, chunk_id)]
+        rates = {n: self._meter.rate(n, "read") for n in names}
+        if names and all(r is not None for r in rates.values()):
+            return sorted(names, key=lambda n: -(rates[n] or 0.0))
+        # Until every candidate has been measured, keep the default RAM > disk > S3 order.
+        return sorted(names, key=lambda n: _DEFAULT_ORDER.get(n, 9))
+
+    def read_version(self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None = None) -> None:
+        """Fill ``dests`` (contiguous CPU tensors, one per tensor entry) with the version's bytes.
+
+        Raises:
+            IntegrityError: If some chunk has no good copy on any tier.
+        """
+        targets: list[list[tuple[memoryview, int, int]]] = [[] for _ in version.chunks]
+        views = [byte_view(t) for t in dests]
+        for ti, entry in enumerate(version.tensors):
+            for p in entry.pieces:
+                targets[p.chunk].append((views[ti][p.offset : p.offset + p.nbytes], p.chunk_offset, p.nbytes))
+        jobs = [i for i, c in enumerate(version.chunks) if targets[i]]
+
+        def one(i: int) -> None:
+            c = version.chunks[i]
+            self.read_chunk(c.id, c.nbytes, version.hash_algo, targets[i])
+            if progress is not None:
+                progress(c.nbytes)
+
+        if len(jobs) <= 1:
+            for i in jobs:
+                one(i)
+            return
+        with ThreadPoolExecutor(min(self._threads, len(jobs)), thread_name_prefix="tiercache-read") as pool:
+            for f in [pool.submit(one, i) for i in jobs]:
+                f.result()
+
+    def read_chunk(self, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]) -> str:
+        """Read one chunk into its targets ``(dest view, offset in chunk, length)``.
+
+        Returns:
+            The tier the good copy came from.
+
+        Raises:
+            IntegrityError: If no tier has a good copy.
+        """
+        tried = []
+        for name in self.order(chunk_id):
+            tier = self._tiers()[name]
+            try:
+                t0 = time.perf_counter()
+                ok = self._read_from(tier, chunk_id, nbytes, algo, targets)
+                if ok:
+                    self._meter.record(name, "read", nbytes, time.perf_counter() - t0)
+                    if tried:
+                        log.warning("chunk %s restored from %s after %s", chunk_id, name, "; ".join(tried))
+                    return name
+                tried.append(f"{name}: missing")
+            except IntegrityError as e:
+                tried.append(f"{name}: damaged ({e})")
+            except TierCacheError as e:
+                tried.append(f"{name}: {type(e).__name__}: {e}")
+            log.warning("chunk %s: copy on %s unusable (%s), trying the next tier", chunk_id, name, tried[-1])
+        where = "; ".join(tried) or "no tier holds it"
+        raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({where}): run `tiercache verify`")
+
+    def read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
+        """Return a verified chunk object as stored (header + payload) and the tier it came from."""
+        tried = []
+        for name in self.order(chunk_id):
+            tier = self._tiers()[name]
+            try:
+                data = tier.get(chunk_key(chunk_id))
+                if data is None:
+                    tried.append(f"{name}: missing")
+                    continue
+                raw = bytearray(nbytes)
+                self._decode_verify(memoryview(data), chunk_id, nbytes, algo, memoryview(raw))
+                return bytes(data), name
+            except TierCacheError as e:
+                tried.append(f"{name}: {e}")
+        raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({'; '.join(tried)})")
+
+    def _read_from(
+        self, tier: Tier, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
+    ) -> bool:
+        key = chunk_key(chunk_id)
+        hdr_len = codecs.HEADER_BYTES
+        whole = len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes
+        if whole and tier.name != "s3":
+            # One tensor's bytes: read the header, then the payload straight into the tensor.
+            head = bytearray(hdr_len)
+            got = tier.read_into(key, memoryview(head), 0)
+            if got is None:
+                return False
+            header = codecs.read_header(memoryview(head)[:got])
+            self._check_header(header, chunk_id, nbytes)
+            dest = targets[0][0]
+            if header.codec == codecs.RAW:
+                n = tier.read_into(key, dest, hdr_len)
+                if n is None:
+                    return False
+                if n != nbytes or codecs.content_id(dest, algo) != chunk_id:
+                    raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
+                return True
+            payload = bytearray(header.stored_len)
+            n = tier.read_into(key, memoryview(payload), hdr_len)
+            if n is None:
+                return False
+            codecs.decode(header.codec, memoryview(payload)[:n], nbytes, dest, itemsize=header.itemsize)
+            if codecs.content_id(dest, algo) != chunk_id:
+                raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
+            return True
+        data = self._fetch(tier, key)
+        if data is None:
+            return False
+        raw = memoryview(bytearray(nbytes))
+        self._decode_verify(data, chunk_id, nbytes, algo, raw)
+        src = as_uint8(raw)
+        for dest, off, length in targets:
+            as_uint8(dest).copy_(src[off : off + length])
+        return True
+
+    @staticmethod
+    def _fetch(tier: Tier, key: str) -> memoryview | None:
+        view = getattr(tier, "view", None)
+        if view is not None:  # the RAM tier lends its memory without a copy
+            got: memoryview | None = view(key)
+            return got
+        data = tier.get(key)
+        return None if data is None else memoryview(data)
+
+    def _decode_verify(self, data: memoryview, chunk_id: str, nbytes: int, algo: str, out: memoryview) -> None:
+        header = codecs.read_header(data[: codecs.HEADER_BYTES])
+        self._check_header(header, chunk_id, nbytes)
+        payload = data[codecs.HEADER_BYTES : codecs.HEADER_BYTES + header.stored_len]
+        if len(payload) != header.stored_len:
+            raise IntegrityError(f"chunk {chunk_id}: object is truncated")
+        codecs.decode(header.codec, payload, nbytes, out, itemsize=header.itemsize)
+        if codecs.content_id(out, algo) != chunk_id:
+            raise IntegrityError(f"chunk {chunk_id}: content does not match its id")
+
+    @staticmethod
+    def _check_header(header: codecs.ChunkHeader, chunk_id: str, nbytes: int) -> None:
+        if header.chunk_id != chunk_id or header.raw_len != nbytes:
+            raise IntegrityError(
+                f"chunk {chunk_id}: header names {header.chunk_id} of {header.raw_len} bytes, expected {nbytes}"
+            )

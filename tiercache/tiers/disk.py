@@ -1,0 +1,560 @@
+"""The local disk tier: a directory (on NVMe) written with O_DIRECT, tmp + fsync + rename.
+
+Keys map to paths segment by segment under the root (``chunks/ab/abcd...``), and every path is
+resolved and checked to stay under the root. A ``put`` writes a ``.tmp-<random>`` file in the
+target directory, fsyncs it, renames it onto the final name and fsyncs the directory, so a reader
+(or a process restarted after a crash) sees the whole object or nothing. Crash leftovers
+(``.tmp-*``) are never listed and are removed by :meth:`DiskTier.sweep_tmp`.
+
+Data moves with O_DIRECT where the filesystem allows it: straight from/to page-aligned memory (the
+RAM arena), through a per-thread aligned bounce buffer otherwise. That keeps checkpoints out of the
+page cache (they would evict the training job's working set) and makes cold-cache restores run at
+the device's speed. Where the filesystem refuses O_DIRECT the tier falls back to buffered I/O and
+remembers it.
+
+Refs are files too; compare-and-swap runs under an exclusive ``flock`` on ``refs/.lock``, which
+also excludes other processes sharing the directory. A ref file holds a per-write random nonce
+before its data, and its token is the hash of the whole file, so rewriting identical bytes still
+changes the token.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import xxhash
+
+from tiercache.config import DiskConfig
+from tiercache.errors import (
+    AccessDeniedError,
+    ConflictError,
+    InvalidNameError,
+    StorageError,
+    TierFullError,
+)
+from tiercache.names import check_key
+from tiercache.tiers.base import Buffer, RefValue, Tier
+from tiercache.tiers.ram import ALIGN, aligned_buffer, buffer_address, copy_bytes
+
+log = logging.getLogger("tiercache.tiers.disk")
+
+#: Size of the per-thread bounce buffer and of each write: big enough for full device queues,
+#: small enough that unaligned copies never need much memory.
+PIECE_BYTES = 8 << 20
+
+_TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".lock"
+_REF_MAGIC = b"tiercache-ref/1\n"
+_NONCE_BYTES = 16
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _storage_error(err: OSError, what: str) -> StorageError:
+    """Map an OSError onto the tiercache tree (the caller raises it ``from err``)."""
+    if err.errno in _FULL_ERRNOS:
+        cls: type[StorageError] = TierFullError
+    elif err.errno in _DENIED_ERRNOS:
+        cls = AccessDeniedError
+    else:
+        cls = StorageError
+    return cls(f"disk tier: {what}: {err.strerror or err}")
+
+
+def _regular_size(path: str) -> int | None:
+    """Size of the regular file at ``path``, or ``None`` if there is none."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _clear_direct(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+def _walk(dirpath: str, rel: str) -> Iterator[tuple[str, int]]:
+    """Yield ``(key, size)`` of every stored file below ``dirpath`` (no dotfiles, no symlinks)."""
+    try:
+        entries = list(os.scandir(dirpath))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _walk(entry.path, f"{rel}{entry.name}/")
+            elif entry.is_file(follow_symlinks=False):
+                yield f"{rel}{entry.name}", entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue  # removed while we were listing
+
+
+class DiskTier(Tier):
+    """A durable tier in a local directory; see the module docstring for the on-disk rules.
+
+    Safe to use from many threads, and from several processes sharing one directory (refs are
+    locked with ``flock``; used-bytes accounting is per process).
+
+    Args:
+        cfg: The disk tier's configuration (root path, capacity budget, O_DIRECT switch).
+
+    Raises:
+        StorageError: If the root directory cannot be created.
+    """
+
+    name = "disk"
+    durable = True
+
+    def __init__(self, cfg: DiskConfig) -> None:
+        self.cfg = cfg
+        self.capacity = cfg.capacity
+        root = os.path.abspath(os.fspath(cfg.path))
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise _storage_error(e, f"cannot create root directory {root}") from e
+        self._root = os.path.realpath(root)
+        self._direct = cfg.o_direct
+        self._lock = threading.Lock()
+        self._used: int | None = None
+        self._reserved = 0
+        self._local = threading.local()
+
+    @property
+    def root(self) -> Path:
+        """The tier's root directory (resolved)."""
+        return Path(self._root)
+
+    @property
+    def o_direct_active(self) -> bool:
+        """Whether data moves with O_DIRECT (configured, and not refused by the filesystem)."""
+        return self._direct
+
+    def _refuse_direct(self) -> None:
+        if self._direct:
+            self._direct = False
+            log.warning("filesystem of %s refuses O_DIRECT; using buffered I/O", self._root)
+
+    def _bounce(self) -> memoryview:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = self._local.bounce = memoryview(aligned_buffer(PIECE_BYTES))
+        return buf
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        path = os.path.realpath(os.path.join(self._root, *key.split("/")))
+        if not path.startswith(self._root + os.sep):
+            raise InvalidNameError(f"key {key!r} resolves to {path}, outside the disk tier root {self._root}")
+        return path
+
+    # ----------------------------------------------------------------------------- writing
+
+    def _ensure_dir(self, path: str) -> None:
+        """Create ``path`` (0700) and missing parents, fsyncing each new directory's parent."""
+        if os.path.isdir(path):
+            return
+        parent = os.path.dirname(path)
+        self._ensure_dir(parent)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return
+        _fsync_dir(parent)
+
+    def _open_tmp(self, dirpath: str) -> tuple[int, str, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self._direct:
+            tmp = os.path.join(dirpath, _TMP_PREFIX + secrets.token_hex(8))
+            try:
+                return os.open(tmp, flags | os.O_DIRECT, 0o600), tmp, True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # Some filesystems create the file before refusing O_DIRECT.
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                self._refuse_direct()
+        tmp = os.path.join(dirpath, _TMP_PREFIX + secrets.token_hex(8))
+        return os.open(tmp, flags, 0o600), tmp, False
+
+    def _write_direct(self, fd: int, src: memoryview, end: int) -> int:
+        """Write ``src[:end]`` (``end`` aligned) with O_DIRECT; return how much was written.
+
+        Less than ``end`` only if the filesystem refused O_DIRECT; the caller goes on buffered.
+        """
+        bounce = None if buffer_address(src) % ALIGN == 0 else self._bounce()
+        pos = 0
+        while pos < end:
+            piece = src[pos : min(end, pos + PIECE_BYTES)]
+            if bounce is not None:
+                copy_bytes(bounce, piece)
+                piece = bounce[: piece.nbytes]
+            try:
+                pos += os.pwrite(fd, piece, pos)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._refuse_direct()
+                break
+        return pos
+
+    def _write_file(self, fd: int, direct: bool, src: memoryview) -> None:
+        pos = self._write_direct(fd, src, src.nbytes // ALIGN * ALIGN) if direct else 0
+        if pos < src.nbytes:
+            if direct:
+                # The unaligned tail (or everything, if O_DIRECT was refused) goes buffered.
+                _clear_direct(fd)
+            while pos < src.nbytes:
+                pos += os.pwrite(fd, src[pos : pos + PIECE_BYTES], pos)
+
+    def _reserve(self, path: str, nbytes: int) -> int:
+        """Check the capacity budget before writing; return the bytes reserved against it."""
+        if self.capacity is None:
+            return 0
+        with self._lock:
+            used = self._scan_locked()
+            delta = max(nbytes - (_regular_size(path) or 0), 0)
+            if used + self._reserved + delta > self.capacity:
+                raise TierFullError(
+                    f"disk tier {self._root}: writing {nbytes} bytes would exceed its capacity of "
+                    f"{self.capacity} bytes ({used} in use): raise disk.capacity or evict versions"
+                )
+            self._reserved += delta
+            return delta
+
+    def _atomic_write(self, key: str, path: str, src: memoryview) -> None:
+        """Write ``src`` to ``path`` via tmp + fsync + rename + directory fsync."""
+        reserved = self._reserve(path, src.nbytes)
+        dirpath = os.path.dirname(path)
+        tmp: str | None = None
+        try:
+            try:
+                fd, tmp, direct = self._open_tmp(dirpath)
+            except FileNotFoundError:
+                self._ensure_dir(dirpath)
+                fd, tmp, direct = self._open_tmp(dirpath)
+            try:
+                self._write_file(fd, direct, src)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._lock:
+                old = _regular_size(path) or 0
+                os.rename(tmp, path)
+                tmp = None
+                if self._used is not None:
+                    self._used += src.nbytes - old
+            _fsync_dir(dirpath)
+        except OSError as e:
+            raise _storage_error(e, f"cannot write {key}") from e
+        finally:
+            if reserved:
+                with self._lock:
+                    self._reserved -= reserved
+            if tmp is not None:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` at ``key`` atomically and durably.
+
+        Raises:
+            TierFullError: On ENOSPC or if the capacity budget would be exceeded (checked before
+                writing); no tmp file is left behind.
+            StorageError: On any other I/O error (the OSError is the ``__cause__``).
+        """
+        path = self._path(key)
+        self._atomic_write(key, path, memoryview(data).cast("B"))
+
+    # ----------------------------------------------------------------------------- reading
+
+    def _open_read(self, path: str) -> tuple[int, bool, int] | None:
+        """Open a stored file for reading: ``(fd, direct, size)``, or ``None`` if missing."""
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        refused = False
+        try:
+            if self._direct:
+                try:
+                    fd, direct = os.open(path, flags | os.O_DIRECT), True
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    fd, direct, refused = os.open(path, flags), False, True
+            else:
+                fd, direct = os.open(path, flags), False
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        if refused:
+            self._refuse_direct()
+        return fd, direct, st.st_size
+
+    def _read_direct(self, fd: int, out: memoryview, offset: int) -> int:
+        """Read ``len(out)`` bytes at ``offset`` with O_DIRECT; return how many were read.
+
+        The aligned body goes straight into ``out`` when both ``out`` and ``offset`` are
+        4096-aligned; everything else passes through the bounce buffer. Less than ``len(out)``
+        only at end of file or if the filesystem refused O_DIRECT.
+        """
+        n = out.nbytes
+        done = 0
+        try:
+            if offset % ALIGN == 0 and buffer_address(out) % ALIGN == 0:
+                body = n // ALIGN * ALIGN
+                while done < body:
+                    got = os.preadv(fd, [out[done:body]], offset + done)
+                    if got <= 0:
+                        return done
+                    done += got
+            bounce = self._bounce()
+            while done < n:
+                pos = offset + done
+                start = pos // ALIGN * ALIGN
+                skip = pos - start
+                want = min(PIECE_BYTES, (skip + n - done + ALIGN - 1) // ALIGN * ALIGN)
+                got = min(os.preadv(fd, [bounce[:want]], start) - skip, n - done)
+                if got <= 0:
+                    break
+                copy_bytes(out[done : done + got], bounce[skip : skip + got])
+                done += got
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._refuse_direct()
+        return done
+
+    def _read_file(self, fd: int, direct: bool, size: int, out: memoryview, offset: int) -> int:
+        n = max(min(out.nbytes, size - offset), 0)
+        done = self._read_direct(fd, out[:n], offset) if direct and n else 0
+        if done < n and direct:
+            _clear_direct(fd)
+        while done < n:
+            got = os.preadv(fd, [out[done:n]], offset + done)
+            if got <= 0:
+                break
+            done += got
+        return done
+
+    def _read_path(self, key: str, path: str) -> bytes | None:
+        try:
+            opened = self._open_read(path)
+            if opened is None:
+                return None
+            fd, direct, size = opened
+            try:
+                if size == 0:
+                    return b""
+                # Aligned memory lets the whole object come in with O_DIRECT, no bounce copies.
+                buf = memoryview(aligned_buffer((size + ALIGN - 1) // ALIGN * ALIGN))
+                got = self._read_file(fd, direct, size, buf, 0)
+                return bytes(buf[:got])
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _storage_error(e, f"cannot read {key}") from e
+
+    def get(self, key: str) -> bytes | None:
+        """Return the object at ``key``, or ``None`` if there is none."""
+        return self._read_path(key, self._path(key))
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+        """Read bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
+
+        Uses O_DIRECT straight into ``out`` when ``out`` and ``offset`` are 4096-aligned (the
+        arena, a pinned tensor), so the page cache is not needed for speed; safe to call from
+        several threads at once for parallel restores.
+
+        Returns:
+            Bytes read (short only at the end of the object), or ``None`` if it does not exist.
+        """
+        path = self._path(key)
+        if offset < 0:
+            raise ValueError(f"read offset must be >= 0, got {offset}")
+        dst = memoryview(out).cast("B")
+        try:
+            opened = self._open_read(path)
+            if opened is None:
+                return None
+            fd, direct, size = opened
+            try:
+                return self._read_file(fd, direct, size, dst, offset)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _storage_error(e, f"cannot read {key}") from e
+
+    def size(self, key: str) -> int | None:
+        """Return the object's length in bytes, or ``None`` if it does not exist."""
+        path = self._path(key)
+        try:
+            return _regular_size(path)
+        except OSError as e:
+            raise _storage_error(e, f"cannot stat {key}") from e
+
+    # ----------------------------------------------------------------------------- removing, listing
+
+    def _unlink(self, key: str, path: str) -> None:
+        try:
+            with self._lock:
+                size = _regular_size(path)
+                if size is None:
+                    return
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    return  # another process removed it first
+                if self._used is not None:
+                    self._used -= size
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise _storage_error(e, f"cannot delete {key}") from e
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` and fsync its directory; a missing key is a no-op."""
+        self._unlink(key, self._path(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Return every stored key starting with ``prefix``, sorted (no tmp or lock files)."""
+        dirpart = prefix.rpartition("/")[0]
+        start = self._path(dirpart) if dirpart else self._root
+        rel = f"{dirpart}/" if dirpart else ""
+        try:
+            return sorted(k for k, _ in _walk(start, rel) if k.startswith(prefix))
+        except OSError as e:
+            raise _storage_error(e, f"cannot list {prefix!r}") from e
+
+    def _scan_locked(self) -> int:
+        if self._used is None:
+            try:
+                self._used = sum(size for _, size in _walk(self._root, ""))
+            except OSError as e:
+                raise _storage_error(e, "cannot scan the root directory") from e
+        return self._used
+
+    def used_bytes(self) -> int:
+        """Return the bytes of stored objects (scanned once, then tracked per write)."""
+        with self._lock:
+            return self._scan_locked()
+
+    def sweep_tmp(self, older_than_s: float) -> int:
+        """Remove ``.tmp-*`` files (leftovers of crashed writes) older than ``older_than_s``.
+
+        Keep ``older_than_s`` well above the longest write, so in-flight writes of this or
+        another process sharing the directory are never removed.
+
+        Returns:
+            How many files were removed.
+        """
+        cutoff = time.time() - older_than_s
+        removed = 0
+        try:
+            for dirpath, _, filenames in os.walk(self._root):
+                for name in filenames:
+                    if not name.startswith(_TMP_PREFIX):
+                        continue
+                    path = os.path.join(dirpath, name)
+                    with suppress(FileNotFoundError):
+                        if os.lstat(path).st_mtime < cutoff:
+                            os.unlink(path)
+                            removed += 1
+        except OSError as e:
+            raise _storage_error(e, "cannot sweep tmp files") from e
+        return removed
+
+    # ----------------------------------------------------------------------------- refs
+
+    @contextmanager
+    def _refs_locked(self) -> Iterator[None]:
+        refs = os.path.join(self._root, "refs")
+        self._ensure_dir(refs)
+        fd = os.open(os.path.join(refs, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            # flock locks belong to the open file description, so this also excludes other
+            # threads of this process (each opens its own) and other processes.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _current_ref(self, key: str, path: str) -> RefValue | None:
+        raw = self._read_path(key, path)
+        if raw is None:
+            return None
+        token = xxhash.xxh3_128_hexdigest(raw)
+        header = len(_REF_MAGIC) + _NONCE_BYTES
+        data = raw[header:] if raw.startswith(_REF_MAGIC) and len(raw) >= header else raw
+        return RefValue(data, token)
+
+    def read_ref(self, key: str) -> RefValue | None:
+        """Return a ref's content and CAS token, or ``None`` if the ref does not exist."""
+        return self._current_ref(key, self._path(key))
+
+    def write_ref(self, key: str, data: bytes, *, expect: str | None) -> str:
+        """Create (``expect=None``) or compare-and-swap (``expect=token``) a ref.
+
+        Returns:
+            The ref's new token.
+
+        Raises:
+            ConflictError: If the ref exists (create) or its token is not ``expect`` (swap).
+        """
+        path = self._path(key)
+        try:
+            with self._refs_locked():
+                current = self._current_ref(key, path)
+                if expect is None and current is not None:
+                    raise ConflictError(f"ref {key} already exists")
+                if expect is not None and (current is None or current.token != expect):
+                    raise ConflictError(f"ref {key} was moved or deleted since it was read")
+                raw = _REF_MAGIC + secrets.token_bytes(_NONCE_BYTES) + bytes(data)
+                self._atomic_write(key, path, memoryview(raw))
+                return xxhash.xxh3_128_hexdigest(raw)
+        except StorageError:
+            raise
+        except OSError as e:
+            raise _storage_error(e, f"cannot write ref {key}") from e
+
+    def delete_ref(self, key: str, *, expect: str) -> None:
+        """Delete a ref if its token is still ``expect``.
+
+        Raises:
+            ConflictError: If the ref was moved or deleted since ``expect`` was read.
+        """
+        path = self._path(key)
+        try:
+            with self._refs_locked():
+                current = self._current_ref(key, path)
+                if current is None or current.token != expect:
+                    raise ConflictError(f"ref {key} was moved or deleted since it was read")
+                self._unlink(key, path)
+        except StorageError:
+            raise
+        except OSError as e:
+            raise _storage_error(e, f"cannot delete ref {key}") from e
+

@@ -1,0 +1,544 @@
+"""The RAM arena (one page-aligned block of host memory) and the RAM tier built on it.
+
+The arena is the staging area of every save: the engine allocates regions from it, copies tensors
+into them and hands them to :class:`RamTier` with :meth:`RamTier.adopt` (no second copy). The same
+memory then serves restores of recent versions at memcpy speed. The arena is allocated once, on
+first use, pre-faulted and never grown, so a save never pays for page faults and never allocates
+past its budget.
+
+This module also holds the small raw-memory helpers the tiers share (:func:`buffer_address`,
+:func:`copy_bytes`, :func:`aligned_buffer`): the disk tier needs page-aligned buffers and buffer
+addresses for O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import itertools
+import mmap
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tiercache.errors import CacheClosedError, ConflictError, TierFullError
+from tiercache.names import check_key
+from tiercache.tiers.base import Buffer, RefValue, Tier
+
+#: Alignment of every region and of the arena itself (the page size O_DIRECT needs).
+ALIGN = 4096
+
+#: Objects smaller than this live in a dict instead of arena regions (manifests, refs).
+SMALL_OBJECT_BYTES = 4096
+
+# Linux's MADV_POPULATE_WRITE (5.14+); Python 3.11's mmap module does not name it.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` struct, to read the address of any buffer-protocol object."""
+
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+_release_buffer.restype = None
+
+
+def buffer_address(buf: Buffer) -> int:
+    """Return the address of the first byte of a C-contiguous buffer (read-only ones too).
+
+    The address stays valid only while ``buf`` (and what it views) is alive.
+
+    Raises:
+        BufferError: If ``buf`` is not C-contiguous.
+    """
+    view = _PyBuffer()
+    # PyBUF_SIMPLE (0): the exporter must hand out one contiguous block, or fail.
+    _get_buffer(buf, ctypes.byref(view), 0)
+    try:
+        return view.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(view))
+
+
+def copy_bytes(dst: memoryview, src: Buffer) -> None:
+    """Copy ``src`` into the start of ``dst`` with the GIL released.
+
+    A plain ``dst[:n] = src`` holds the GIL for the whole memcpy; ``ctypes.memmove`` drops it, so
+    a training thread keeps running while background threads copy chunks.
+
+    Raises:
+        ValueError: If ``dst`` is shorter than ``src`` or is read-only.
+    """
+    n = memoryview(src).nbytes
+    if n > dst.nbytes or dst.readonly:
+        raise ValueError(f"cannot copy {n} bytes into a {'read-only ' if dst.readonly else ''}"
+                         f"buffer of {dst.nbytes} bytes")
+    if n:
+        ctypes.memmove(buffer_address(dst), buffer_address(src), n)
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Return a zero-filled, writable, page-aligned anonymous mapping of ``nbytes`` bytes."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Region(NamedTuple):
+    """A block of the arena.
+
+    Attributes:
+        offset: Byte offset of the block in the arena (a multiple of 4096).
+        nbytes: Length of the block (a multiple of 4096).
+    """
+
+    offset: int
+    nbytes: int
+
+
+class Arena:
+    """A fixed block of host memory carved into 4096-aligned regions.
+
+    The memory is allocated on the first :meth:`alloc` (opening a cache to list versions costs
+    nothing), once, page-aligned, pre-faulted, and never grown; allocation is first-fit over a
+    free list that coalesces neighbours on :meth:`free`. All methods are thread-safe.
+
+    Args:
+        capacity: Size of the arena in bytes (rounded down to a multiple of 4096).
+        pin: Page-lock the memory (``pin_memory``) when CUDA is available, so GPU copies into
+            it can run asynchronously.
+    """
+
+    def __init__(self, capacity: int, *, pin: bool = False) -> None:
+        if capacity < 0:
+            raise ValueError(f"arena capacity must be >= 0, got {capacity}: set ram.capacity")
+        self._capacity = capacity // ALIGN * ALIGN
+        self._pin = pin and torch.cuda.is_available()
+        self._cond = threading.Condition()
+        self._free: list[Region] = [Region(0, self._capacity)] if self._capacity else []
+        self._allocated: dict[int, int] = {}
+        self._used = 0
+        self._closed = False
+        self._mapping: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self._view: memoryview | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Size of the arena in bytes."""
+        return self._capacity
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the arena's memory is (or, before the first alloc, will be) page-locked."""
+        return self._pin
+
+    @property
+    def is_allocated(self) -> bool:
+        """Whether the arena's memory has been allocated (it is, from the first alloc on)."""
+        return self._view is not None
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes currently handed out in regions."""
+        with self._cond:
+            return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not handed out (possibly fragmented)."""
+        with self._cond:
+            return self._capacity - self._used
+
+    def _check_request(self, nbytes: int) -> int:
+        if self._closed:
+            raise CacheClosedError("the RAM arena is closed: open a new cache")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"arena allocation size must be a positive int, got {nbytes!r}")
+        need = _round_up(nbytes)
+        if need > self._capacity:
+            raise TierFullError(
+                f"cannot stage {nbytes} bytes in a RAM arena of {self._capacity} bytes: "
+                "raise ram.capacity"
+            )
+        return need
+
+    def _materialize(self) -> None:
+        if self._view is not None:
+            return
+        if self._pin:
+            tensor = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=True)
+            # Pinned host memory is allocated and faulted by the CUDA driver already.
+            view = memoryview((ctypes.c_ubyte * self._capacity).from_address(tensor.data_ptr())).cast("B")
+        else:
+            self._mapping = aligned_buffer(self._capacity)
+            view = memoryview(self._mapping)
+            tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+            try:
+                self._mapping.madvise(_MADV_POPULATE_WRITE)
+            except OSError:
+                # Kernels before 5.14 refuse the advice: touch one byte per page instead.
+                tensor[::mmap.PAGESIZE].zero_()
+        self._tensor = tensor
+        self._view = view
+
+    def _take(self, need: int) -> Region | None:
+        for i, block in enumerate(self._free):
+            if block.nbytes >= need:
+                if block.nbytes == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = Region(block.offset + need, block.nbytes - need)
+                self._materialize()
+                self._allocated[block.offset] = need
+                self._used += need
+                return Region(block.offset, need)
+        return None
+
+    def alloc(self, nbytes: int) -> Region | None:
+        """Allocate a region of at least ``nbytes`` bytes (rounded up to 4096).
+
+        Returns:
+            The region, or ``None`` if no contiguous free block is large enough right now.
+
+        Raises:
+            TierFullError: If ``nbytes`` exceeds the whole arena (it could never fit).
+            ValueError: If ``nbytes`` is not a positive int.
+            CacheClosedError: If the arena was closed.
+        """
+        with self._cond:
+            return self._take(self._check_request(nbytes))
+
+    def alloc_wait(self, nbytes: int, timeout: float | None) -> Region | None:
+        """Allocate like :meth:`alloc`, waiting for :meth:`free` to make room.
+
+        Args:
+            nbytes: Bytes wanted.
+            timeout: Seconds to wait at most; ``None`` waits for ever.
+
+        Returns:
+            The region, or ``None`` if the timeout passed without room.
+
+        Raises:
+            TierFullError: If ``nbytes`` exceeds the whole arena (it could never fit).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                region = self._take(self._check_request(nbytes))
+                if region is not None:
+                    return region
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def free(self, region: Region) -> None:
+        """Return a region to the arena and wake threads waiting in :meth:`alloc_wait`.
+
+        Raises:
+            ValueError: If the region was not handed out by this arena or was freed already.
+        """
+        with self._cond:
+            if self._allocated.get(region.offset) != region.nbytes:
+                raise ValueError(f"{region} was not allocated from this arena or was already freed")
+            del self._allocated[region.offset]
+            self._used -= region.nbytes
+            i = bisect.bisect_left(self._free, region)
+            start, end = region.offset, region.offset + region.nbytes
+            if i < len(self._free) and self._free[i].offset == end:
+                end += self._free.pop(i).nbytes
+            if i > 0 and self._free[i - 1].offset + self._free[i - 1].nbytes == start:
+                i -= 1
+                start = self._free.pop(i).offset
+            self._free.insert(i, Region(start, end - start))
+            self._cond.notify_all()
+
+    def _check_region(self, region: Region) -> memoryview:
+        view = self._view
+        if view is None or self._allocated.get(region.offset) != region.nbytes:
+            raise ValueError(f"{region} is not a live region of this arena")
+        return view
+
+    def buffer(self, region: Region) -> memoryview:
+        """Return a writable memoryview of a live region's bytes (no copy)."""
+        return self._check_region(region)[region.offset : region.offset + region.nbytes]
+
+    def tensor(self, region: Region) -> torch.Tensor:
+        """Return a 1-D ``uint8`` tensor sharing a live region's memory (no copy)."""
+        self._check_region(region)
+        assert self._tensor is not None
+        return self._tensor[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        """Release the memory; views handed out keep it alive until they are dropped."""
+        with self._cond:
+            self._closed = True
+            mapping, self._mapping = self._mapping, None
+            self._view = self._tensor = None
+            self._free, self._allocated, self._used = [], {}, 0
+            self._cond.notify_all()
+        if mapping is not None:
+            # A tensor or memoryview may still export it; then the GC unmaps it after them.
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+@dataclass
+class _Entry:
+    """One stored object: small bytes, or a region of the arena."""
+
+    data: bytes | None
+    region: Region | None
+    length: int
+    gen: int
+    readers: int = 0
+    dead: bool = False
+
+
+class RamTier(Tier):
+    """A non-durable tier holding objects in an :class:`Arena` (and small ones in a dict).
+
+    Objects of at least 4096 bytes live in arena regions, smaller ones (manifests, refs) in a
+    dict. Every write gets a fresh generation number, which is the CAS token of refs. A region
+    being read by :meth:`get`/:meth:`read_into` is freed only after the read finishes, so a
+    concurrent delete or overwrite never tears a read.
+
+    Args:
+        arena: The arena to hold objects in (shared with the engine's staging).
+    """
+
+    name = "ram"
+    durable = False
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.capacity = arena.capacity
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._gens = itertools.count(1)
+
+    def _release(self, entry: _Entry) -> None:
+        # Called with the lock held, once the entry is no longer reachable by key.
+        entry.dead = True
+        if entry.readers == 0 and entry.region is not None:
+            self.arena.free(entry.region)
+
+    def _install(self, key: str, entry: _Entry, check: Callable[[_Entry | None], None] | None) -> None:
+        with self._lock:
+            old = self._entries.get(key)
+            try:
+                if check is not None:
+                    check(old)
+            except BaseException:
+                self._release(entry)
+                raise
+            entry.gen = next(self._gens)
+            self._entries[key] = entry
+            if old is not None:
+                self._release(old)
+
+    def _make_entry(self, data: Buffer) -> _Entry:
+        src = memoryview(data).cast("B")
+        n = src.nbytes
+        if n < SMALL_OBJECT_BYTES:
+            return _Entry(bytes(src), None, n, 0)
+        region = self.arena.alloc(n)
+        if region is None:
+            raise TierFullError(
+                f"RAM tier: no contiguous room for {n} bytes in the arena "
+                f"({self.arena.used_bytes} of {self.arena.capacity} bytes in use): raise ram.capacity"
+            )
+        try:
+            copy_bytes(self.arena.buffer(region), src)
+        except BaseException:
+            self.arena.free(region)
+            raise
+        return _Entry(None, region, n, 0)
+
+    def _acquire(self, key: str) -> _Entry | None:
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.readers += 1
+            return entry
+
+    def _done(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+            if entry.dead:
+                self._release(entry)
+
+    def _bytes_of(self, entry: _Entry) -> memoryview:
+        if entry.data is not None:
+            return memoryview(entry.data)
+        assert entry.region is not None
+        return self.arena.buffer(entry.region)[: entry.length]
+
+    def get(self, key: str) -> bytes | None:
+        """Return a copy of the object at ``key``, or ``None``."""
+        entry = self._acquire(key)
+        if entry is None:
+            return None
+        try:
+            return bytes(self._bytes_of(entry))
+        finally:
+            self._done(entry)
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+        """Copy bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
+
+        Returns:
+            Bytes copied (short at the end of the object), or ``None`` if there is no object.
+        """
+        if offset < 0:
+            raise ValueError(f"read offset must be >= 0, got {offset}")
+        entry = self._acquire(key)
+        if entry is None:
+            return None
+        try:
+            dst = memoryview(out).cast("B")
+            src = self._bytes_of(entry)[offset : offset + dst.nbytes]
+            copy_bytes(dst, src)
+            return src.nbytes
+        finally:
+            self._done(entry)
+
+    def view(self, key: str) -> memoryview | None:
+        """Return a read-only, zero-copy view of the object at ``key``, or ``None``.
+
+        The view is valid until the key is deleted or overwritten; chunks are immutable, so
+        for them that is until eviction.
+        """
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else self._bytes_of(entry).toreadonly()
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Copy ``data`` into the tier (an arena region for 4096 bytes and more).
+
+        Raises:
+            TierFullError: If the arena has no contiguous room for it.
+        """
+        check_key(key)
+        self._install(key, self._make_entry(data), None)
+
+    def adopt(self, key: str, region: Region, length: int) -> bool:
+        """Register an arena region the caller already filled as the object ``key`` (no copy).
+
+        The tier owns the region from now on. If ``key`` is already stored, its existing copy
+        is kept and ``region`` is freed: chunks are content-addressed, so that is dedup.
+
+        Args:
+            key: The object's key.
+            region: A live region of this tier's arena.
+            length: The object's length (at most ``region.nbytes``).
+
+        Returns:
+            ``True`` if the region now holds ``key``, ``False`` if it was a duplicate (freed).
+        """
+        check_key(key)
+        if not 0 <= length <= region.nbytes:
+            raise ValueError(f"length {length} does not fit in {region}")
+        with self._lock:
+            if key in self._entries:
+                self.arena.free(region)
+                return False
+            self._entries[key] = _Entry(None, region, length, next(self._gens))
+            return True
+
+    def size(self, key: str) -> int | None:
+        """Return the object's length, or ``None``."""
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.length
+
+    def delete(self, key: str) -> None:
+        """Drop the object and free its region; a missing key is a no-op."""
+        check_key(key)
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._release(entry)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Return the stored keys starting with ``prefix``, sorted."""
+        with self._lock:
+            return sorted(k for k in self._entries if k.startswith(prefix))
+
+    def read_ref(self, key: str) -> RefValue | None:
+        """Return the ref's content and token (its write generation), or ``None``."""
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            return RefValue(bytes(self._bytes_of(entry)), str(entry.gen))
+
+    def write_ref(self, key: str, data: bytes, *, expect: str | None) -> str:
+        """Create (``expect=None``) or compare-and-swap a ref; see :meth:`Tier.write_ref`."""
+        check_key(key)
+
+        def check(old: _Entry | None) -> None:
+            if expect is None and old is not None:
+                raise ConflictError(f"ref {key} already exists")
+            if expect is not None and (old is None or str(old.gen) != expect):
+                raise ConflictError(f"ref {key} was moved or deleted since it was read")
+
+        entry = self._make_entry(data)
+        self._install(key, entry, check)
+        return str(entry.gen)
+
+    def delete_ref(self, key: str, *, expect: str) -> None:
+        """Delete a ref if its token is still ``expect``.
+
+        Raises:
+            ConflictError: If the ref was moved or deleted since ``expect`` was read.
+        """
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or str(entry.gen) != expect:
+                raise ConflictError(f"ref {key} was moved or deleted since it was read")
+            del self._entries[key]
+            self._release(entry)
+
+    def used_bytes(self) -> int:
+        """Bytes held: whole regions for large objects, lengths for small ones."""
+        with self._lock:
+            return sum(e.region.nbytes if e.region else e.length for e in self._entries.values())
+
+    def close(self) -> None:
+        """Drop every object and free its region (the arena itself stays with its owner)."""
+        with self._lock:
+            entries, self._entries = self._entries, {}
+            for entry in entries.values():
+                self._release(entry)
