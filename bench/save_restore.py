@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -181,7 +182,8 @@ def _run_rss(config: dict[str, Any], state: dict[str, Any], capacity: int) -> li
                 waits.append(time.perf_counter() - t1)
         total = time.perf_counter() - t0
     budget = before + int(capacity * 1.05)
-    note = (f"{_RSS_SAVES} saves + close in {total:.1f} s; save waits {min(waits):.3f}-{max(waits):.3f} s; "
+    note = (f"RAM + disk; {_RSS_SAVES} saves + close in {total:.1f} s; "
+            f"save waits {min(waits):.3f}-{max(waits):.3f} s; "
             f"peak - RSS before open = {(peak[0] - before) / 1e9:.2f} GB")
     return [
         Row("tc.rss_peak", "tiercache peak RSS, 10 back-to-back saves", "tiercache",
@@ -200,28 +202,31 @@ def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def _train(cache: Any | None) -> tuple[float, dict[str, Any]]:
+def _train(cache: Any | None) -> tuple[float, float, dict[str, Any]]:
     """Run the MLP loop; with a cache, checkpoint after every step without waiting for durability.
 
     Returns:
-        (seconds per step, the last state saved), the state so its memcpy can be timed.
+        (seconds per step, seconds per step spent inside ``save()``, the last state saved), the
+        state so that its memcpy can be timed.
     """
     model, opt = _mlp()
     x = torch.randn(_LOOP_BATCH, _LOOP_WIDTH // 2)
     y = torch.randn(_LOOP_BATCH, _LOOP_WIDTH // 2)
     state: dict[str, Any] = {}
-    t0 = 0.0
+    t0 = in_save = 0.0
     # One untimed step first: Adam creates its moments lazily, and the arena is allocated once.
     for step in range(_LOOP_STEPS + 1):
         if step == 1:
-            t0 = time.perf_counter()
+            t0, in_save = time.perf_counter(), 0.0
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
         if cache is not None:
+            t1 = time.perf_counter()
             cache.save(state, step=step)
-    return (time.perf_counter() - t0) / _LOOP_STEPS, state
+            in_save += time.perf_counter() - t1
+    return (time.perf_counter() - t0) / _LOOP_STEPS, in_save / _LOOP_STEPS, state
 
 
 def _run_loop(config: dict[str, Any], repeat: int) -> list[Row]:
@@ -232,11 +237,13 @@ def _run_loop(config: dict[str, Any], repeat: int) -> list[Row]:
         plain = Row("loop.plain", "MLP loop step, no checkpoint", "baseline")
         ckpt = Row("loop.ckpt", "MLP loop step, tiercache save every step", "tiercache")
         state: dict[str, Any] = {}
+        in_save: list[float] = []
         for _ in range(repeat):
             plain.runs.append(_train(None)[0])
             with tiercache.open(config) as cache:
-                per_step, state = _train(cache)
+                per_step, waited, state = _train(cache)
             ckpt.runs.append(per_step)
+            in_save.append(waited)
         nbytes = state_nbytes(state)
         copy = Row("loop.memcpy", "memcpy of the loop's state", "limit", nbytes=nbytes)
         copy.runs = [memcpy(state) for _ in range(repeat)]
@@ -244,7 +251,8 @@ def _run_loop(config: dict[str, Any], repeat: int) -> list[Row]:
         torch.set_num_threads(threads)
     slow = Row("tc.loop_slowdown", "loop slowdown per step from checkpointing", "tiercache",
                runs=[max(0.0, c - p) for c, p in zip(ckpt.runs, plain.runs, strict=True)],
-               note=f"state {nbytes / 1e6:.0f} MB, {_LOOP_STEPS} steps, 1 torch thread, RAM + disk only")
+               note=f"state {nbytes / 1e6:.0f} MB, {_LOOP_STEPS} steps, 1 torch thread, RAM + disk only; "
+                    f"inside save(): {statistics.median(in_save):.3f} s/step")
     return [plain, ckpt, copy, slow]
 
 
@@ -271,15 +279,24 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
     root = work / "tiercache"
     if "save" in groups or "restore" in groups:
         config = cache_config(root, "save", capacity, s3, policy)
+        gc.collect()
+        before = psutil.Process().memory_info().rss
         with tiercache.open(config) as cache:
-            saved, version = _run_save(cache, state, repeat, s3 is not None)
+            with _peak_rss() as peak:
+                saved, version = _run_save(cache, state, repeat, s3 is not None)
+            # The rss group leaves S3 out (see there), so the S3 upload buffers are checked here.
+            saved[1].note = (f"peak RSS during these saves{' incl. S3' if s3 else ''}: "
+                             f"{(peak[0] - before) / 1e9:.2f} GB over RSS before open "
+                             f"(capacity {capacity / 1e9:.2f} GB)")
             if "save" in groups:
                 rows += saved
             if "restore" in groups:
                 rows += _run_restore(cache, state, version, repeat, root / "save", s3 is not None)
         gc.collect()
     if "rss" in groups:
-        rows += _run_rss(cache_config(root, "rss", capacity, s3, policy), state, capacity)
+        # RAM + disk only: with write-through, 10 back-to-back saves would otherwise wait for 10
+        # S3 uploads (minutes at 2 GB); the save group above samples RSS with S3 instead.
+        rows += _run_rss(cache_config(root, "rss", capacity, None, policy), state, capacity)
         gc.collect()
     if "loop" in groups:
         # The loop's state is small (~100 MB); S3 is left out because write-through would upload

@@ -245,7 +245,7 @@ def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:
     out = tmp_path / "ckpt.pt"
     result = _run(repo, "restore", "best", "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"restored {repo.v2} (main@200) -> {out} (8.2 KiB)\n"
+    assert (result.stdout, result.stderr) == (f"restored {repo.v2} (main@200) -> {out} (8.2 KiB)\n", "")
     with out.open("rb") as fh:
         _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v2"])
 
@@ -270,6 +270,9 @@ def test_restore_refuses_to_overwrite_without_force(repo: _Repo, tmp_path: Path)
     with out.open("rb") as fh:
         _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v3"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.pt", "store", "tiercache.toml"]
+    nowhere = tmp_path / "missing-dir" / "x.pt"
+    result = _run(repo, "restore", "main", "--out", str(nowhere))
+    _assert_one_line_error(result, 2, "missing-dir", "does not exist")
 
 
 def test_branch_rollback_tag(repo: _Repo) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -131,7 +131,9 @@ def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], Non
     """Show a transient byte progress bar on stderr; yields the ``progress`` callback.
 
     The callback may be called from the engine's worker threads; ``Progress.advance`` locks.
+    Nothing is drawn when stderr is not a terminal, so piped output and logs stay clean.
     """
+    console = Console(stderr=True)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -139,7 +141,7 @@ def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], Non
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
         bar.update(task, completed=total)
@@ -403,8 +405,9 @@ def _atomic_torch_save(state: Any, target: Path) -> None:
 
     A crash or error never leaves a partial file under ``target``'s name.
     """
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(tmp_name)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    # os.open with 0o666 (not mkstemp's 0o600) so the file gets the umask's usual permissions.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)

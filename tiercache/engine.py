@@ -352,9 +352,7 @@ class Engine:
         ids: list[str] = []
         for c, r in zip(job.layout.chunks, job.regions, strict=True):
             buf = self.arena.buffer(r)
-            t0 = time.perf_counter()
             cid = codecs.content_id(buf[hdr : hdr + c.nbytes], algo)
-            self.meter.record("hash", "write", c.nbytes, time.perf_counter() - t0)
             codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, "raw/1", c.itemsize, algo))
             ids.append(cid)
         tensors = []

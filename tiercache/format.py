@@ -63,6 +63,7 @@ _DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
+_COMPLEX_NAMES = frozenset(n for n, d in _DTYPES.items() if d.is_complex)
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -203,10 +204,10 @@ def _metas(key: tuple[Hashable, ...], paths: list[str]) -> list[TensorMeta]:
     if last is not None and last[0] == key:
         # Equal keys mean equal keys of every container, hence equal paths, dtypes and shapes.
         return list(last[1])
-    # Tuples in the key are exactly the tensors' (dtype name, shape), in tensor order.
+    # Tuples in the key are exactly the tensors' (dtype name, torch.Size), in tensor order.
     layouts = [token for token in key if type(token) is tuple]
     metas = tuple(
-        TensorMeta(path, name, shape, math.prod(shape) * _DTYPES[name].itemsize)
+        TensorMeta(path, name, tuple(shape), math.prod(shape) * _DTYPES[name].itemsize)
         for path, (name, shape) in zip(paths, layouts, strict=True)
     )
     _last_metas = (key, metas)
@@ -273,7 +274,7 @@ class _Encoder:
         self.tensors: list[torch.Tensor] = []
         self.paths: list[str] = []
         # Prefix-free token stream of the structure: a tag and length per container, keys in
-        # order, a (dtype name, shape) tuple per tensor and a leaf token per plain value.
+        # order, a (dtype name, torch.Size) tuple per tensor and a leaf token per plain value.
         self.skeleton: list[Hashable] = []
         self.pickled = False
         # ids of the containers on the current path, to refuse cycles instead of recursing forever
@@ -304,10 +305,10 @@ class _Encoder:
         name = _DTYPE_NAMES.get(t.dtype)
         if name is None or t.layout is not _STRIDED or t.is_nested or t.is_meta:
             return self._other(t, path)
-        if t.is_conj() or t.is_neg():
+        if t.is_neg() or (name in _COMPLEX_NAMES and t.is_conj()):
             # A lazy conj/neg bit is not in the bytes; materialize it (a copy, only in this rare case).
             t = t.resolve_conj().resolve_neg()
-        self.skeleton.append((name, tuple(t.shape)))
+        self.skeleton.append((name, t.shape))
         self.paths.append(path)
         self.tensors.append(t)
         return [_TENSOR, len(self.tensors) - 1]
@@ -385,14 +386,17 @@ class _Encoder:
         meta = getattr(d, "_metadata", _NO_ENCODING)
         if meta is _NO_ENCODING:
             return _NO_ENCODING
+        # A separate encoder: its tokens stay out of this state's structure key, and flatten()
+        # is not called so that the metas cache keeps the state's structure.
+        sub = _Encoder(allow_pickle=False)
         try:
-            flat = flatten(meta)
-        except UnsupportedStateError:
-            flat = None
-        if flat is None or flat.tensors:
+            tree = sub.encode(meta, path)
+        except (UnsupportedStateError, RecursionError):
+            tree = _NO_ENCODING
+        if tree is _NO_ENCODING or sub.tensors:
             _log.debug("dropping the _metadata of %s: it is not plain data", _shown(path))
             return _NO_ENCODING
-        return flat.tree
+        return tree
 
     def _other(self, x: Any, path: str) -> Any:
         if self.allow_pickle:

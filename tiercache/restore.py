@@ -160,8 +160,22 @@ class Reader:
     ) -> bool:
         key = chunk_key(chunk_id)
         hdr_len = codecs.HEADER_BYTES
-        whole = len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes
-        if whole and tier.name != "s3":
+        lend = getattr(tier, "view", None)
+        if lend is not None:
+            # The RAM tier lends its memory: verify the payload in place and copy each piece once.
+            obj: memoryview | None = lend(key)
+            if obj is None:
+                return False
+            header = codecs.read_header(obj[:hdr_len])
+            self._check_header(header, chunk_id, nbytes)
+            if header.codec == codecs.RAW:
+                payload = obj[hdr_len : hdr_len + nbytes]
+                if len(payload) != nbytes or codecs.content_id(payload, algo) != chunk_id:
+                    raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
+                self._scatter(payload, targets)
+                return True
+            return self._decode_scatter(obj, chunk_id, nbytes, algo, targets)
+        if len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes:
             # One tensor's bytes: read the header, then the payload straight into the tensor.
             head = bytearray(hdr_len)
             got = tier.read_into(key, memoryview(head), 0)
@@ -169,40 +183,32 @@ class Reader:
                 return False
             header = codecs.read_header(memoryview(head)[:got])
             self._check_header(header, chunk_id, nbytes)
-            dest = targets[0][0]
             if header.codec == codecs.RAW:
+                dest = targets[0][0]
                 n = tier.read_into(key, dest, hdr_len)
                 if n is None:
                     return False
                 if n != nbytes or codecs.content_id(dest, algo) != chunk_id:
                     raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
                 return True
-            payload = bytearray(header.stored_len)
-            n = tier.read_into(key, memoryview(payload), hdr_len)
-            if n is None:
-                return False
-            codecs.decode(header.codec, memoryview(payload)[:n], nbytes, dest, itemsize=header.itemsize)
-            if codecs.content_id(dest, algo) != chunk_id:
-                raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
-            return True
-        data = self._fetch(tier, key)
+        data = tier.get(key)
         if data is None:
             return False
+        return self._decode_scatter(memoryview(data), chunk_id, nbytes, algo, targets)
+
+    def _decode_scatter(
+        self, obj: memoryview, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
+    ) -> bool:
         raw = memoryview(bytearray(nbytes))
-        self._decode_verify(data, chunk_id, nbytes, algo, raw)
-        src = as_uint8(raw)
-        for dest, off, length in targets:
-            as_uint8(dest).copy_(src[off : off + length])
+        self._decode_verify(obj, chunk_id, nbytes, algo, raw)
+        self._scatter(raw, targets)
         return True
 
     @staticmethod
-    def _fetch(tier: Tier, key: str) -> memoryview | None:
-        view = getattr(tier, "view", None)
-        if view is not None:  # the RAM tier lends its memory without a copy
-            got: memoryview | None = view(key)
-            return got
-        data = tier.get(key)
-        return None if data is None else memoryview(data)
+    def _scatter(src_buf: memoryview, targets: list[tuple[memoryview, int, int]]) -> None:
+        src = as_uint8(src_buf)
+        for dest, off, length in targets:
+            as_uint8(dest).copy_(src[off : off + length])
 
     def _decode_verify(self, data: memoryview, chunk_id: str, nbytes: int, algo: str, out: memoryview) -> None:
         header = codecs.read_header(data[: codecs.HEADER_BYTES])

@@ -39,6 +39,7 @@ class TierStats:
         write_bps: Observed write throughput (EWMA bytes/s), ``None`` before any write.
         queue_depth: Versions waiting to be written to this tier.
         backlog_bytes: Bytes of those versions.
+        remote: Whether a copy there counts as ``remote`` durability (off this machine: S3).
     """
 
     name: str
@@ -49,6 +50,7 @@ class TierStats:
     write_bps: float | None = None
     queue_depth: int = 0
     backlog_bytes: int = 0
+    remote: bool = False
 
 
 @dataclass(frozen=True)

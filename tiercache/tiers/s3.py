@@ -1,0 +1,808 @@
+"""The S3 tier: a key prefix in an S3-compatible bucket (AWS, MinIO, SeaweedFS), through boto3.
+
+Objects larger than the part size go up as multipart uploads whose parts are sent in parallel
+straight from slices of the caller's buffer and carry CRC32 checksums the server verifies; an upload
+that fails for any reason (KeyboardInterrupt included) is aborted. Large reads are split into
+parallel ranged GETs streamed into the caller's buffer, pinned to one ETag with ``If-Match``.
+
+Refs use real conditional writes: ``If-None-Match: *`` creates, ``If-Match: <etag>`` moves, and the
+ETag is the compare-and-swap token. Each logical ref write is stamped with a unique write id in the
+object's metadata, so when a response is lost (the SDK then retries, and the retry's precondition
+fails against our own landed write) reading the ref back tells "our write landed" from "somebody
+else's did" (icechunk design doc 017). Credentials come from the standard AWS chain and never
+appear in messages or logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import random
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from datetime import datetime
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+from botocore import exceptions as bce
+from botocore.config import Config
+
+from tiercache.config import MIB, S3Config
+from tiercache.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    ConflictError,
+    StorageError,
+    TierCacheError,
+    TierFullError,
+    TierUnavailableError,
+)
+from tiercache.names import check_key
+from tiercache.tiers.base import Buffer, RefValue, Tier
+
+log = logging.getLogger("tiercache.s3")
+
+T = TypeVar("T")
+
+#: Metadata key (``x-amz-meta-...``) holding the id of the logical write that made an object.
+WRITE_ID_META = "tiercache-write-id"
+_MIN_PART = 5 * MIB  # S3's smallest non-final part
+_MAX_PARTS = 10_000
+_READ_SLICE = 1 * MIB  # readinto granularity: bounds the HTTP library's temporary buffer
+_MAX_READ_RESTARTS = 3
+_PROBE_PREFIX = "tiercache-probe"
+_STALE_ETAG = '"00000000000000000000000000000000"'
+_CHECKSUM = "CRC32"
+
+_ACCESS_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "InvalidToken", "ExpiredToken", "TokenRefreshRequired", "AccountProblem",
+})
+_FULL_CODES = frozenset({"EntityTooLarge", "QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded"})
+_PRECONDITION_CODES = frozenset({"PreconditionFailed"})
+_CONCURRENT_CODES = frozenset({"ConditionalRequestConflict", "ConcurrentModification"})
+_MISSING_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: Failures after which a request may have been carried out although we got no answer.
+_AMBIGUOUS = (bce.HTTPClientError,)  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError...
+_TRANSPORT = (bce.ConnectionError, bce.HTTPClientError)  # ...plus EndpointConnectionError, ConnectTimeoutError
+_STREAM_ERRORS = (bce.HTTPClientError, bce.IncompleteReadError, ConnectionError, TimeoutError)
+
+
+def _code_status(err: bce.ClientError) -> tuple[str, int]:
+    resp = err.response or {}
+    code = str(resp.get("Error", {}).get("Code", ""))
+    status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def _retried(err: bce.ClientError) -> bool:
+    return bool((err.response or {}).get("ResponseMetadata", {}).get("RetryAttempts"))
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username or parts.password:  # never echo credentials embedded in an endpoint URL
+        netloc = parts.hostname or ""
+        if parts.port:
+            netloc += f":{parts.port}"
+        parts = parts._replace(netloc=netloc)
+    return parts.geturl()
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _writable_view(out: memoryview) -> memoryview:
+    view = memoryview(out)
+    if view.readonly or not view.c_contiguous:
+        raise ValueError("read_into needs a writable, C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _crc32_b64(view: memoryview) -> str:
+    return base64.b64encode(zlib.crc32(view).to_bytes(4, "big")).decode("ascii")
+
+
+def _total_length(resp: dict[str, Any]) -> int | None:
+    rng = resp.get("ContentRange")  # "bytes 0-99/12345"
+    if rng and "/" in rng:
+        tail = rng.rsplit("/", 1)[1]
+        return int(tail) if tail.isdigit() else None
+    return None
+
+
+class _ViewReader:
+    """A seekable file object over a memoryview whose ``read`` returns zero-copy slices.
+
+    botocore accepts only bytes or file objects as a body; wrapping the caller's buffer this way
+    lets the checksum, the signature and the socket all read the same memory without a copy.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, size: int | None = -1) -> memoryview:
+        start = self._pos
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        self._pos = end
+        return self._view[start:end]
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+
+class _Changed(Exception):
+    """The object was replaced or removed in the middle of a multi-request read."""
+
+
+class _Unsatisfiable(Exception):
+    """HTTP 416: the object exists but ends at or before the requested offset."""
+
+
+class _Cancelled(Exception):
+    """Another part of the same transfer failed; this one stops early."""
+
+
+class S3Tier(Tier):
+    """The ``s3`` tier: objects under ``cfg.url``'s prefix, refs with conditional writes.
+
+    Construction checks the bucket once (a single attempt, so a wrong endpoint fails fast).
+    All methods are thread-safe; parts and ranges run on a pool of ``cfg.max_concurrency`` threads.
+    """
+
+    name = "s3"
+    durable = True
+    capacity = None
+
+    def __init__(self, cfg: S3Config) -> None:
+        """Connect to the bucket of ``cfg.url`` and check that it exists and is accessible.
+
+        Raises:
+            BucketNotFoundError: If the bucket does not exist.
+            AccessDeniedError: If the credentials are missing or refused.
+            TierUnavailableError: If the endpoint cannot be reached.
+        """
+        self._cfg = cfg
+        self._bucket = cfg.bucket
+        self._root = f"{cfg.prefix}/" if cfg.prefix else ""
+        self._part_size = max(cfg.part_size, _MIN_PART)
+        self._endpoint = _redact(cfg.endpoint_url) if cfg.endpoint_url else "AWS S3"
+        session = boto3.session.Session()
+        region = cfg.region or session.region_name or ("us-east-1" if cfg.endpoint_url else None)
+        self._client = self._make_client(session, region, attempts=cfg.max_attempts)
+        # Single attempt: the open-time check must fail fast instead of retrying a dead endpoint.
+        self._once = self._make_client(session, region, attempts=1)
+        self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="tiercache-s3")
+        self._cond_delete: bool | None = None
+        self._probe_lock = threading.Lock()
+        try:
+            self._check_bucket()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_client(self, session: boto3.session.Session, region: str | None, *, attempts: int) -> Any:
+        cfg = self._cfg
+        style = cfg.addressing_style
+        if style == "auto":
+            style = "path" if cfg.endpoint_url else "auto"
+        config = Config(
+            region_name=region,
+            retries={"mode": "standard", "total_max_attempts": attempts},
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.read_timeout,
+            # Pool threads plus the engine's own I/O threads may all be in flight at once.
+            max_pool_connections=cfg.max_concurrency + 64,
+            s3={"addressing_style": style},
+            tcp_keepalive=True,
+            user_agent_appid="tiercache",
+        )
+        return session.client("s3", endpoint_url=cfg.endpoint_url, verify=cfg.verify_tls, config=config)
+
+    def _check_bucket(self) -> None:
+        where = f"bucket {self._bucket!r} at {self._endpoint}"
+        for attempt in range(1, self._cfg.max_attempts + 1):
+            try:
+                self._once.head_bucket(Bucket=self._bucket)
+                return
+            except bce.ClientError as e:
+                code, status = _code_status(e)
+                if status in (404,) or code in ("NoSuchBucket", "NotFound"):
+                    raise BucketNotFoundError(
+                        f"S3 {where} does not exist: create it or fix the bucket in s3.url"
+                    ) from e
+                if status == 403 or code in _ACCESS_CODES:
+                    raise AccessDeniedError(
+                        f"S3 access to {where} denied ({code or status}): check AWS_ACCESS_KEY_ID/"
+                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket policy"
+                    ) from e
+                if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
+                    raise StorageError(f"S3 {where} is in another region: set s3.region to its region") from e
+                if (status >= 500 or status == 429) and attempt < self._cfg.max_attempts:
+                    time.sleep(self._backoff(attempt))
+                    continue
+                raise StorageError(f"S3 {where} cannot be opened: {code or 'HTTP'} {status}") from e
+            except (bce.NoCredentialsError, bce.PartialCredentialsError) as e:
+                raise AccessDeniedError(
+                    f"no usable AWS credentials for {where}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                    "or AWS_PROFILE"
+                ) from e
+            except _TRANSPORT as e:
+                raise TierUnavailableError(
+                    f"S3 endpoint {self._endpoint} unreachable ({type(e).__name__}): check s3.endpoint_url "
+                    "and that the server is running"
+                ) from e
+            except bce.ParamValidationError as e:
+                raise ConfigError(f"invalid S3 bucket name {self._bucket!r} in s3.url") from e
+            except bce.BotoCoreError as e:
+                raise StorageError(f"S3 {where} cannot be opened: {type(e).__name__}") from e
+
+    # ------------------------------------------------------------------ helpers
+
+    def _full(self, key: str) -> str:
+        return self._root + check_key(key)
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self._bucket}/{self._root}{key or ''} at {self._endpoint}"
+
+    def _backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(2.0, 0.05 * 2**attempt))
+
+    def _error(self, exc: BaseException, op: str, key: str | None = None) -> TierCacheError:
+        """Map a boto error onto the tiercache tree, by error code and HTTP status only."""
+        where = self._where(key)
+        cls: type[StorageError]
+        if isinstance(exc, bce.ClientError):
+            code, status = _code_status(exc)
+            what = f"{code or 'error'} (HTTP {status})"
+            if code in _ACCESS_CODES or status == 403:
+                cls, hint = AccessDeniedError, "check the credentials and the bucket policy"
+            elif code == "NoSuchBucket":
+                cls, hint = BucketNotFoundError, f"create bucket {self._bucket!r} or fix s3.url"
+            elif code in _FULL_CODES or status == 507:
+                cls, hint = TierFullError, "free space on the store or raise its quota"
+            elif status >= 500 or status in (429, 503):
+                cls, hint = StorageError, f"the store kept failing after {self._cfg.max_attempts} attempts"
+            else:
+                cls, hint = StorageError, "see the cause for details"
+            msg = f"S3 {op} of {where} failed: {what}; {hint}"
+        elif isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+            cls = AccessDeniedError
+            msg = f"S3 {op} of {where}: no usable AWS credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        elif isinstance(exc, (*_TRANSPORT, ConnectionError, TimeoutError)):
+            cls = TierUnavailableError
+            msg = f"S3 {op} of {where} failed: endpoint unreachable ({type(exc).__name__}); is it up?"
+        else:
+            cls = StorageError
+            msg = f"S3 {op} of {where} failed: {type(exc).__name__}"
+        err = cls(msg)
+        err.__cause__ = exc
+        return err
+
+    def _call(self, op: str, key: str | None, fn: Callable[..., T], **kwargs: Any) -> T:
+        try:
+            return fn(Bucket=self._bucket, **kwargs)
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            raise self._error(e, op, key) from e
+
+    # ------------------------------------------------------------------ objects
+
+    def get(self, key: str) -> bytes | None:
+        """Return the whole object, or ``None``; large objects arrive as parallel ranged GETs."""
+        full = self._full(key)
+        got = self._read(full, key, 0, None)
+        return None if got is None else bytes(got[0])
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+        """Stream bytes ``[offset, offset + len(out))`` of the object into ``out``."""
+        full = self._full(key)
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        view = _writable_view(out)
+        if not len(view):
+            return None if self.size(key) is None else 0
+        got = self._read(full, key, offset, view)
+        return None if got is None else got[1]
+
+    def _read(self, full: str, key: str, offset: int, out: memoryview | None) -> tuple[Any, int] | None:
+        """Read from ``offset`` into ``out`` (or a new buffer up to the end if ``out`` is None)."""
+        seg = self._part_size
+        for _ in range(_MAX_READ_RESTARTS):
+            want = seg if out is None else min(len(out), seg)
+            try:
+                resp = self._get_range(full, key, offset, want, None)
+            except _Unsatisfiable:
+                return (b"", 0) if out is None else (out, 0)
+            if resp is None:
+                return None
+            total = _total_length(resp)
+            if total is None:  # a 200 without Content-Range: the server ignored the range
+                total = int(resp["ContentLength"])
+                if offset or total > want:
+                    resp["Body"].close()
+                    raise StorageError(f"S3 read of {self._where(key)}: the server ignored the Range header")
+            end = total if out is None else min(total, offset + len(out))
+            avail = max(0, end - offset)
+            etag = resp.get("ETag")
+            buf: Any = bytearray(avail) if out is None else out
+            view = memoryview(buf)
+            first = min(avail, want)
+            cancel = threading.Event()
+            futures = [
+                self._pool.submit(self._fetch, full, key, view[s : min(s + seg, avail)], offset + s, etag, None, cancel)
+                for s in range(first, avail, seg)
+            ]
+            try:
+                self._fetch(full, key, view[:first], offset, etag, resp, cancel)
+                self._wait_all(futures)
+            except _Changed:
+                self._drain(futures, cancel)
+                log.debug("%s changed during a read; restarting it", self._where(key))
+                continue
+            except BaseException:
+                self._drain(futures, cancel)
+                raise
+            return buf, avail
+        raise StorageError(f"S3 read of {self._where(key)} failed: the object kept changing during the read")
+
+    def _get_range(self, full: str, key: str, start: int, length: int, etag: str | None) -> dict[str, Any] | None:
+        kwargs: dict[str, Any] = {"Key": full, "Range": f"bytes={start}-{start + length - 1}"}
+        if etag is not None:
+            kwargs["IfMatch"] = etag
+        try:
+            return self._client.get_object(Bucket=self._bucket, **kwargs)  # type: ignore[no-any-return]
+        except bce.ClientError as e:
+            code, status = _code_status(e)
+            if status == 416 or code == "InvalidRange":
+                if etag is not None:
+                    raise _Changed from e
+                raise _Unsatisfiable from e
+            if etag is not None and (status == 412 or code in _PRECONDITION_CODES):
+                raise _Changed from e
+            if code in _MISSING_KEY_CODES or (status == 404 and code != "NoSuchBucket"):
+                if etag is not None:
+                    raise _Changed from e
+                return None
+            raise self._error(e, "read", key) from e
+        except bce.BotoCoreError as e:
+            raise self._error(e, "read", key) from e
+
+    def _fetch(
+        self, full: str, key: str, view: memoryview, start: int, etag: str | None,
+        resp: dict[str, Any] | None, cancel: threading.Event,
+    ) -> None:
+        """Fill ``view`` with the bytes at ``start``; resume a broken stream with a new ranged GET."""
+        pos = failures = 0
+        try:
+            while pos < len(view):
+                if cancel.is_set():
+                    raise _Cancelled
+                if resp is None:
+                    resp = self._get_range(full, key, start + pos, len(view) - pos, etag)
+                    if resp is None:
+                        raise _Changed
+                body, resp = resp["Body"], None
+                err: BaseException | None = None
+                try:
+                    while pos < len(view):
+                        if cancel.is_set():
+                            raise _Cancelled
+                        n = body.readinto(view[pos : pos + _READ_SLICE])
+                        if not n:
+                            break
+                        pos += n
+                except _STREAM_ERRORS as e:
+                    err = e
+                finally:
+                    body.close()  # after a full read the connection is already back in the pool
+                if pos < len(view):
+                    failures += 1
+                    if failures >= self._cfg.max_attempts:
+                        if err is not None:
+                            raise self._error(err, "read", key) from err
+                        raise StorageError(f"S3 read of {self._where(key)} kept ending early at byte {start + pos}")
+                    log.debug("read of %s broke at byte %d (%s); resuming", self._where(key), start + pos, err)
+                    time.sleep(self._backoff(failures))
+        finally:
+            if resp is not None:
+                resp["Body"].close()
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Store ``data``: one PutObject, or a parallel multipart upload above the part size."""
+        full = self._full(key)
+        view = _byte_view(data)
+        if len(view) <= self._part_size:
+            body: Any = data if isinstance(data, bytes) else _ViewReader(view) if len(view) else b""
+            self._call("put", key, self._client.put_object, Key=full, Body=body, ChecksumAlgorithm=_CHECKSUM)
+        else:
+            self._put_multipart(full, key, view)
+
+    def _put_multipart(self, full: str, key: str, view: memoryview) -> None:
+        size = len(view)
+        psize = max(self._part_size, -(-size // _MAX_PARTS))
+        write_id = uuid.uuid4().hex
+        resp = self._call(
+            "put", key, self._client.create_multipart_upload, Key=full, ChecksumAlgorithm=_CHECKSUM,
+            Metadata={WRITE_ID_META: write_id},
+        )
+        upload_id = resp["UploadId"]
+        log.debug("multipart upload of %s (%d bytes, %d-byte parts) started", self._where(key), size, psize)
+        cancel = threading.Event()
+        futures: list[Future[dict[str, Any]]] = []
+        try:
+            for num, start in enumerate(range(0, size, psize), 1):
+                part = view[start : start + psize]
+                futures.append(self._pool.submit(self._upload_part, full, key, upload_id, num, part, cancel))
+            self._wait_all(futures)
+            self._complete(full, key, upload_id, [f.result() for f in futures], write_id)
+        except BaseException as exc:
+            try:
+                self._drain(futures, cancel)
+            finally:
+                self._abort(full, key, upload_id)
+            if isinstance(exc, (bce.BotoCoreError, bce.ClientError)):
+                raise self._error(exc, "put", key) from exc
+            raise
+
+    def _upload_part(
+        self, full: str, key: str, upload_id: str, num: int, part: memoryview, cancel: threading.Event
+    ) -> dict[str, Any]:
+        if cancel.is_set():
+            raise _Cancelled
+        resp = self._client.upload_part(
+            Bucket=self._bucket, Key=full, UploadId=upload_id, PartNumber=num, Body=_ViewReader(part),
+            ChecksumAlgorithm=_CHECKSUM,
+        )
+        # The server echoes the CRC32 it verified; compute it only for a server that does not.
+        return {"PartNumber": num, "ETag": resp["ETag"], "ChecksumCRC32": resp.get("ChecksumCRC32") or _crc32_b64(part)}
+
+    def _complete(self, full: str, key: str, upload_id: str, parts: list[dict[str, Any]], write_id: str) -> None:
+        try:
+            self._client.complete_multipart_upload(
+                Bucket=self._bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except bce.ClientError as e:
+            code, status = _code_status(e)
+            # A retried complete whose first attempt landed finds the upload gone: check the object.
+            if (code == "NoSuchUpload" or status == 404) and self._written_by(full, key, write_id):
+                log.info("multipart complete of %s: response lost, upload had landed", self._where(key))
+                return
+            raise
+        log.debug("multipart upload of %s completed (%d parts)", self._where(key), len(parts))
+
+    def _written_by(self, full: str, key: str, write_id: str) -> bool:
+        try:
+            head = self._client.head_object(Bucket=self._bucket, Key=full)
+        except bce.ClientError as e:
+            if _code_status(e)[1] == 404:
+                return False
+            raise
+        return bool(head.get("Metadata", {}).get(WRITE_ID_META) == write_id)
+
+    def _abort(self, full: str, key: str, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self._bucket, Key=full, UploadId=upload_id)
+            log.debug("multipart upload of %s aborted", self._where(key))
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            if isinstance(e, bce.ClientError) and _code_status(e)[0] == "NoSuchUpload":
+                return
+            log.warning(
+                "could not abort multipart upload %s of %s (%s); `tiercache doctor` lists and aborts it",
+                upload_id, self._where(key), type(e).__name__,
+            )
+
+    def _wait_all(self, futures: list[Future[Any]]) -> None:
+        if not futures:
+            return
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:  # raise the first real failure, not a _Cancelled it caused
+            if f in done and f.exception() is not None and not isinstance(f.exception(), _Cancelled):
+                raise f.exception()  # type: ignore[misc]
+        for f in futures:
+            f.result()
+
+    def _drain(self, futures: list[Future[Any]], cancel: threading.Event) -> None:
+        """Stop sibling transfers and wait for those in flight, so none outlives the call."""
+        cancel.set()
+        for f in futures:
+            f.cancel()
+        wait(futures, timeout=self._cfg.connect_timeout + self._cfg.read_timeout)
+
+    def size(self, key: str) -> int | None:
+        """Return the object's length (a HEAD), or ``None`` if it does not exist."""
+        full = self._full(key)
+        try:
+            return int(self._client.head_object(Bucket=self._bucket, Key=full)["ContentLength"])
+        except bce.ClientError as e:
+            if _code_status(e)[1] == 404:
+                return None
+            raise self._error(e, "size", key) from e
+        except bce.BotoCoreError as e:
+            raise self._error(e, "size", key) from e
+
+    def delete(self, key: str) -> None:
+        """Delete the object; deleting a missing key is a no-op."""
+        full = self._full(key)
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=full)
+        except bce.ClientError as e:
+            if _code_status(e)[0] in _MISSING_KEY_CODES:
+                return
+            raise self._error(e, "delete", key) from e
+        except bce.BotoCoreError as e:
+            raise self._error(e, "delete", key) from e
+
+    def _objects(self, prefix: str) -> list[dict[str, Any]]:
+        if prefix:
+            check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self._bucket, Prefix=self._root + prefix
+        )
+        try:
+            return [obj for page in pages for obj in page.get("Contents", ()) if not obj["Key"].endswith("/")]
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            raise self._error(e, "list", prefix) from e
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Return every key under ``prefix`` (relative to the tier's prefix), sorted."""
+        n = len(self._root)
+        return sorted(obj["Key"][n:] for obj in self._objects(prefix))
+
+    def used_bytes(self) -> int:
+        """Return the total size of the objects under the tier's prefix (one listing)."""
+        return sum(int(obj["Size"]) for obj in self._objects(""))
+
+    # ------------------------------------------------------------------ refs
+
+    def _get_whole(self, full: str, key: str) -> tuple[bytes, str, dict[str, str]] | None:
+        for attempt in range(1, self._cfg.max_attempts + 1):
+            try:
+                resp = self._client.get_object(Bucket=self._bucket, Key=full)
+            except bce.ClientError as e:
+                code, status = _code_status(e)
+                if code in _MISSING_KEY_CODES or (status == 404 and code != "NoSuchBucket"):
+                    return None
+                raise self._error(e, "read", key) from e
+            except bce.BotoCoreError as e:
+                raise self._error(e, "read", key) from e
+            try:
+                data = resp["Body"].read()  # validated against the object's checksum when it has one
+                return data, resp["ETag"], resp.get("Metadata") or {}
+            except (*_STREAM_ERRORS, bce.FlexibleChecksumError) as e:
+                if attempt == self._cfg.max_attempts:
+                    raise self._error(e, "read", key) from e
+                time.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    def read_ref(self, key: str) -> RefValue | None:
+        """Return the ref's bytes and ETag, or ``None`` if it does not exist."""
+        got = self._get_whole(self._full(key), key)
+        return None if got is None else RefValue(got[0], got[1])
+
+    def write_ref(self, key: str, data: bytes, *, expect: str | None) -> str:
+        """Create (``If-None-Match: *``) or move (``If-Match: expect``) a ref; return its ETag.
+
+        A failure that may hide a landed write (a 412 after the SDK retried a lost response, or a
+        transport error after the last attempt) is resolved by reading the ref back: if it carries
+        this call's write id, the write landed and its ETag is returned.
+        """
+        full = self._full(key)
+        data = bytes(data)
+        write_id = uuid.uuid4().hex
+        cond = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect}
+        for attempt in range(1, self._cfg.max_attempts + 1):
+            try:
+                resp = self._client.put_object(
+                    Bucket=self._bucket, Key=full, Body=data, ChecksumAlgorithm=_CHECKSUM,
+                    Metadata={WRITE_ID_META: write_id}, **cond,
+                )
+                return str(resp["ETag"])
+            except bce.ClientError as e:
+                code, status = _code_status(e)
+                if status == 412 or code in _PRECONDITION_CODES or (expect is not None and code == "NoSuchKey"):
+                    token = self._landed(full, key, write_id, data)
+                    if token is not None:
+                        log.info("write of ref %s: response lost, the write had landed", self._where(key))
+                        return token
+                    self._conflict(key, expect, e)
+                if (status == 409 or code in _CONCURRENT_CODES) and attempt < self._cfg.max_attempts:
+                    time.sleep(self._backoff(attempt))  # a concurrent conditional write: try again
+                    continue
+                if status >= 500 or status == 429:
+                    token = self._landed(full, key, write_id, data)
+                    if token is not None:
+                        return token
+                raise self._error(e, "write_ref", key) from e
+            except _AMBIGUOUS as e:
+                token = self._landed(full, key, write_id, data)
+                if token is not None:
+                    log.info("write of ref %s: no response, the write had landed", self._where(key))
+                    return token
+                raise self._error(e, "write_ref", key) from e
+            except bce.BotoCoreError as e:
+                raise self._error(e, "write_ref", key) from e
+        raise AssertionError("unreachable")
+
+    def _landed(self, full: str, key: str, write_id: str, data: bytes) -> str | None:
+        """Return the ref's ETag if it holds this write (by write id, else by bytes), else None."""
+        got = self._get_whole(full, key)
+        if got is None:
+            return None
+        body, etag, meta = got
+        stamp = meta.get(WRITE_ID_META)
+        ours = stamp == write_id if stamp is not None else body == data
+        return etag if ours and body == data else None
+
+    def _conflict(self, key: str, expect: str | None, cause: BaseException) -> NoReturn:
+        if expect is None:
+            raise ConflictError(f"ref {key!r} already exists in {self._where(None)}") from cause
+        raise ConflictError(
+            f"ref {key!r} in {self._where(None)} changed since token {expect} was read; re-read it and retry"
+        ) from cause
+
+    def delete_ref(self, key: str, *, expect: str) -> None:
+        """Delete a ref if its ETag is still ``expect`` (``If-Match`` where the server enforces it)."""
+        full = self._full(key)
+        if not self._conditional_delete_supported():
+            current = self.read_ref(key)
+            if current is None or current.token != expect:
+                self._conflict(key, expect, LookupError(key))
+            # No atomic primitive on this server: a write between the read and here is lost.
+            self.delete(key)
+            return
+        for attempt in range(1, self._cfg.max_attempts + 1):
+            try:
+                self._client.delete_object(Bucket=self._bucket, Key=full, IfMatch=expect)
+                return
+            except bce.ClientError as e:
+                code, status = _code_status(e)
+                if code != "NoSuchBucket" and (
+                    status in (404, 412) or code in _PRECONDITION_CODES or code in _MISSING_KEY_CODES
+                ):
+                    # Gone after the SDK retried: our first attempt deleted it and its answer was lost.
+                    if _retried(e) and self.read_ref(key) is None:
+                        return
+                    self._conflict(key, expect, e)
+                if (status == 409 or code in _CONCURRENT_CODES) and attempt < self._cfg.max_attempts:
+                    time.sleep(self._backoff(attempt))
+                    continue
+                raise self._error(e, "delete_ref", key) from e
+            except _AMBIGUOUS as e:
+                if self.read_ref(key) is None:
+                    return
+                raise self._error(e, "delete_ref", key) from e
+            except bce.BotoCoreError as e:
+                raise self._error(e, "delete_ref", key) from e
+
+    def _conditional_delete_supported(self) -> bool:
+        if self._cond_delete is None:
+            with self._probe_lock:
+                if self._cond_delete is None:
+                    self._cond_delete = self._probe(delete_only=True)["delete_if_match"]
+                    if not self._cond_delete:
+                        log.warning(
+                            "%s ignores If-Match on DeleteObject: delete_ref falls back to read-compare-"
+                            "delete, which can lose a concurrent ref update", self._endpoint,
+                        )
+        return self._cond_delete
+
+    # ------------------------------------------------------------------ doctor
+
+    def probe_conditional_writes(self) -> dict[str, bool]:
+        """Check on a scratch key what the endpoint really enforces.
+
+        Returns:
+            ``if_none_match`` (a second create with ``If-None-Match: *`` gets 412), ``if_match``
+            (a PUT with a stale ``If-Match`` gets 412 and one with the current ETag succeeds),
+            ``delete_if_match`` (a DELETE with a stale ``If-Match`` gets 412 and deletes nothing)
+            and ``read_after_write`` (a GET right after a PUT returns the new bytes).
+        """
+        result = self._probe(delete_only=False)
+        self._cond_delete = result["delete_if_match"]
+        return result
+
+    def _probe(self, *, delete_only: bool) -> dict[str, bool]:
+        scratch = f"{self._root}{_PROBE_PREFIX}/{uuid.uuid4().hex}"
+        bucket, c = self._bucket, self._client
+
+        def refused(fn: Callable[..., Any], **kw: Any) -> bool | None:
+            """True: the precondition failed (412); False: the request ran; None: not supported."""
+            try:
+                fn(Bucket=bucket, Key=scratch, **kw)
+                return False
+            except bce.ClientError as e:
+                code, status = _code_status(e)
+                if status == 412 or code in _PRECONDITION_CODES:
+                    return True
+                if status in (400, 501) or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                    return None
+                raise
+
+        def exists() -> bool:
+            try:
+                c.head_object(Bucket=bucket, Key=scratch)
+                return True
+            except bce.ClientError as e:
+                if _code_status(e)[1] == 404:
+                    return False
+                raise
+
+        result = dict.fromkeys(("if_none_match", "if_match", "delete_if_match", "read_after_write"), False)
+        try:
+            c.put_object(Bucket=bucket, Key=scratch, Body=b"probe-1")
+            if not delete_only:
+                got = self._get_whole(scratch, _PROBE_PREFIX)
+                result["read_after_write"] = got is not None and got[0] == b"probe-1"
+                result["if_none_match"] = refused(c.put_object, Body=b"probe-2", IfNoneMatch="*") is True
+                etag = c.head_object(Bucket=bucket, Key=scratch)["ETag"]
+                stale = refused(c.put_object, Body=b"probe-3", IfMatch=_STALE_ETAG)
+                current = refused(c.put_object, Body=b"probe-4", IfMatch=etag)
+                result["if_match"] = stale is True and current is False
+            result["delete_if_match"] = refused(c.delete_object, IfMatch=_STALE_ETAG) is True and exists()
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            raise self._error(e, "probe", _PROBE_PREFIX) from e
+        finally:
+            with contextlib.suppress(bce.BotoCoreError, bce.ClientError):
+                c.delete_object(Bucket=bucket, Key=scratch)
+        log.info("conditional-write probe of %s: %s", self._endpoint, result)
+        return result
+
+    def list_multipart_uploads(self) -> list[tuple[str, str, datetime]]:
+        """Return ``(key, upload_id, initiated)`` of every unfinished multipart upload under the prefix."""
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self._bucket, Prefix=self._root
+        )
+        n = len(self._root)
+        try:
+            return sorted(
+                (u["Key"][n:], u["UploadId"], u["Initiated"]) for page in pages for u in page.get("Uploads", ())
+            )
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            raise self._error(e, "list_multipart_uploads", None) from e
+
+    def abort_multipart_upload(self, key: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload (as listed by :meth:`list_multipart_uploads`)."""
+        full = self._full(key)
+        try:
+            self._client.abort_multipart_upload(Bucket=self._bucket, Key=full, UploadId=upload_id)
+        except bce.ClientError as e:
+            if _code_status(e)[0] == "NoSuchUpload":
+                return
+            raise self._error(e, "abort_multipart_upload", key) from e
+        except bce.BotoCoreError as e:
+            raise self._error(e, "abort_multipart_upload", key) from e
+
+    def close(self) -> None:
+        """Stop the transfer threads and close the HTTP connections."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for client in (self._client, self._once):
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+__all__ = ["WRITE_ID_META", "S3Tier"]
