@@ -117,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     verdicts = evaluate(rows)
     render(rows, verdicts, machine, header, console)
+    console.print(f"load average (1 min) at start {machine['load_1min']}, at end {os.getloadavg()[0]:.2f}")
     settings = {"size": args.size, "repeat": args.repeat, "groups": args.groups, "policy": args.policy,
                 "s3": s3.endpoint_url if s3 else None}
     write_json(OUT_DIR / "results.json", rows, verdicts, machine, settings)

@@ -172,6 +172,8 @@ def machine_info(bench_dir: Path) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # Other processes on a small machine skew every row: the 1-minute load says how much.
+        "load_1min": round(os.getloadavg()[0], 2),
     }
 
 
@@ -249,6 +251,8 @@ def write_png(path: Path, rows: Sequence[Row], title: str) -> None:
         label = f" {r.value:.3f}s" + (f"  {r.gbps:.2f} GB/s" if r.gbps else "")
         ax.text(r.value or 0.0, i, label, va="center", fontsize=8)
     ax.set_xscale("log")
+    # Room on the right for the labels of the longest bars.
+    ax.set_xlim(right=max((r.value or 0.0 for r in timed), default=1.0) * 6)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (log scale, lower is better)")
     ax.set_title(title)

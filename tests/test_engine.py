@@ -120,7 +120,7 @@ def test_full_arena_with_skip_policy_skips_the_version(tmp_path: Path, monkeypat
 
 def test_version_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
     with tiercache.open({"ram": {"capacity": "1MiB"}, "disk": {"path": str(tmp_path)}}) as cache:
-        with pytest.raises(TierFullError, match="ram.capacity"):
+        with pytest.raises(TierFullError, match=r"ram\.capacity"):
             cache.save({"w": torch.zeros(1 << 20)}, step=1)
         assert cache.versions() == []
 

@@ -42,7 +42,7 @@ log = logging.getLogger("tiercache.cache")
 ConfigLike = CacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-def open(config: ConfigLike = None) -> TierCache:  # noqa: A001 - mirrors builtins.open on purpose
+def open(config: ConfigLike = None) -> TierCache:
     """Open a cache.
 
     Args:
@@ -409,13 +409,15 @@ class TierCache:
     def __enter__(self) -> TierCache:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
             return
         try:
             self.close()
-        except Exception as e:  # noqa: BLE001 - the exception already in flight matters more
+        except Exception as e:
             log.error("error while closing the cache after another error: %s", e)
 
     def __repr__(self) -> str:

@@ -255,10 +255,7 @@ class Catalog:
         self.load()
         with self._lock:
             rec = self._refs.get(("branch", spec.base)) or self._refs.get(("tag", spec.base))
-            if rec is not None:
-                vid = rec.version
-            else:
-                vid = self._match_id(spec.base, ref)
+            vid = rec.version if rec is not None else self._match_id(spec.base, ref)
             if spec.step is not None:
                 return self._at_step(vid, spec.base, spec.step, ref)
             for i in range(spec.back):

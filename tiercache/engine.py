@@ -33,8 +33,15 @@ import torch
 from tiercache import codecs
 from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig
-from tiercache.errors import CacheClosedError, ConfigError, InvalidArgumentError, SkippedError, TierCacheError, TierFullError
-from tiercache.format import Flat, dtype_name, flatten
+from tiercache.errors import (
+    CacheClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    SkippedError,
+    TierCacheError,
+    TierFullError,
+)
+from tiercache.format import Flat, flatten
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
 from tiercache.names import chunk_key, version_key
@@ -328,7 +335,7 @@ class Engine:
     def _after_stage(self, job: _Job) -> None:
         try:
             self._hash_and_publish(job)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the handle
+        except BaseException as e:
             self._fail_job(job, e, list(LEVELS[1:]))
             return
         targets = self._placement(job)
@@ -359,7 +366,9 @@ class Engine:
         for i, m in enumerate(job.flat.metas):
             pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
                            for ci, p in job.layout.tensor_pieces[i])
-            tensors.append(TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces))
+            tensors.append(
+                TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces)
+            )
         manifest = Version(
             id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
             created_at=utcnow(), meta=job.meta, hash_algo=algo,
@@ -394,7 +403,7 @@ class Engine:
                 return
             try:
                 self._write_version(name, job)
-            except BaseException as e:  # noqa: BLE001 - reported on the handle and next save
+            except BaseException as e:
                 lvl = TIER_LEVEL.get(name)
                 self._fail_job(job, e, [lvl] if lvl else [])
                 self._done_with(job, name)
@@ -576,10 +585,8 @@ class Engine:
         if job is None:
             return
         for f in job.futures.values():
-            try:
+            with contextlib.suppress(Exception):  # only waiting: outcomes are on the handle
                 f.exception(timeout)
-            except Exception:  # noqa: BLE001, S110 - only waiting, outcomes are on the handle
-                pass
 
     # ------------------------------------------------------------------ policy view
 
