@@ -60,6 +60,17 @@ def torch_copy(state: Any) -> float:
     return time.perf_counter() - t0
 
 
+def fault_in(state: Any) -> float:
+    """Allocate new tensors shaped like ``state`` and touch every page: what any restore that
+    returns new tensors (``torch.load``, ``restore()`` without ``into=``) pays before its I/O.
+    """
+    t0 = time.perf_counter()
+    fresh = [torch.empty_like(t).fill_(0) for t in iter_tensors(state)]
+    elapsed = time.perf_counter() - t0
+    del fresh
+    return elapsed
+
+
 def _aligned_block() -> mmap.mmap:
     """A page-aligned, pre-faulted buffer for O_DIRECT (anonymous mmaps start on a page)."""
     buf = mmap.mmap(-1, _DIRECT_BLOCK)
@@ -244,6 +255,8 @@ def _run_memcpy(state: Any, nbytes: int, repeat: int) -> list[Row]:
         measure(Row("memcpy.torch", "torch copy_ into pre-faulted buffers", "limit", nbytes=nbytes,
                     note=f"{torch.get_num_threads()} intra-op threads"),
                 repeat, lambda: torch_copy(state)),
+        measure(Row("fault_in", "allocate + first touch of new tensors", "limit", nbytes=nbytes),
+                repeat, lambda: fault_in(state)),
     ]
 
 

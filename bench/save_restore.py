@@ -113,6 +113,8 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
     nbytes = state_nbytes(state)
     ram = Row("tc.restore_ram", "tiercache restore from RAM (into=)", "tiercache", nbytes=nbytes)
     into = _prefaulted_like(state)
+    if "ram" not in _tiers_of(cache, version):
+        ram.note = f"not held in RAM (tiers: {', '.join(_tiers_of(cache, version))})"
     for i in range(repeat):
         t0 = time.perf_counter()
         out = cache.restore(version, into=into)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -141,8 +143,16 @@ def s3_server() -> Iterator[object]:
         local.stop()
 
 
+@pytest.fixture(scope="session")
+def _s3_admin(s3_server: object) -> Iterator[object]:
+    """One plain boto3 client on the test server, for fixtures that clean up after tests."""
+    client = _boto_client(s3_server)
+    yield client
+    client.close()
+
+
 @pytest.fixture
-def s3_config(s3_server: object) -> Iterator[S3Config]:
+def s3_config(s3_server: object, _s3_admin: object) -> Iterator[S3Config]:
     """An :class:`S3Config` for a fresh, empty ``s3://<bucket>/t-<uuid>`` prefix on the test server.
 
     Everything under the prefix (objects and unfinished multipart uploads) is removed afterwards.
@@ -154,17 +164,14 @@ def s3_config(s3_server: object) -> Iterator[S3Config]:
         endpoint_url=s3_server.endpoint_url,  # type: ignore[attr-defined]
         region=s3_server.region,  # type: ignore[attr-defined]
     )
-    client = _boto_client(s3_server)
+    client: Any = _s3_admin
     try:
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix + "/"):
             for up in page.get("Uploads", ()):
                 client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-            for obj in page.get("Contents", ()):
-                client.delete_object(Bucket=bucket, Key=obj["Key"])
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     except Exception as e:  # cleanup is best effort: never turn a passing test into an error
-        import warnings
-
         warnings.warn(f"could not clean up s3://{bucket}/{prefix}: {type(e).__name__}", stacklevel=1)
-    finally:
-        client.close()

@@ -7,10 +7,12 @@ versions, refs, branch, rollback, tag, promote, evict.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -106,6 +108,11 @@ class TierCache:
         self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads * 2)
         self._save_lock = threading.Lock()
         self._closed = False
+        # A trainer that exits without close() must not lose the versions it was told are
+        # staged: flush them at interpreter exit (a weak reference keeps the cache collectable).
+        ref = weakref.ref(self)
+        self._atexit = lambda: _flush_at_exit(ref)
+        atexit.register(self._atexit)
 
     # ------------------------------------------------------------------ properties
 
@@ -400,6 +407,7 @@ class TierCache:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._atexit)
         try:
             self.engine.close()
         finally:
@@ -422,6 +430,18 @@ class TierCache:
 
     def __repr__(self) -> str:
         return f"TierCache(tiers={self.tier_names}, policy={self.config.policy.name!r})"
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[TierCache]) -> None:
+    cache = ref()
+    if cache is not None and not cache._closed:
+        pending = cache.engine.pending_jobs()
+        if pending:
+            log.warning("finishing %d pending version(s) at exit; call close() to do it yourself", len(pending))
+        try:
+            cache.close()
+        except Exception as e:  # at exit there is nobody left to raise to
+            log.error("tiercache: a background write failed: %s", e)
 
 
 def _json_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:

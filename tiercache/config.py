@@ -118,6 +118,8 @@ class S3Config(_Model):
         read_timeout: Seconds to wait for a response.
         addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
             when an endpoint_url is set.
+        allow_unsafe_refs: Commit refs even on a store that ignores conditional writes (as
+            reported by ``tiercache doctor``); safe only while a single writer uses the prefix.
     """
 
     url: str
@@ -130,6 +132,7 @@ class S3Config(_Model):
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=60.0, gt=0)
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    allow_unsafe_refs: bool = False
 
     @field_validator("url")
     @classmethod
@@ -159,7 +162,7 @@ class PolicyConfig(_Model):
         params: Keyword arguments for the policy's constructor.
     """
 
-    name: str = "write-through"
+    name: str = "throughput-adaptive"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -178,6 +181,9 @@ class CacheConfig(_Model):
         allow_pickle: Store leaves that are not tensors or plain values with pickle, and
             unpickle them on restore (only for versions written with this opt-in).
         io_threads: Background threads hashing and writing.
+        gc_grace: Seconds during which ``gc`` leaves a new, unreferenced manifest or chunk alone,
+            so a save in flight in another process (chunks written, ref not yet) is never
+            collected; keep it above the longest save.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -190,6 +196,7 @@ class CacheConfig(_Model):
     hash: Literal["xxh3-128", "blake2b"] = "xxh3-128"
     allow_pickle: bool = False
     io_threads: int = Field(default=4, ge=1, le=64)
+    gc_grace: float = Field(default=3600.0, ge=0)
 
     @field_validator("chunk_bytes")
     @classmethod
@@ -203,10 +210,14 @@ class CacheConfig(_Model):
         return [n for n in ("disk", "s3") if getattr(self, n) is not None]
 
 
+#: TIERCACHE_* variables that are not config fields: the config file, the test switches.
+_NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_SLOW"})
+
+
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in env.items():
-        if not k.startswith("TIERCACHE_") or k == "TIERCACHE_CONFIG" or k.startswith("TIERCACHE_TEST_"):
+        if not k.startswith("TIERCACHE_") or k in _NOT_FIELDS or k.startswith("TIERCACHE_TEST_"):
             continue
         path = k[len("TIERCACHE_"):].lower().split("__")
         node = out

@@ -45,7 +45,7 @@ from tiercache.format import Flat, flatten
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
 from tiercache.names import chunk_key, version_key
-from tiercache.policy.base import Policy, PolicyContext, TierStats, VersionView
+from tiercache.policy.base import CodecView, Policy, PolicyContext, TierPlan, TierStats, VersionView
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.tiers.base import Tier
 from tiercache.tiers.ram import Arena, RamTier, Region
@@ -392,8 +392,12 @@ class Engine:
         self._notify_arena()
 
     def _placement(self, job: _Job) -> list[str]:
-        placement = self.policy.place(job.view(frozenset({"ram"})), self.context())
-        return [p.tier for p in placement.plans if not p.skip and p.tier in self.tiers]
+        placement = self.policy.place(self._view(job), self.context())
+        targets = [p.tier for p in placement.plans if not p.skip and p.tier in self.tiers]
+        with self._lock:
+            job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
+        self._coalesce(job)
+        return targets
 
     def _writer(self, name: str) -> None:
         q = self._queues[name]
@@ -411,13 +415,15 @@ class Engine:
     def _write_version(self, name: str, job: _Job) -> None:
         tier = self.tiers[name]
         assert job.manifest is not None
-        plan = self.policy.place(job.view(frozenset({"ram"})), self.context()).plan_for(name)
+        with self._lock:
+            if name not in job.pending:
+                return  # coalesced away while queued (see _coalesce), already settled there
+        plan = self.policy.place(self._view(job), self.context()).plan_for(name)
         lvl = TIER_LEVEL.get(name)
+        if not plan.skip and not self._make_room(name, job):
+            plan = TierPlan(name, skip=True, reason=f"{name} is full and the policy names nothing to evict")
         if plan.skip:
-            if lvl and not job.futures[lvl].done():
-                job.futures[lvl].set_exception(SkippedError(
-                    f"version {job.version_id} skipped for {name}: {plan.reason or 'policy decision'}"))
-            self._done_with(job, name)
+            self._skip_tier(name, job, plan.reason or "policy decision")
             return
         have = self.catalog.chunks_on(name)
         todo = [(k, c) for k, c in zip(job.chunk_keys, job.manifest.chunks, strict=True) if c.id not in have]
@@ -595,7 +601,9 @@ class Engine:
         with self._lock:
             pending: dict[str, list[str]] = {n: [] for n in self.tiers}
             backlog: dict[str, int] = {n: 0 for n in self.tiers}
-            for job in self._jobs.values():
+            jobs = list(self._jobs.values())
+            job_pending = {j.version_id: frozenset(j.pending) for j in jobs}
+            for job in jobs:
                 for n in job.pending:
                     pending[n].append(job.version_id)
                     backlog[n] += job.nbytes
@@ -604,11 +612,137 @@ class Engine:
                                   arena.used_bytes if arena else 0,
                                   self.meter.rate("ram", "read"), self.meter.rate("ram", "write"))}
         for n, t in self.tiers.items():
-            stats[n] = TierStats(n, True, t.capacity, 0, self.meter.rate(n, "read"), self.meter.rate(n, "write"),
-                                 len(pending[n]), backlog[n])
+            # Only a tier with a budget is asked for its usage: no decision needs it otherwise, and
+            # counting a bucket that has no budget could mean listing it.
+            used = t.used_bytes() if t.capacity is not None else 0
+            stats[n] = TierStats(n, True, t.capacity, used, self.meter.rate(n, "read"), self.meter.rate(n, "write"),
+                                 len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote")
+        seen = {name: self.meter.codec_stats(name) for name in codecs.codec_names()}
+        codec_views = {name: CodecView(name, c.encode_bps, c.decode_bps, c.ratio)
+                       for name, c in seen.items() if c is not None}
         since = time.time() - self._last_remote if self._last_remote is not None else None
-        return PolicyContext(now=time.time(), tiers=stats, pending={k: tuple(v) for k, v in pending.items()},
-                             seconds_since_remote=since)
+        return PolicyContext(now=time.time(), tiers=stats, codecs=codec_views,
+                             versions=self._version_views(jobs, job_pending),
+                             pending={k: tuple(v) for k, v in pending.items()}, seconds_since_remote=since)
+
+    def _version_views(self, jobs: list[_Job], job_pending: dict[str, frozenset[str]]) -> tuple[VersionView, ...]:
+        """Every known version as the policy sees it, oldest first, staged ones included."""
+        pinned = {r.version for r in self.catalog.refs().values()}
+        by_job = {j.version_id: j for j in jobs}
+        views: dict[str, VersionView] = {}
+        for v in self.catalog.all():
+            tiers = frozenset(self.catalog.residency(v))
+            job = by_job.get(v.id)
+            if job is not None:
+                # The job knows when save() was called; the manifest only when hashing finished.
+                view = dataclasses.replace(job.view(tiers), pending=job_pending[v.id], pinned=v.id in pinned)
+            else:
+                floats = sum(t.nbytes for t in v.tensors if t.dtype in _FLOAT_NAMES)
+                view = VersionView(
+                    id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=v.created_at.timestamp(),
+                    tiers=tiers, pinned=v.id in pinned, meta=v.meta,
+                    float_fraction=floats / v.nbytes if v.nbytes else 0.0,
+                )
+            views[v.id] = view
+        for job in jobs:  # still hashing: not in the catalog yet
+            if job.version_id not in views:
+                views[job.version_id] = dataclasses.replace(job.view(), pending=job_pending[job.version_id])
+        return tuple(views[k] for k in sorted(views))
+
+    def _view(self, job: _Job) -> VersionView:
+        """The policy's view of one job: where it lives now, what it waits for, whether it is pinned."""
+        tiers = frozenset(self.catalog.residency(job.manifest)) if job.manifest is not None else frozenset()
+        pinned = job.version_id in {r.version for r in self.catalog.refs().values()}
+        with self._lock:
+            return dataclasses.replace(job.view(tiers), pinned=pinned)
+
+    def _coalesce(self, newest: _Job) -> None:
+        """Ask the policy again about every queued version now that ``newest`` is pending.
+
+        Versions the policy now skips for a tier are settled at once, so their arena regions are
+        released now rather than when that tier's writer reaches them (a slow tier would
+        otherwise fill the arena with versions it will never write). A tier's oldest pending
+        version is the one its writer holds (or takes next), so it is never touched here; nor is
+        ``newest``, whose queue entries are not made yet.
+        """
+        ctx = self.context()
+        for name in self.tiers:
+            with self._lock:
+                queued = [j for j in self._jobs.values() if name in j.pending and j is not newest][1:]
+            for job in queued:
+                plan = self.policy.place(self._view(job), ctx).plan_for(name)
+                if plan.skip:
+                    self._skip_tier(name, job, plan.reason or "policy decision", unless_oldest=True)
+
+    def _skip_tier(self, name: str, job: _Job, reason: str, *, unless_oldest: bool = False) -> None:
+        """Settle ``job`` for tier ``name`` without writing it: fail its level with ``SkippedError``.
+
+        Args:
+            name: The tier.
+            job: The version.
+            reason: Why (from the policy), for the error message.
+            unless_oldest: Leave it alone if it is (now) the tier's oldest pending version, which
+                its writer may already be writing.
+        """
+        with self._lock:
+            # Check and claim in one critical section: the tier's writer checks the same set.
+            if name not in job.pending:
+                return
+            if unless_oldest and next(j for j in self._jobs.values() if name in j.pending) is job:
+                return
+            job.pending.discard(name)
+            finished = not job.pending
+        lvl = TIER_LEVEL.get(name)
+        if lvl and not job.futures[lvl].done():
+            job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} skipped for {name}: {reason}"))
+        log.info("version %s skipped for %s: %s", job.version_id, name, reason)
+        if finished:
+            self._check_durable(job)
+            self._release(job)
+
+    def _make_room(self, name: str, job: _Job) -> bool:
+        """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot."""
+        tier = self.tiers[name]
+        if tier.capacity is None or job.manifest is None:
+            return True
+        have = self.catalog.chunks_on(name)
+        new = {c.id: c.nbytes for c in job.manifest.chunks if c.id not in have}
+        # Raw size plus header: an upper bound, as encoding only ever stores a chunk smaller.
+        need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(job.manifest.to_json())
+        while tier.used_bytes() + need > tier.capacity:
+            dropped = [vid for vid in self.policy.evict(name, self.context()) if self._drop_version(name, vid)]
+            if not dropped:
+                return False
+        return True
+
+    def _drop_version(self, name: str, vid: str) -> bool:
+        """Drop tier ``name``'s copy of version ``vid`` if that is safe; return whether it was dropped.
+
+        The policy's answer is checked again here: never a branch head or a tag, never the newest
+        version of a branch on this tier (the tier's own ref names it), never a version still
+        being written, and never a chunk that a version staying on this tier, or one pending for
+        it, still names. Manifest first, then chunks, as GC does.
+        """
+        with self._lock:
+            if vid in self._jobs:
+                return False
+            keep = {c.id for j in self._jobs.values() if name in j.pending and j.manifest for c in j.manifest.chunks}
+        if not self.catalog.manifest_on(name, vid) or vid in {r.version for r in self.catalog.refs().values()}:
+            return False
+        version = self.catalog.get(vid)
+        staying = [v for v in self.catalog.all() if v.id != vid and self.catalog.manifest_on(name, v.id)]
+        if not any(v.branch == version.branch and v.id > vid for v in staying):
+            return False
+        keep |= {c.id for v in staying for c in v.chunks}
+        tier = self.tiers[name]
+        tier.delete(version_key(vid))
+        self.catalog.mark_on(name, vid, present=False)
+        gone = {c.id for c in version.chunks} - keep
+        for cid in gone:
+            tier.delete(chunk_key(cid))
+        self.catalog.note_chunks(name, gone, present=False)
+        log.info("evicted version %s from %s (%d chunks freed)", vid, name, len(gone))
+        return True
 
     # ------------------------------------------------------------------ errors and shutdown
 

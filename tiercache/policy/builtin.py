@@ -516,6 +516,8 @@ def load_policy(cfg: PolicyConfig) -> Policy:
         return _instantiate(cfg.name, cfg.params)
     preset = load_preset(path)
     try:
-        return _instantiate(preset.name, {**preset.params, **cfg.params})
+        policy = _instantiate(preset.name, preset.params)
     except ConfigError as e:
         raise ConfigError(f"policy preset {path}: {e}") from None
+    # The preset alone is valid, so an error from here on is in the caller's own params.
+    return _instantiate(preset.name, {**preset.params, **cfg.params}) if cfg.params else policy

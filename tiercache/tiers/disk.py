@@ -42,6 +42,7 @@ from tiercache.errors import (
     StorageError,
     TierFullError,
 )
+from tiercache.failpoints import failpoint
 from tiercache.names import check_key
 from tiercache.tiers.base import Buffer, RefValue, Tier
 from tiercache.tiers.ram import ALIGN, aligned_buffer, buffer_address, copy_bytes
@@ -261,7 +262,9 @@ class DiskTier(Tier):
                 fd, tmp, direct = self._open_tmp(dirpath)
             try:
                 self._write_file(fd, direct, src)
+                failpoint("disk.after_tmp_write")
                 os.fsync(fd)
+                failpoint("disk.after_fsync")
             finally:
                 os.close(fd)
             with self._lock:
@@ -270,7 +273,9 @@ class DiskTier(Tier):
                 tmp = None
                 if self._used is not None:
                     self._used += src.nbytes - old
+            failpoint("disk.after_rename")
             _fsync_dir(dirpath)
+            failpoint("disk.after_dir_fsync")
         except StorageError:
             raise
         except OSError as e:

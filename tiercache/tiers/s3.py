@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
-import boto3
+import botocore.session
 from botocore import exceptions as bce
 from botocore.config import Config
 
@@ -44,6 +44,7 @@ from tiercache.errors import (
     TierFullError,
     TierUnavailableError,
 )
+from tiercache.failpoints import failpoint
 from tiercache.names import check_key
 from tiercache.tiers.base import Buffer, RefValue, Tier
 
@@ -154,6 +155,22 @@ class _ViewReader:
         return True
 
 
+_LOADER_LOCK = threading.Lock()
+_LOADER: Any = None
+
+
+def _new_session() -> botocore.session.Session:
+    """A fresh botocore session (fresh credential lookup) sharing the parsed service models."""
+    global _LOADER
+    with _LOADER_LOCK:
+        session = botocore.session.Session()
+        if _LOADER is None:
+            _LOADER = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _LOADER)
+        return session
+
+
 class _Changed(Exception):
     """The object was replaced or removed in the middle of a multi-request read."""
 
@@ -190,11 +207,13 @@ class S3Tier(Tier):
         self._root = f"{cfg.prefix}/" if cfg.prefix else ""
         self._part_size = max(cfg.part_size, _MIN_PART)
         self._endpoint = _redact(cfg.endpoint_url) if cfg.endpoint_url else "AWS S3"
-        session = boto3.session.Session()
-        region = cfg.region or session.region_name or ("us-east-1" if cfg.endpoint_url else None)
-        self._client = self._make_client(session, region, attempts=cfg.max_attempts)
-        # Single attempt: the open-time check must fail fast instead of retrying a dead endpoint.
-        self._once = self._make_client(session, region, attempts=1)
+        session = _new_session()
+        region = cfg.region or session.get_config_variable("region")
+        region = region or ("us-east-1" if cfg.endpoint_url else None)
+        with _LOADER_LOCK:  # botocore sessions are not thread-safe while creating clients
+            self._client = self._make_client(session, region, attempts=cfg.max_attempts)
+            # Single attempt: the open-time check must fail fast instead of retrying a dead endpoint.
+            self._once = self._make_client(session, region, attempts=1)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="tiercache-s3")
         self._cond_delete: bool | None = None
         self._probe_lock = threading.Lock()
@@ -206,7 +225,7 @@ class S3Tier(Tier):
 
     # ------------------------------------------------------------------ setup
 
-    def _make_client(self, session: boto3.session.Session, region: str | None, *, attempts: int) -> Any:
+    def _make_client(self, session: botocore.session.Session, region: str | None, *, attempts: int) -> Any:
         cfg = self._cfg
         style = cfg.addressing_style
         if style == "auto":
@@ -222,7 +241,9 @@ class S3Tier(Tier):
             tcp_keepalive=True,
             user_agent_appid="tiercache",
         )
-        return session.client("s3", endpoint_url=cfg.endpoint_url, verify=cfg.verify_tls, config=config)
+        return session.create_client(
+            "s3", region_name=region, endpoint_url=cfg.endpoint_url, verify=cfg.verify_tls, config=config
+        )
 
     def _check_bucket(self) -> None:
         where = f"bucket {self._bucket!r} at {self._endpoint}"
@@ -280,12 +301,12 @@ class S3Tier(Tier):
         if isinstance(exc, bce.ClientError):
             code, status = _code_status(exc)
             what = f"{code or 'error'} (HTTP {status})"
-            if code in _ACCESS_CODES or status == 403:
-                cls, hint = AccessDeniedError, "check the credentials and the bucket policy"
+            if code in _FULL_CODES or status == 507:
+                cls, hint = TierFullError, "free space on the store or raise its quota"
             elif code == "NoSuchBucket":
                 cls, hint = BucketNotFoundError, f"create bucket {self._bucket!r} or fix s3.url"
-            elif code in _FULL_CODES or status == 507:
-                cls, hint = TierFullError, "free space on the store or raise its quota"
+            elif code in _ACCESS_CODES or status == 403:
+                cls, hint = AccessDeniedError, "check the credentials and the bucket policy"
             elif status >= 500 or status in (429, 503):
                 cls, hint = StorageError, f"the store kept failing after {self._cfg.max_attempts} attempts"
             else:
@@ -478,6 +499,8 @@ class S3Tier(Tier):
             Bucket=self._bucket, Key=full, UploadId=upload_id, PartNumber=num, Body=_ViewReader(part),
             ChecksumAlgorithm=_CHECKSUM,
         )
+        if num == 1:
+            failpoint("s3.after_first_part")
         # The server echoes the CRC32 it verified; compute it only for a server that does not.
         return {"PartNumber": num, "ETag": resp["ETag"], "ChecksumCRC32": resp.get("ChecksumCRC32") or _crc32_b64(part)}
 
