@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,11 @@ class Row:
         """Throughput of the median run in GB/s (10^9 bytes), when that means something."""
         v = self.value
         return self.nbytes / v / 1e9 if v and self.nbytes and self.unit == "s" else None
+
+
+def progress(group: str) -> None:
+    """Say on stderr which group starts, so a run of several minutes shows where it is."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {group}", file=sys.stderr, flush=True)
 
 
 def measure(row: Row, repeat: int, run: Callable[[], float], setup: Callable[[], None] | None = None) -> Row:

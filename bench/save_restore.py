@@ -17,7 +17,7 @@ from torch import nn
 
 import tiercache
 from bench.baselines import S3Endpoint, drop_page_cache, memcpy
-from bench.report import Row
+from bench.report import Row, progress
 from bench.state import advance, iter_tensors, state_nbytes
 
 TIERCACHE_GROUPS = ("save", "restore", "rss", "loop")
@@ -280,6 +280,7 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
     capacity = ram_capacity(state_nbytes(state))
     root = work / "tiercache"
     if "save" in groups or "restore" in groups:
+        progress("tiercache save" + (" + restore" if "restore" in groups else ""))
         config = cache_config(root, "save", capacity, s3, policy)
         gc.collect()
         before = psutil.Process().memory_info().rss
@@ -296,11 +297,13 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
                 rows += _run_restore(cache, state, version, repeat, root / "save", s3 is not None)
         gc.collect()
     if "rss" in groups:
+        progress("rss")
         # RAM + disk only: with write-through, 10 back-to-back saves would otherwise wait for 10
         # S3 uploads (minutes at 2 GB); the save group above samples RSS with S3 instead.
         rows += _run_rss(cache_config(root, "rss", capacity, None, policy), state, capacity)
         gc.collect()
     if "loop" in groups:
+        progress("loop")
         # The loop's state is small (~100 MB); S3 is left out because write-through would upload
         # every step and the loop would then measure the S3 link, not the cost to training.
         rows += _run_loop(cache_config(root, "loop", 512 * _MIB, None, policy), repeat)

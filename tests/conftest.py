@@ -74,7 +74,7 @@ class ExternalS3:
         }
 
 
-def _boto_client(server: ExternalS3 | object):  # noqa: ANN202 - boto3 client type is dynamic
+def _boto_client(server: ExternalS3 | object):
     import boto3
     from botocore.config import Config
 

@@ -106,9 +106,10 @@ def test_full_arena_with_skip_policy_skips_the_version(tmp_path: Path, monkeypat
         "policy": {"name": "write-through", "params": {"on_full": "skip"}},
     }
     with tiercache.open(cfg) as cache:
+        # Distinct contents: identical chunks would be deduplicated in RAM and take no room.
         h1 = cache.save(state, step=1)
-        h2 = cache.save(state, step=2)
-        h3 = cache.save(state, step=3)
+        h2 = cache.save({k: v + 1 for k, v in state.items()}, step=2)
+        h3 = cache.save({k: v + 2 for k, v in state.items()}, step=3)
         with pytest.raises(SkippedError):
             h3.wait("staged")
         assert not h3.done("local")

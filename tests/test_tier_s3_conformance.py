@@ -10,8 +10,6 @@ from tier_conformance import TierConformance
 from tiercache.config import S3Config
 from tiercache.tiers.s3 import S3Tier
 
-pytestmark = pytest.mark.s3
-
 
 class TestS3Conformance(TierConformance):
     @pytest.fixture

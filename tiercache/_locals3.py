@@ -359,7 +359,7 @@ class LocalS3Server:
         # then a test run killed with SIGKILL leaves no server behind.
         prctl = _resolve_prctl() if threading.current_thread() is threading.main_thread() else None
         with open(self.log_path, "wb") as logf:
-            self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+            self._proc = subprocess.Popen(
                 args,
                 cwd=base / "tmp",
                 env=env,

@@ -14,11 +14,13 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
+from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiercache import maintenance
 from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig, load_config
 from tiercache.engine import Engine, SaveHandle
@@ -38,6 +40,11 @@ from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.restore import Progress, Reader
 from tiercache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from tiercache.distributed import DistributedCache
 
 log = logging.getLogger("tiercache.cache")
 
@@ -108,6 +115,7 @@ class TierCache:
         self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads * 2)
         self._save_lock = threading.Lock()
         self._closed = False
+        self._groups: dict[ProcessGroup, DistributedCache] = {}
         # A trainer that exits without close() must not lose the versions it was told are
         # staged: flush them at interpreter exit (a weak reference keeps the cache collectable).
         ref = weakref.ref(self)
@@ -132,7 +140,13 @@ class TierCache:
     # ------------------------------------------------------------------ save
 
     def save(
-        self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None
+        self,
+        state: Any,
+        *,
+        step: int,
+        branch: str = "main",
+        meta: Mapping[str, Any] | None = None,
+        group: ProcessGroup | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` into RAM and write it to the durable tiers in the background.
 
@@ -144,6 +158,9 @@ class TierCache:
             step: The training step (used by ``NAME@STEP`` refs).
             branch: Branch to save on; its head becomes the new version's parent.
             meta: JSON-able metadata (loss, metrics...).
+            group: A torch.distributed process group (``dist.group.WORLD`` for all ranks): every
+                rank of it calls ``save`` with its own part and the group commits one version;
+                see :mod:`tiercache.distributed`. ``None`` saves this process's state alone.
 
         Returns:
             A :class:`SaveHandle` with the version id and one future per durability level.
@@ -152,6 +169,8 @@ class TierCache:
             UnsupportedStateError: If a leaf cannot be stored (the message names its key).
             TierCacheError: An earlier background write's error that was not yet reported.
         """
+        if group is not None:
+            return self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta))
         self._check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -163,8 +182,28 @@ class TierCache:
             seq = cur.seq + 1 if cur else 0
             handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq)
             if handle.future("staged").exception() is None:
-                self.catalog.set_ref(RefRecord(kind="branch", name=branch, version=handle.version, seq=seq))
+                self.catalog.note_move(RefRecord(kind="branch", name=branch, version=handle.version, seq=seq), cur)
         return handle
+
+    def distributed(self, group: ProcessGroup | None = None, *, timeout: timedelta | None = None) -> DistributedCache:
+        """The multi-rank view of this cache for ``group`` (the world by default), made once per group.
+
+        Call it on every rank of the group. ``save(..., group=g)`` and ``restore(..., group=g)``
+        go through it.
+
+        Args:
+            group: The process group.
+            timeout: How long a rank waits for the others (only when the view is first made;
+                default :data:`tiercache.distributed.DEFAULT_TIMEOUT`).
+        """
+        from tiercache.distributed import DEFAULT_TIMEOUT, DistributedCache
+
+        self._check_open()
+        key = group if group is not None else torch.distributed.group.WORLD
+        view = self._groups.get(key)
+        if view is None:
+            view = self._groups[key] = DistributedCache(self, group, timeout=timeout or DEFAULT_TIMEOUT)
+        return view
 
     # ------------------------------------------------------------------ restore
 
@@ -175,6 +214,7 @@ class TierCache:
         into: Any = None,
         map_location: str | torch.device = "cpu",
         progress: Progress | None = None,
+        group: ProcessGroup | None = None,
     ) -> Any:
         """Return the state saved as ``ref``, bit-exact.
 
@@ -184,14 +224,32 @@ class TierCache:
                 matched by key path; tensors it lacks are allocated.
             map_location: Device for the tensors that are allocated.
             progress: Called with the number of bytes of each chunk read.
+            group: A process group: every rank calls ``restore`` and gets its own part of a
+                multi-rank version (see :meth:`tiercache.distributed.DistributedCache.restore`).
 
         Raises:
             VersionNotFoundError: If the ref resolves to nothing.
             IntegrityError: If a chunk has no good copy on any tier.
             StateMismatchError: If a tensor in ``into`` has another dtype or shape.
         """
+        if group is not None:
+            return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress)
         self._check_open()
-        version = self.manifest(ref)
+        return self.restore_version(self.manifest(ref), into=into, map_location=map_location, progress=progress)
+
+    def restore_version(
+        self,
+        version: Version,
+        *,
+        into: Any = None,
+        map_location: str | torch.device = "cpu",
+        progress: Progress | None = None,
+    ) -> Any:
+        """Return the state a manifest describes; :meth:`restore` with the version already resolved.
+
+        A version saved by several ranks restores as the list of the ranks' states.
+        """
+        self._check_open()
         targets = _into_map(into)
         dests: list[torch.Tensor] = []
         finals: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -263,7 +321,7 @@ class TierCache:
         self.engine.wait_job(rec.version)
         for name in self.engine.tiers:
             if self.catalog.manifest_on(name, rec.version):
-                self.catalog.write_ref(name, rec, only_if_newer=False)
+                self.catalog.write_ref(name, rec)
         self.catalog.set_ref(rec)
 
     def branch(self, name: str, from_ref: str) -> str:
@@ -381,6 +439,47 @@ class TierCache:
         self.catalog.note_chunks(tier, ids, present=False)
         return freed
 
+    # ------------------------------------------------------------------ maintenance
+
+    def verify(self, ref: str | None = None, *, repair: bool = False) -> maintenance.VerifyReport:
+        """Check every copy of a version's (or every version's) chunks and manifests on every durable tier.
+
+        Args:
+            ref: One version to check, or ``None`` for all.
+            repair: Rewrite each missing or damaged copy from a good copy on another tier.
+
+        Returns:
+            The report: each damaged copy, whether it was repaired, and what has no good copy.
+        """
+        self._check_open()
+        return maintenance.verify(self, ref, repair=repair)
+
+    def gc(self, *, dry_run: bool = False, grace: float | None = None) -> maintenance.GcReport:
+        """Delete versions no branch head or tag reaches (through parents) and chunks nothing names.
+
+        Args:
+            dry_run: Report what would be freed; delete nothing.
+            grace: Keep unreferenced objects younger than this many seconds (default ``gc_grace``).
+
+        Returns:
+            What was (or would be) freed, per tier.
+        """
+        self._check_open()
+        return maintenance.gc(self, dry_run=dry_run, grace=grace)
+
+    def doctor(self, *, abort_stale: float | None = None, unsafe: bool = False) -> maintenance.DoctorReport:
+        """Probe the S3 endpoint for conditional writes and list (or abort) stale multipart uploads.
+
+        Args:
+            abort_stale: Abort unfinished multipart uploads older than this many seconds.
+            unsafe: Accept a store that ignores conditional writes.
+
+        Returns:
+            The report; ``report.ok`` says whether refs can be committed on this store.
+        """
+        self._check_open()
+        return maintenance.doctor(self, abort_stale=abort_stale, unsafe=unsafe)
+
     # ------------------------------------------------------------------ stats and lifetime
 
     def stats(self) -> dict[str, Any]:
@@ -411,6 +510,8 @@ class TierCache:
         try:
             self.engine.close()
         finally:
+            for group_view in self._groups.values():
+                group_view.close()
             for t in self._tiers.values():
                 t.close()
 

@@ -4,6 +4,11 @@ It merges what the durable tiers hold (listing ``versions/`` and ``refs/`` on ea
 this process has staged but not yet made durable. When tiers disagree about a ref, the record
 with the highest ``seq`` wins: a ref is written to the fast tier first, and a rollback always
 writes a higher ``seq`` than the move it undoes.
+
+Several processes may share the tiers. Every ref write is a compare-and-swap that may only replace
+the head the move was based on (or this process's own moves since), so a commit whose branch was
+moved by another writer fails with :class:`ConflictError` instead of silently dropping that
+writer's version; this process then follows the new head.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, VersionNotFoundError
+from tiercache.failpoints import failpoint
 from tiercache.manifest import RefRecord, Version, parse_ref
 from tiercache.names import CHUNKS, REFS, VERSIONS, check_name, ref_key, version_key
 from tiercache.tiers.base import Tier
@@ -22,6 +28,8 @@ from tiercache.tiers.base import Tier
 log = logging.getLogger("tiercache.catalog")
 
 _MIN_PREFIX = 4
+#: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
+_CAS_ATTEMPTS = 8
 
 
 class Catalog:
@@ -40,7 +48,10 @@ class Catalog:
         self._refs: dict[tuple[str, str], RefRecord] = {}
         self._chunks: dict[str, set[str]] = {}
         self._ref_locks: dict[tuple[str, str], threading.Lock] = {}
-        self._tokens: dict[tuple[str, str], str] = {}
+        # Per (tier, ref key): the CAS token and record this process last saw or wrote there.
+        self._tokens: dict[tuple[str, str], tuple[str | None, RefRecord | None]] = {}
+        # Every ref move this process made -> the record it replaced in this process's view.
+        self._moves: dict[RefRecord, RefRecord | None] = {}
         self._loaded = False
 
     # ------------------------------------------------------------------ loading
@@ -92,7 +103,7 @@ class Catalog:
             except IntegrityError as e:
                 log.warning("ignoring damaged ref: %s", e)
                 continue
-            self._tokens[(name, key)] = got.token
+            self._tokens[(name, key)] = (got.token, rec)
             cur = self._refs.get((rec.kind, rec.name))
             if cur is None or rec.seq > cur.seq:
                 self._refs[(rec.kind, rec.name)] = rec
@@ -188,54 +199,124 @@ class Catalog:
             if cur is None or record.seq >= cur.seq:
                 self._refs[(record.kind, record.name)] = record
 
-    def write_ref(self, tier: str, record: RefRecord, *, only_if_newer: bool) -> bool:
-        """Write ``record`` to ``tier`` with compare-and-swap.
+    def note_move(self, record: RefRecord, base: RefRecord | None) -> None:
+        """Record that this process moves a ref from ``base`` (the head it saw) to ``record``.
+
+        ``TierCache.save`` calls this when it stages a version: the later commit of ``record``
+        on each tier may then replace ``base`` (or one of this process's own moves since), and
+        nothing else.
+        """
+        with self._lock:
+            self._moves[record] = base
+        self.set_ref(record)
+
+    def write_ref(self, tier: str, record: RefRecord) -> bool:
+        """Commit ``record`` to ``tier`` with compare-and-swap, never losing another writer's move.
+
+        The move may replace what the tier holds only if that is the head the move was based on
+        (see :meth:`note_move`; a move not noted is based on this process's current view), one
+        of this process's own earlier moves of the ref, or what this tier held when this process
+        last saw it while that is older than the base (a tier lagging behind another one).
 
         Args:
             tier: A durable tier name.
             record: The new content.
-            only_if_newer: Leave the ref alone (return False) if the tier already holds a record
-                with a higher ``seq`` (a rollback overtook this move).
 
         Returns:
-            Whether the ref was written.
+            Whether the ref now holds ``record``; ``False`` if a newer move of this process
+            (a rollback) already replaced it there, which is left alone.
 
         Raises:
-            ConflictError: If another writer moved the ref (or the tag exists elsewhere).
+            ConflictError: If another writer moved the ref (or the tag exists elsewhere); this
+                process's view then follows the tier, so the next save on the branch has the
+                new head as its parent.
         """
         key = ref_key(record.kind, record.name)
         lk = (tier, key)
         with self._lock:
             lock = self._ref_locks.setdefault(lk, threading.Lock())
+            if record not in self._moves:
+                self._moves[record] = self._refs.get((record.kind, record.name))
         t = self._tiers[tier]
         with lock:
-            token = self._tokens.get(lk)
-            if token is None:
-                got = t.read_ref(key)
-                if got is not None:
-                    cur = RefRecord.from_json(got.data, source=f"{tier}:{key}")
-                    if cur == record:
-                        self._tokens[lk] = got.token
-                        return True
-                    if record.kind == "tag":
-                        raise ConflictError(f"tag {record.name!r} already points at {cur.version}")
-                    if only_if_newer and cur.seq > record.seq:
-                        return False
-                    token = got.token
-            try:
-                self._tokens[lk] = t.write_ref(key, record.to_json(), expect=token)
-            except ConflictError:
-                self._tokens.pop(lk, None)
-                got = t.read_ref(key)
-                if got is not None:
-                    cur = RefRecord.from_json(got.data, source=f"{tier}:{key}")
-                    if cur == record:
-                        self._tokens[lk] = got.token
-                        return True
-                    if only_if_newer and cur.seq > record.seq:
-                        return False
-                raise
-            return True
+            token, cur = self._tokens.get(lk, (None, None))
+            for _ in range(_CAS_ATTEMPTS):
+                if cur == record:
+                    self._tokens[lk] = (token, cur)
+                    return True
+                if not self._may_replace(lk, record, cur):
+                    return False
+                failpoint("catalog.before_ref_write")
+                try:
+                    new_token = t.write_ref(key, record.to_json(), expect=token)
+                except ConflictError:
+                    # A stale cached token, a racing writer or a write whose response was lost:
+                    # judge again on what the tier holds now.
+                    token, cur = self._read_ref(tier, key)
+                    continue
+                self._tokens[lk] = (new_token, record)
+                failpoint("catalog.after_ref_write")
+                return True
+            raise ConflictError(f"{key} on {tier} kept changing under {_CAS_ATTEMPTS} compare-and-swap attempts")
+
+    def _read_ref(self, tier: str, key: str) -> tuple[str | None, RefRecord | None]:
+        got = self._tiers[tier].read_ref(key)
+        if got is None:
+            return None, None
+        return got.token, RefRecord.from_json(got.data, source=f"{tier}:{key}")
+
+    def _may_replace(self, lk: tuple[str, str], record: RefRecord, cur: RefRecord | None) -> bool:
+        """Whether ``record`` may replace ``cur`` on a tier (True), must leave it (False), or conflicts.
+
+        Raises:
+            ConflictError: If ``cur`` is another writer's move.
+        """
+        with self._lock:
+            chain = self._base_chain(record)
+            if cur in chain:
+                return True
+            root = chain[-1]
+            _, seen = self._tokens.get(lk, (None, None))
+            if cur == seen and root is not None and (cur is None or cur.seq < root.seq):
+                return True  # this tier lags behind the head we built on, and nobody moved it since
+            if cur is not None and cur in self._moves and cur.seq > record.seq:
+                return False  # our own later move (a rollback) overtook this one
+            self._follow(lk[0], record, cur)
+        if record.kind == "tag":
+            other = cur.version if cur is not None else None
+            raise ConflictError(f"tag {record.name!r} already points at {other}: tags never move")
+        where = f"{cur.version} (seq {cur.seq})" if cur is not None else "nothing (it was deleted)"
+        raise ConflictError(
+            f"branch {record.name!r} on {lk[0]} was moved by another writer to {where}: version "
+            f"{record.version} is stored but not on the branch; save again to build on the new head"
+        )
+
+    def _base_chain(self, record: RefRecord) -> list[RefRecord | None]:
+        """The heads ``record`` may replace: its base, then the bases of this process's own moves before it."""
+        out: list[RefRecord | None] = []
+        base = self._moves.get(record)
+        while len(out) <= len(self._moves):
+            out.append(base)
+            if base is None or base not in self._moves:
+                break
+            base = self._moves[base]
+        return out
+
+    def _follow(self, tier: str, record: RefRecord, cur: RefRecord | None) -> None:
+        """After a lost compare-and-swap, make another writer's head this process's view of the ref."""
+        if cur is None:
+            return
+        self._refs[(cur.kind, cur.name)] = cur
+        vid: str | None = cur.version
+        while vid is not None and vid not in self._versions:
+            data = self._tiers[tier].get(version_key(vid))
+            if data is None:
+                break
+            v = Version.from_json(data, source=f"{tier}:{version_key(vid)}")
+            self._versions[vid] = v
+            self._on_tier[tier].add(vid)
+            vid = v.parent
+        log.info("%s: another writer moved %s/%s to %s; following it", tier, record.kind, record.name, cur.version)
 
     # ------------------------------------------------------------------ resolution
 

@@ -505,6 +505,124 @@ def tag(
     _ref_verb(ctx, "tag", name, lambda cache: cache.tag(name, ref))
 
 
+@app.command("verify")
+def verify(
+    ctx: typer.Context,
+    ref: Annotated[str | None, typer.Argument(help="Check only this version (default: every version).")] = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Rewrite each bad copy from a good one.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check every copy of every chunk and manifest on every durable tier (exit 1 if any is bad)."""
+    with _session(ctx) as cache:
+        report = cache.verify(ref, repair=repair)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for d in report.damage:
+            fix = f" -> repaired from {d.repaired_from}" if d.repaired_from else ""
+            typer.echo(f"{d.problem}: {d.tier}:{d.key} ({d.detail}){fix}")
+        for key in report.unrepairable:
+            typer.echo(f"no good copy on any tier: {key}")
+        bad = len(report.damage)
+        typer.echo(f"verified {report.versions} version(s), {report.chunks} chunk(s), {report.copies} copies: "
+                   f"{bad} bad, {report.repaired} repaired")
+        if bad and not repair:
+            typer.echo("run `tiercache verify --repair` to rewrite bad copies from good ones")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command("gc")
+def gc(
+    ctx: typer.Context,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; delete nothing.")] = False,
+    grace: Annotated[
+        float | None, typer.Option("--grace", help="Keep unreferenced objects younger than SECONDS.", metavar="SECONDS")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Delete versions no branch or tag reaches (through parents) and chunks no manifest names."""
+    with _session(ctx) as cache:
+        report = cache.gc(dry_run=dry_run, grace=grace)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        return
+    verb = "would free" if dry_run else "freed"
+    for name in report.bytes_freed:
+        typer.echo(f"{name}: {report.manifests[name]} manifest(s), {report.chunks[name]} chunk(s), "
+                   f"{human_bytes(report.bytes_freed[name])}")
+    typer.echo(f"gc {verb} {len(report.versions)} version(s), {human_bytes(report.total_bytes)}; "
+               f"{report.spared} unreferenced object(s) younger than {report.grace:g} s kept")
+
+
+@app.command("doctor")
+def doctor(
+    ctx: typer.Context,
+    abort_stale: Annotated[
+        float | None,
+        typer.Option("--abort-stale", help="Abort multipart uploads older than AGE seconds.", metavar="AGE"),
+    ] = None,
+    unsafe: Annotated[
+        bool, typer.Option("--unsafe", help="Accept a store that ignores conditional writes (single writer only).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Probe the S3 endpoint (conditional writes, read-after-write); list or abort stale multipart uploads."""
+    with _session(ctx) as cache:
+        report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for check, passed in sorted(report.probe.items()):
+            typer.echo(f"{'ok  ' if passed else 'FAIL'} {check}")
+        for u in report.uploads:
+            state = "aborted" if u.aborted else "left"
+            typer.echo(f"multipart upload {u.upload_id} of {u.key}: {u.age:.0f} s old, {state}")
+        for problem in report.problems:
+            typer.echo(f"problem: {problem}")
+        typer.echo("doctor: OK" if report.ok else "doctor: remote ref commits are refused on this store")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _rate(entry: Mapping[str, Any] | None) -> str:
+    bps = entry.get("bps") if entry else None
+    return f"{human_bytes(int(bps))}/s" if bps else "-"
+
+
+@app.command("stats")
+def stats(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON.")] = False,
+) -> None:
+    """Show observed throughput per tier and direction, codec ratios, and capacity/usage per tier."""
+    with _session(ctx) as cache:
+        data = cache.stats()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    observed = data["meter"]["tiers"]
+    table = Table(box=None, header_style="bold")
+    for name in ("tier", "used", "capacity", "read", "write"):
+        table.add_column(name, justify="left" if name == "tier" else "right", no_wrap=True)
+    for name, usage in data["tiers"].items():
+        cap = usage["capacity"]
+        seen = observed.get(name, {})
+        table.add_row(name, human_bytes(usage["used_bytes"]), "-" if cap is None else human_bytes(cap),
+                      _rate(seen.get("read")), _rate(seen.get("write")))
+    console = Console(highlight=False)
+    console.print(table)
+    if data["meter"]["codecs"]:
+        codecs = Table(box=None, header_style="bold")
+        for name in ("codec", "ratio", "encode", "chunks"):
+            codecs.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
+        for name, c in data["meter"]["codecs"].items():
+            ratio = c.get("ratio")
+            codecs.add_row(name, "-" if ratio is None else f"{ratio:.3f}", _rate({"bps": c.get("encode_bps")}),
+                           str(c.get("chunks", 0)))
+        console.print(codecs)
+
+
 def main() -> None:
     """Entry point of the ``tiercache`` console script and ``python -m tiercache``."""
     app(prog_name="tiercache")

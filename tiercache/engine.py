@@ -24,9 +24,11 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from datetime import UTC, datetime
+from typing import Literal, Protocol
 
 import torch
 
@@ -36,14 +38,16 @@ from tiercache.config import CacheConfig
 from tiercache.errors import (
     CacheClosedError,
     ConfigError,
+    ConflictError,
     InvalidArgumentError,
     SkippedError,
     TierCacheError,
     TierFullError,
 )
+from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
 from tiercache.layout import Layout, plan_layout
-from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id
 from tiercache.names import chunk_key, version_key
 from tiercache.policy.base import CodecView, Policy, PolicyContext, TierPlan, TierStats, VersionView
 from tiercache.policy.meter import ThroughputMeter
@@ -58,6 +62,22 @@ LEVELS: tuple[str, ...] = ("staged", "local", "remote", "durable")
 TIER_LEVEL = {"disk": "local", "s3": "remote"}
 _FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 _FLOAT_NAMES = {"float64", "float32", "float16", "bfloat16"}
+
+
+_FLOAT_SHARES: dict[str, float] = {}
+"""Share of float bytes per version id: manifests never change, and summing ~1000 tensor entries
+for every known version on every policy decision would dominate the decision's cost."""
+
+
+def _float_share(version: Version) -> float:
+    share = _FLOAT_SHARES.get(version.id)
+    if share is None:
+        floats = sum(t.nbytes for t in version.tensors if t.dtype in _FLOAT_NAMES)
+        share = floats / version.nbytes if version.nbytes else 0.0
+        if len(_FLOAT_SHARES) >= 1 << 16:
+            _FLOAT_SHARES.clear()
+        _FLOAT_SHARES[version.id] = share
+    return share
 
 
 class SaveHandle:
@@ -97,6 +117,23 @@ class SaveHandle:
         return f"SaveHandle({self.version}, {states})"
 
 
+class Committer(Protocol):
+    """Commits one version for a group of processes in place of the engine (multi-rank saves).
+
+    A tier's writer thread calls :meth:`owned` before writing the version's chunks and
+    :meth:`commit` once its chunks are durable; the engine then completes that level. Both may
+    block while the group agrees, and raise to fail the level.
+    """
+
+    def owned(self, tier: str) -> Collection[str]:
+        """Ids of the version's chunks this process writes to ``tier`` (the others write the rest)."""
+        ...
+
+    def commit(self, tier: str) -> None:
+        """Return once the group's manifest and ref are committed on ``tier``; raise if they are not."""
+        ...
+
+
 @dataclass
 class _Job:
     """One version on its way through the pipeline."""
@@ -110,12 +147,19 @@ class _Job:
     created_at: float
     flat: Flat
     layout: Layout
-    regions: list[Region]
+    regions: list[Region | None]
     futures: dict[str, Future[str]]
     manifest: Version | None = None
     chunk_keys: list[str] = field(default_factory=list)
+    #: One future per chunk, resolved with its id as soon as it is hashed, so writers start on
+    #: a chunk while later ones are still being hashed.
+    ready: list[Future[str]] = field(default_factory=list)
+    #: Resolved with the manifest once every chunk is hashed.
+    published: Future[Version] = field(default_factory=Future)
     pending: set[str] = field(default_factory=set)
     nbytes: int = 0
+    #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
+    committer: Committer | None = None
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
         float_bytes = sum(m.nbytes for m in self.flat.metas if m.dtype in _FLOAT_NAMES)
@@ -188,9 +232,24 @@ class Engine:
     # ------------------------------------------------------------------ training thread
 
     def stage(
-        self, state: object, *, step: int, branch: str, meta: dict, parent: str | None, seq: int
+        self,
+        state: object,
+        *,
+        step: int,
+        branch: str,
+        meta: dict,
+        parent: str | None,
+        seq: int,
+        version_id: str | None = None,
+        chunk_bytes: int | None = None,
+        committer: Committer | None = None,
     ) -> SaveHandle:
         """Copy ``state`` into the arena and start writing it; return the handle.
+
+        ``version_id``, ``chunk_bytes`` and ``committer`` serve multi-rank saves
+        (:mod:`tiercache.distributed`): the group's agreed version id, a chunk size that splits
+        replicated tensors among the ranks, and the committer that writes the manifest and ref
+        for the whole group in place of this engine.
 
         Raises:
             CacheClosedError: If the cache is closed.
@@ -202,18 +261,19 @@ class Engine:
             raise CacheClosedError("the cache is closed: open a new one to save")
         self.raise_background_error()
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        layout = self._layout(flat)
-        vid = new_version_id()
+        layout = self._layout(flat, chunk_bytes or self.config.chunk_bytes)
+        vid = version_id or new_version_id()
         futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
         job = _Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
-                   nbytes=sum(m.nbytes for m in flat.metas))
+                   nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
         regions = self._reserve(layout, job)
         if regions is None:
             err = SkippedError(f"version at step {step} skipped: the RAM arena is full and the policy said skip")
             for f in futures.values():
                 f.set_exception(err)
             return SaveHandle(vid, futures)
-        job.regions = regions
+        job.regions = list(regions)
+        job.ready = [Future() for _ in regions]
         try:
             self._copy_in(flat, layout, regions)
         except BaseException:
@@ -231,15 +291,16 @@ class Engine:
         self._hasher.submit(self._after_stage, job)
         return SaveHandle(vid, futures)
 
-    def _layout(self, flat: Flat) -> Layout:
-        layout = self._layouts.get(flat.structure_key)
+    def _layout(self, flat: Flat, chunk_bytes: int) -> Layout:
+        cache_key = (flat.structure_key, chunk_bytes)
+        layout = self._layouts.get(cache_key)
         if layout is None:
             sizes = [m.nbytes for m in flat.metas]
             items = [t.element_size() if t.dtype in _FLOAT_DTYPES else 1 for t in flat.tensors]
-            layout = plan_layout(sizes, items, chunk_bytes=self.config.chunk_bytes, pack_below=self.config.pack_below)
+            layout = plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self.config.pack_below)
             if len(self._layouts) > 16:
                 self._layouts.clear()
-            self._layouts[flat.structure_key] = layout
+            self._layouts[cache_key] = layout
         return layout
 
     def ensure_arena(self, staged_bytes: int = 0) -> RamTier:
@@ -333,12 +394,13 @@ class Engine:
     # ------------------------------------------------------------------ background
 
     def _after_stage(self, job: _Job) -> None:
+        # Place first and hand the version to the writers right away: they write each chunk as
+        # soon as it is hashed instead of waiting for the whole version.
         try:
-            self._hash_and_publish(job)
+            targets = self._placement(job)
         except BaseException as e:
-            self._fail_job(job, e, list(LEVELS[1:]))
+            self._fail_job(job, e, list(LEVELS[1:]), staging_failed=True)
             return
-        targets = self._placement(job)
         with self._lock:
             job.pending = set(targets)
         for name in self.tiers:
@@ -346,22 +408,42 @@ class Engine:
                 lvl = TIER_LEVEL.get(name)
                 if lvl and not job.futures[lvl].done():
                     job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} not placed on {name}"))
+        for name in targets:
+            self._queues[name].put(job)
+        try:
+            self._hash_and_publish(job)
+        except BaseException as e:
+            for f in [*job.ready, job.published]:
+                if not f.done():
+                    f.set_exception(e)
+            self._fail_job(job, e, list(LEVELS[1:]), staging_failed=True)
+            return
         if not targets:
             self._check_durable(job)
             self._release(job)
-            return
-        for name in targets:
-            self._queues[name].put(job)
 
     def _hash_and_publish(self, job: _Job) -> None:
+        assert self.arena is not None and self.ram is not None
         algo = self.config.hash
         hdr = codecs.HEADER_BYTES
         ids: list[str] = []
-        for c, r in zip(job.layout.chunks, job.regions, strict=True):
-            buf = self.arena.buffer(r)
+        for i, c in enumerate(job.layout.chunks):
+            region = job.regions[i]
+            assert region is not None
+            buf = self.arena.buffer(region)
             cid = codecs.content_id(buf[hdr : hdr + c.nbytes], algo)
             codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, "raw/1", c.itemsize, algo))
+            key = chunk_key(cid)
+            with self._lock:
+                # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
+                self.ram.adopt(key, region, hdr + c.nbytes)
+                job.regions[i] = None
+                self._pins[key] = self._pins.get(key, 0) + 1
+                self._ram_lru.pop(key, None)
+                job.chunk_keys.append(key)
+            self.catalog.note_chunks("ram", [cid])
             ids.append(cid)
+            job.ready[i].set_result(cid)
         tensors = []
         for i, m in enumerate(job.flat.metas):
             pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
@@ -371,24 +453,16 @@ class Engine:
             )
         manifest = Version(
             id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
-            created_at=utcnow(), meta=job.meta, hash_algo=algo,
+            created_at=datetime.fromtimestamp(job.created_at, UTC), meta=job.meta, hash_algo=algo,
             chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
             tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
         )
-        keys = [chunk_key(cid) for cid in ids]
         with self._lock:
-            for key, c, r in zip(keys, job.layout.chunks, job.regions, strict=True):
-                if not self.ram.adopt(key, r, codecs.HEADER_BYTES + c.nbytes):
-                    pass  # already staged by an earlier version: the tier freed our copy (dedup)
-                self._pins[key] = self._pins.get(key, 0) + 1
-                self._ram_lru.pop(key, None)
             self.ram.put(version_key(job.version_id), manifest.to_json())
-        job.regions = []
-        job.chunk_keys = keys
         job.manifest = manifest
         job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
         self.catalog.add(manifest, "ram")
-        self.catalog.note_chunks("ram", ids)
+        job.published.set_result(manifest)
         self._notify_arena()
 
     def _placement(self, job: _Job) -> list[str]:
@@ -414,7 +488,6 @@ class Engine:
 
     def _write_version(self, name: str, job: _Job) -> None:
         tier = self.tiers[name]
-        assert job.manifest is not None
         with self._lock:
             if name not in job.pending:
                 return  # coalesced away while queued (see _coalesce), already settled there
@@ -426,19 +499,46 @@ class Engine:
             self._skip_tier(name, job, plan.reason or "policy decision")
             return
         have = self.catalog.chunks_on(name)
-        todo = [(k, c) for k, c in zip(job.chunk_keys, job.manifest.chunks, strict=True) if c.id not in have]
-        seen: set[str] = set()
-        uniq = [(k, c) for k, c in todo if not (c.id in seen or seen.add(c.id))]  # type: ignore[func-returns-value]
-        futs = [self._io[name].submit(self._put_chunk, name, tier, k, plan.codec) for k, _ in uniq]
+        # A multi-rank version: write only the chunks the group gave this rank (waits for the group).
+        mine = job.committer.owned(name) if job.committer is not None else None
+        written: set[str] = set()
+        futs = []
+        for ready in job.ready:
+            cid = ready.result()  # raises the hashing error, failing this level
+            if cid in have or cid in written or (mine is not None and cid not in mine):
+                continue
+            written.add(cid)
+            futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
         for f in futs:
             f.result()
-        self.catalog.note_chunks(name, [c.id for _, c in uniq])
-        tier.put(version_key(job.version_id), job.manifest.to_json())
+        self.catalog.note_chunks(name, written)
+        if job.committer is not None:
+            job.committer.commit(name)  # the group's rank 0 writes the merged manifest and moves the ref
+            self._tier_done(name, job)
+            return
+        manifest = job.published.result()
+        tier.put(version_key(job.version_id), manifest.to_json())
         self.catalog.mark_on(name, job.version_id)
+        failpoint("engine.after_manifest_write")
         rec = RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq)
-        self.catalog.write_ref(name, rec, only_if_newer=True)
+        try:
+            self.catalog.write_ref(name, rec)
+        except ConflictError as e:
+            # Another writer moved the branch: the version stays stored but off the branch. Only
+            # this level fails (it is no background error: the handle reports it, and the next
+            # save builds on the new head).
+            log.warning("version %s not committed on %s: %s", job.version_id, name, e)
+            if lvl:
+                job.futures[lvl].set_exception(e)
+            self._done_with(job, name)
+            return
+        self._tier_done(name, job)
+
+    def _tier_done(self, name: str, job: _Job) -> None:
+        """Complete ``job``'s level for tier ``name`` once its manifest and ref are committed there."""
         if name == "s3":
             self._last_remote = time.time()
+        lvl = TIER_LEVEL.get(name)
         if lvl:
             job.futures[lvl].set_result(job.version_id)
         if not job.futures["durable"].done():
@@ -455,6 +555,7 @@ class Engine:
         t0 = time.perf_counter()
         tier.put(key, data)
         self.meter.record(name, "write", len(data), time.perf_counter() - t0)
+        failpoint("engine.after_chunk_write")
 
     def _encode(self, view: memoryview, codec: str) -> bytes:
         hdr = codecs.read_header(view[: codecs.HEADER_BYTES])
@@ -471,18 +572,21 @@ class Engine:
 
     # ------------------------------------------------------------------ completion
 
-    def _fail_job(self, job: _Job, err: BaseException, levels: list[str]) -> None:
+    def _fail_job(self, job: _Job, err: BaseException, levels: list[str], *, staging_failed: bool = False) -> None:
         log.error("saving version %s failed: %s", job.version_id, err)
         for lvl in levels:
             if lvl and not job.futures[lvl].done():
                 job.futures[lvl].set_exception(err)
         with self._lock:
-            if self._error is None and not isinstance(err, SkippedError):
+            # A multi-rank version's error reaches every rank through the group's handle instead.
+            if self._error is None and not isinstance(err, SkippedError) and job.committer is None:
                 self._error = err
-        if job.manifest is None:
-            for r in job.regions:
-                self.arena.free(r)
-            job.regions = []
+        # Only the hasher (the owner of not-yet-adopted regions) may free them.
+        if staging_failed and self.arena is not None:
+            for i, r in enumerate(job.regions):
+                if r is not None:
+                    self.arena.free(r)
+                    job.regions[i] = None
             with self._lock:
                 self._jobs.pop(job.version_id, None)
             self._notify_arena()
@@ -631,19 +735,14 @@ class Engine:
         by_job = {j.version_id: j for j in jobs}
         views: dict[str, VersionView] = {}
         for v in self.catalog.all():
-            tiers = frozenset(self.catalog.residency(v))
             job = by_job.get(v.id)
-            if job is not None:
+            views[v.id] = VersionView(
+                id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes,
                 # The job knows when save() was called; the manifest only when hashing finished.
-                view = dataclasses.replace(job.view(tiers), pending=job_pending[v.id], pinned=v.id in pinned)
-            else:
-                floats = sum(t.nbytes for t in v.tensors if t.dtype in _FLOAT_NAMES)
-                view = VersionView(
-                    id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=v.created_at.timestamp(),
-                    tiers=tiers, pinned=v.id in pinned, meta=v.meta,
-                    float_fraction=floats / v.nbytes if v.nbytes else 0.0,
-                )
-            views[v.id] = view
+                created_at=job.created_at if job is not None else v.created_at.timestamp(),
+                tiers=frozenset(self.catalog.residency(v)), pending=job_pending.get(v.id, frozenset()),
+                pinned=v.id in pinned, meta=v.meta, float_fraction=_float_share(v),
+            )
         for job in jobs:  # still hashing: not in the catalog yet
             if job.version_id not in views:
                 views[job.version_id] = dataclasses.replace(job.view(), pending=job_pending[job.version_id])
@@ -780,4 +879,8 @@ class Engine:
         for pool in self._io.values():
             pool.shutdown()
         self._hasher.shutdown()
+        if self.ram is not None:
+            self.ram.close()
+        if self.arena is not None:
+            self.arena.close()
         self.raise_background_error()

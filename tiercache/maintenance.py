@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from tiercache.errors import ConfigError, IntegrityError, TierCacheError
+from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.manifest import RefRecord, Version
 from tiercache.names import CHUNKS, REFS, VERSIONS, chunk_key, version_key
+from tiercache.policy.meter import ThroughputMeter
 from tiercache.restore import Reader
 from tiercache.tiers.base import Tier
 from tiercache.tiers.disk import DiskTier
@@ -117,19 +118,10 @@ def _check_chunk(tier: Tier, chunk_id: str, nbytes: int, algo: str) -> bytes:
     Raises:
         IntegrityError: If the copy is missing or does not match its id.
     """
-    # A reader over this tier alone: the same decode-and-verify code path as every restore.
-    only = Reader(lambda: {tier.name: tier}, lambda _t, _c: True, _NullMeter(), 1)
+    # A reader over this tier alone: the same decode-and-verify code as every restore. Its meter
+    # is a throwaway one: read_object records nothing, and verify's reads must not steer policy.
+    only = Reader(lambda: {tier.name: tier}, lambda _t, _c: True, ThroughputMeter(), 1)
     return only.read_object(chunk_id, nbytes, algo)[0]
-
-
-class _NullMeter:
-    """Verification reads are not transfers the policy should learn from."""
-
-    def record(self, *_args: object) -> None:
-        """Ignore a transfer."""
-
-    def rate(self, *_args: object) -> None:
-        """No rate is known."""
 
 
 def verify(cache: TierCache, ref: str | None = None, *, repair: bool = False) -> VerifyReport:
@@ -172,7 +164,7 @@ def verify(cache: TierCache, ref: str | None = None, *, repair: bool = False) ->
             _check_chunk(tiers[name], cid, nbytes, algo)
             return None
         except IntegrityError as e:
-            problem: Literal["missing", "damaged"] = "missing" if cid not in listed[name] else "damaged"
+            problem: Literal["missing", "damaged"] = "damaged" if tiers[name].exists(key) else "missing"
             return Damage(name, key, problem, str(e))
         except TierCacheError as e:
             return Damage(name, key, "damaged", f"{type(e).__name__}: {e}")
@@ -382,8 +374,6 @@ def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -
     Raises:
         InvalidArgumentError: If ``grace`` is negative.
     """
-    from tiercache.errors import InvalidArgumentError
-
     grace = cache.config.gc_grace if grace is None else grace
     if grace < 0:
         raise InvalidArgumentError(f"gc grace must be >= 0 seconds, got {grace}")
@@ -434,8 +424,6 @@ def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -
             for key in keys:
                 tier.delete(key)
             cache.catalog.note_chunks(name, [k.rsplit("/", 1)[-1] for k in keys], present=False)
-            if isinstance(tier, DiskTier):
-                tier.sweep_tmp(max(grace, 1.0))
     if not dry_run:
         cache.engine.evict_ram([k for keys in chunks.values() for k in keys])
     report = GcReport(dry_run, grace, tuple(dead), {n: len(k) for n, k in manifests.items()},
@@ -448,9 +436,9 @@ def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -
 def _forget(cache: TierCache, dead: list[str]) -> None:
     """Drop collected versions from the catalog so ``ls`` and ref resolution no longer see them."""
     cat = cache.catalog
-    with cat._lock:  # noqa: SLF001 - the catalog has no public removal yet (asked of its owner)
+    with cat._lock:  # the catalog has no public removal yet (asked of its owner)
         for vid in dead:
-            cat._versions.pop(vid, None)  # noqa: SLF001
+            cat._versions.pop(vid, None)
             cat.mark_on("ram", vid, present=False)
 
 
@@ -543,8 +531,6 @@ def doctor(cache: TierCache, *, abort_stale: float | None = None, unsafe: bool =
         ConfigError: If the cache has no S3 tier.
         InvalidArgumentError: If ``abort_stale`` is negative.
     """
-    from tiercache.errors import InvalidArgumentError
-
     s3 = cache.engine.tiers.get("s3")
     if s3 is None or cache.config.s3 is None:
         raise ConfigError("doctor checks the S3 tier and this cache has none: add an [s3] table to the config")

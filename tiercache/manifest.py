@@ -80,6 +80,23 @@ class TensorEntry(_Model):
     pieces: tuple[Piece, ...]
 
 
+class RankPart(_Model):
+    """One rank's part of a multi-rank version (see :mod:`tiercache.distributed`).
+
+    Attributes:
+        first: Index in :attr:`Version.tensors` of the rank's first tensor; its tensors are a
+            contiguous run of the table.
+        count: How many tensors the rank saved.
+        tree: The rank's object tree, its tensor indices counted from 0 within its run.
+        pickled: Whether some leaf of the rank's state was stored with pickle.
+    """
+
+    first: int = Field(ge=0)
+    count: int = Field(ge=0)
+    tree: Any
+    pickled: bool = False
+
+
 class Version(_Model):
     """The manifest of one checkpoint version.
 
@@ -97,6 +114,9 @@ class Version(_Model):
         tree: The object tree (JSON) with tensors replaced by their indices.
         pickled: Whether some leaf was stored with pickle (restore then needs ``allow_pickle``).
         nbytes: Total tensor bytes.
+        parts: For a version saved by several ranks, each rank's part in rank order (the tree
+            is then the list of the ranks' states); empty for a single-process version, and then
+            left out of the stored JSON so that older readers still parse it.
     """
 
     schema_version: Literal[1] = MANIFEST_SCHEMA
@@ -112,6 +132,7 @@ class Version(_Model):
     tree: Any
     pickled: bool = False
     nbytes: int = Field(ge=0)
+    parts: tuple[RankPart, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> Version:
@@ -138,11 +159,18 @@ class Version(_Model):
             total += t.nbytes
         if total != self.nbytes:
             raise ValueError(f"nbytes {self.nbytes} is not the sum of the tensors ({total})")
+        end = 0
+        for r, part in enumerate(self.parts):
+            if part.first != end or part.first + part.count > len(self.tensors):
+                raise ValueError(f"rank part {r} does not follow the previous one inside the tensor table")
+            end = part.first + part.count
+        if self.parts and end != len(self.tensors):
+            raise ValueError(f"rank parts cover {end} of {len(self.tensors)} tensors")
         return self
 
     def to_json(self) -> bytes:
         """Serialize for storage."""
-        return self.model_dump_json().encode()
+        return self.model_dump_json(exclude=None if self.parts else {"parts"}).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, source: str = "manifest") -> Version:

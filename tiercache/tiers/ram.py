@@ -133,8 +133,8 @@ class Arena:
 
     Args:
         capacity: Size of the arena in bytes (rounded down to a multiple of 4096).
-        pin: Page-lock the memory (``pin_memory``) when CUDA is available, so GPU copies into
-            it can run asynchronously.
+        pin: Page-lock the memory (``cudaHostRegister``) when CUDA is available, so GPU copies
+            into it can run asynchronously; falls back to pageable memory if registering fails.
     """
 
     def __init__(self, capacity: int, *, pin: bool = False) -> None:

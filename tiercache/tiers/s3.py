@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import logging
 import random
+import sys
 import threading
 import time
 import uuid
@@ -123,6 +125,32 @@ def _total_length(resp: dict[str, Any]) -> int | None:
     return None
 
 
+if sys.implementation.name == "cpython":
+    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _new_bytes.restype = ctypes.py_object
+    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # offsetof(PyBytesObject, ob_sval)
+
+    def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
+        """Return a new, uninitialised ``bytes`` of length ``n`` and a writable view of its storage.
+
+        ``get`` streams the object straight into the ``bytes`` it returns, which saves zeroing a
+        buffer and copying it again (two full passes over up to a chunk of memory). The object is
+        private until it is filled: nothing else holds it and its hash has not been computed.
+        """
+        if n == 0:
+            return b"", memoryview(bytearray())
+        obj = _new_bytes(None, n)
+        view = memoryview((ctypes.c_char * n).from_address(id(obj) + _BYTES_DATA_OFFSET)).cast("B")
+        return obj, view
+
+else:  # pragma: no cover - other interpreters fill a bytearray and copy it once
+
+    def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
+        buf = bytearray(n)
+        return buf, memoryview(buf)  # type: ignore[return-value]
+
+
 class _ViewReader:
     """A seekable file object over a memoryview whose ``read`` returns zero-copy slices.
 
@@ -216,12 +244,17 @@ class S3Tier(Tier):
             self._once = self._make_client(session, region, attempts=1)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="tiercache-s3")
         self._cond_delete: bool | None = None
+        self._cas_ok: bool | None = None  # conditional PUTs enforced? probed before the first ref write
         self._probe_lock = threading.Lock()
         try:
             self._check_bucket()
         except BaseException:
             self.close()
             raise
+        # Learn now whether refs can be committed safely, so no ref write pays for the probe; with
+        # read-only credentials the probe fails and is retried before the first ref write.
+        with contextlib.suppress(TierCacheError):
+            self._require_conditional_writes(None)
 
     # ------------------------------------------------------------------ setup
 
@@ -337,7 +370,7 @@ class S3Tier(Tier):
         """Return the whole object, or ``None``; large objects arrive as parallel ranged GETs."""
         full = self._full(key)
         got = self._read(full, key, 0, None)
-        return None if got is None else bytes(got[0])
+        return None if got is None else bytes(got[0]) if isinstance(got[0], bytearray) else got[0]
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
         """Stream bytes ``[offset, offset + len(out))`` of the object into ``out``."""
@@ -370,8 +403,8 @@ class S3Tier(Tier):
             end = total if out is None else min(total, offset + len(out))
             avail = max(0, end - offset)
             etag = resp.get("ETag")
-            buf: Any = bytearray(avail) if out is None else out
-            view = memoryview(buf)
+            buf: Any
+            buf, view = _fresh_bytes(avail) if out is None else (out, out)
             first = min(avail, want)
             cancel = threading.Event()
             futures = [
@@ -591,6 +624,14 @@ class S3Tier(Tier):
         except (bce.BotoCoreError, bce.ClientError) as e:
             raise self._error(e, "list", prefix) from e
 
+    def list_dated(self, prefix: str = "") -> list[tuple[str, int, datetime]]:
+        """Return ``(key, size, last modified)`` of every object under ``prefix``, sorted by key.
+
+        One listing gives what ``gc`` needs to honour its grace period without a HEAD per object.
+        """
+        n = len(self._root)
+        return sorted((obj["Key"][n:], int(obj["Size"]), obj["LastModified"]) for obj in self._objects(prefix))
+
     def list(self, prefix: str = "") -> list[str]:
         """Return every key under ``prefix`` (relative to the tier's prefix), sorted."""
         n = len(self._root)
@@ -633,8 +674,12 @@ class S3Tier(Tier):
         A failure that may hide a landed write (a 412 after the SDK retried a lost response, or a
         transport error after the last attempt) is resolved by reading the ref back: if it carries
         this call's write id, the write landed and its ETag is returned.
+
+        Raises:
+            ConfigError: If the store ignores conditional writes and ``s3.allow_unsafe_refs`` is off.
         """
         full = self._full(key)
+        self._require_conditional_writes(key)
         data = bytes(data)
         write_id = uuid.uuid4().hex
         cond = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect}
@@ -722,6 +767,26 @@ class S3Tier(Tier):
             except bce.BotoCoreError as e:
                 raise self._error(e, "delete_ref", key) from e
 
+    def _require_conditional_writes(self, key: str | None) -> None:
+        """Refuse to commit a ref on a store that ignores conditional PUTs (probed once per tier).
+
+        With ``key=None`` (at open) only the probe runs; nothing is refused yet.
+        """
+        if self._cfg.allow_unsafe_refs:
+            return
+        if self._cas_ok is None:
+            with self._probe_lock:
+                if self._cas_ok is None:
+                    probe = self._probe(delete_only=False)
+                    self._cond_delete = probe["delete_if_match"]
+                    self._cas_ok = probe["if_none_match"] and probe["if_match"]
+        if not self._cas_ok and key is not None:
+            raise ConfigError(
+                f"refusing to commit ref {key!r}: {self._endpoint} ignores conditional writes (If-None-Match/"
+                "If-Match), so another writer's ref could be silently overwritten; use a store that enforces "
+                "them, or set s3.allow_unsafe_refs = true if only one writer uses this prefix (see `tiercache doctor`)"
+            )
+
     def _conditional_delete_supported(self) -> bool:
         if self._cond_delete is None:
             with self._probe_lock:
@@ -747,6 +812,7 @@ class S3Tier(Tier):
         """
         result = self._probe(delete_only=False)
         self._cond_delete = result["delete_if_match"]
+        self._cas_ok = result["if_none_match"] and result["if_match"]
         return result
 
     def _probe(self, *, delete_only: bool) -> dict[str, bool]:
@@ -785,6 +851,8 @@ class S3Tier(Tier):
                 etag = c.head_object(Bucket=bucket, Key=scratch)["ETag"]
                 stale = refused(c.put_object, Body=b"probe-3", IfMatch=_STALE_ETAG)
                 current = refused(c.put_object, Body=b"probe-4", IfMatch=etag)
+                if current is True and (self._get_whole(scratch, _PROBE_PREFIX) or (b"",))[0] == b"probe-4":
+                    current = False  # it landed; the 412 answered the SDK's retry after a lost response
                 result["if_match"] = stale is True and current is False
             result["delete_if_match"] = refused(c.delete_object, IfMatch=_STALE_ETAG) is True and exists()
         except (bce.BotoCoreError, bce.ClientError) as e:

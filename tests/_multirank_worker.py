@@ -1,0 +1,182 @@
+"""Entry point of one rank in the multi-rank tests: ``python _multirank_worker.py SCENARIO RANK WORLD PORT DIR``.
+
+Each rank joins a gloo group on loopback, opens its own cache from ``DIR/config.json`` (all ranks
+share the disk directory and the S3 prefix), runs the scenario and writes what it observed to
+``DIR/rank<R>.json`` (and restored tensors to ``DIR/restored<R>.pt``) for the test to check.
+States are built by :func:`ddp_state` and :func:`full_tensors` so the test can rebuild them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tiercache
+from tiercache.errors import StorageError
+from tiercache.names import CHUNKS
+
+
+def ddp_state(rank: int, step: int) -> dict[str, Any]:
+    """A DDP-like state: replicated weights (same on every rank) plus per-rank leaves."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)},
+        "rng": torch.full((4,), rank * 1000 + step, dtype=torch.int64),
+        "step": step,
+    }
+
+
+def full_tensors(step: int) -> dict[str, torch.Tensor]:
+    """The global tensors of the sharded scenarios (row-sharded ``w``, replicated ``emb``)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return {"w": torch.randn(64, 512, generator=g), "emb": torch.randn(96, 256, generator=g)}
+
+
+def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
+    for tier in cache.engine.tiers.values():
+        put = tier.put
+
+        def recording(key: str, data: Any, _put: Callable[..., None] = put, _tier: str = tier.name) -> None:
+            if key.startswith(CHUNKS):
+                seen.append(f"{_tier}:{key}")
+            _put(key, data)
+
+        tier.put = recording  # type: ignore[method-assign]
+
+
+def _fail_chunk_puts(cache: tiercache.TierCache, action: Callable[[], None]) -> None:
+    for tier in cache.engine.tiers.values():
+        put = tier.put
+
+        def failing(key: str, data: Any, _put: Callable[..., None] = put) -> None:
+            if key.startswith(CHUNKS):
+                action()
+            _put(key, data)
+
+        tier.put = failing  # type: ignore[method-assign]
+
+
+def _error(fn: Callable[[], Any]) -> list[str] | None:
+    try:
+        fn()
+    except Exception as e:
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def scenario_ddp(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    group = dist.group.WORLD
+    puts: list[str] = []
+    _record_chunk_puts(cache, puts)
+    h1 = cache.save(ddp_state(rank, 1), step=1, group=group, meta={"loss": 1.5})
+    h2 = cache.save(ddp_state(rank, 2), step=2, group=group)
+    out["v1"], out["v2"] = h1.wait("local"), h2.wait("local")
+    out["remote"] = [h1.wait("remote"), h2.wait("remote")]
+    out["puts"] = sorted(puts)
+    if rank == 1:
+        def refuse() -> None:
+            raise StorageError("injected: disk full on rank 1")
+
+        _fail_chunk_puts(cache, refuse)
+    h3 = cache.save(ddp_state(rank, 3), step=3, group=group)
+    out["v3"] = h3.version
+    out["v3_errors"] = {lvl: _error(lambda lvl=lvl: h3.wait(lvl)) for lvl in ("local", "remote", "durable")}
+    out["restore_failed"] = _error(lambda: cache.restore("main", group=group))
+    restored = cache.restore("main~1", group=group)
+    into = ddp_state(rank, 0)
+    v1 = cache.restore(out["v1"], into=into, group=group)
+    out["into_in_place"] = v1["model"]["w"] is into["model"]["w"] and v1["rng"] is into["rng"]
+    torch.save({"main": restored, "v1_into": v1}, work / f"restored{rank}.pt")
+
+
+def scenario_kill(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    group = dist.group.WORLD
+    out["v1"] = cache.save(ddp_state(rank, 1), step=1, group=group).wait("durable")
+    cache.flush()
+    if rank == 1:
+        _fail_chunk_puts(cache, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    h2 = cache.save(ddp_state(rank, 2), step=2, group=group)
+    out["v2"] = h2.version
+    out["v2_errors"] = {lvl: _error(lambda lvl=lvl: h2.wait(lvl)) for lvl in ("local", "remote", "durable")}
+
+
+def scenario_sharded(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors(1)
+    state = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+             "emb": distribute_tensor(full["emb"], mesh, [Replicate()]), "step": 1}
+    out["v1"] = cache.save(state, step=1, group=dist.group.WORLD).wait("durable")
+    cache.flush()
+    into = {"w": distribute_tensor(torch.zeros(64, 512), mesh, [Shard(0)]),
+            "emb": distribute_tensor(torch.zeros(96, 256), mesh, [Replicate()])}
+    cache.restore("main", into=into, group=dist.group.WORLD)
+    out["restored_equal"] = {k: bool(torch.equal(into[k].full_tensor(), full[k])) for k in into}
+    torch.save({k: v.to_local() for k, v in into.items()}, work / f"restored{rank}.pt")
+
+
+def _dtensors(world: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "emb": distribute_tensor(full["emb"], mesh, [Replicate()])}
+
+
+def scenario_dcp_save(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tiercache.integrations.dcp import TierCacheStorageWriter
+
+    w1 = TierCacheStorageWriter(cache, step=1, meta={"via": "dcp"})
+    dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1)
+    w2 = TierCacheStorageWriter(cache, step=2)
+    dcp.async_save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2).result()
+    out["versions"] = [w1.version_id, w2.version_id]
+
+
+def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tiercache.integrations.dcp import TierCacheStorageReader
+
+    out["equal"] = {}
+    for ref, step in (("main", 2), ("main~1", 1)):
+        state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(step).items()}), "step": 0}
+        dcp.load(state, storage_reader=TierCacheStorageReader(cache, ref))
+        full = full_tensors(step)
+        out["equal"][ref] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+
+
+SCENARIOS = {"ddp": scenario_ddp, "kill": scenario_kill, "sharded": scenario_sharded,
+             "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load}
+
+
+def main() -> None:
+    scenario, rank, world, port, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(
+        sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[str, Any] = {"rank": rank}
+    cache = tiercache.open(json.loads((work / "config.json").read_text()))
+    cache.distributed(timeout=__import__("datetime").timedelta(seconds=20))
+    SCENARIOS[scenario](cache, rank, world, out, work)
+    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    if scenario == "kill":
+        os._exit(0)  # a peer is gone: tearing the group down would wait for it
+    cache.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

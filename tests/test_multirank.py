@@ -1,0 +1,214 @@
+"""Multi-rank save and restore (tiercache.distributed): 2 and 4 gloo ranks on CPU, all three tiers.
+
+Every rank is a subprocess (``_multirank_worker.py``) with its own cache on one shared disk
+directory (a node-local cache) and one S3 prefix on the real local S3 server. The test then opens
+each durable tier alone, in this process, and checks what was committed there, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _multirank_worker import ddp_state, full_tensors
+
+import tiercache
+from tiercache.config import S3Config
+from tiercache.distributed import assign_owners, merge_parts
+from tiercache.errors import InvalidArgumentError
+from tiercache.manifest import ChunkRef, Piece, TensorEntry, Version, utcnow
+
+WORKER = Path(__file__).with_name("_multirank_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 90) -> list[int]:
+    """Run ``scenario`` on ``world`` ranks; return their exit codes."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(config))
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(port), str(work)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    codes = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append(p.returncode)
+        if p.returncode not in (0, -9):
+            print(out)
+    return codes
+
+
+def rank_out(work: Path, rank: int) -> dict[str, Any]:
+    return json.loads((work / f"rank{rank}.json").read_text())
+
+
+def cache_config(tmp_path: Path, s3_config: S3Config) -> dict[str, Any]:
+    return {
+        "disk": {"path": str(tmp_path / "disk")},
+        "s3": s3_config.model_dump(mode="json"),
+        "ram": {"capacity": "16MiB"},
+        "chunk_bytes": "1MiB",
+        "pack_below": "16KiB",
+        "policy": {"name": "write-through"},
+    }
+
+
+def one_tier(config: dict[str, Any], tier: str) -> tiercache.TierCache:
+    """A cache on just one durable tier of ``config``, to check what that tier holds."""
+    return tiercache.open({tier: config[tier]})
+
+
+def assert_state_equal(got: Any, want: Any) -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_state_equal(got[k], want[k])
+    else:
+        assert got == want
+
+
+def test_ddp_two_ranks_all_tiers_dedup_failure_and_restore(tmp_path: Path, s3_config: S3Config) -> None:
+    config = cache_config(tmp_path, s3_config)
+    work = tmp_path / "work"
+    assert run_ranks("ddp", 2, work, config) == [0, 0]
+    r0, r1 = rank_out(work, 0), rank_out(work, 1)
+    assert (r0["v1"], r0["v2"], r0["v3"]) == (r1["v1"], r1["v2"], r1["v3"])
+    assert r0["remote"] == r1["remote"] == [r0["v1"], r0["v2"]]
+    assert r0["into_in_place"] is True and r1["into_in_place"] is True
+
+    # The replicated weight (256 KiB) was split into two 128 KiB chunks, one written by each rank,
+    # and no chunk was written by both ranks to the same tier.
+    puts0, puts1 = set(r0["puts"]), set(r1["puts"])
+    assert puts0 and puts1 and not puts0 & puts1
+
+    # A failure on rank 1 failed version 3 on every rank with the same error; nothing committed.
+    assert r0["v3_errors"] == r1["v3_errors"]
+    for lvl in ("local", "remote", "durable"):
+        name, message = r0["v3_errors"][lvl]
+        assert name == "GroupSaveError"
+        assert r0["v3"] in message and "rank 1" in message and "injected: disk full on rank 1" in message
+
+    # In the ranks' own view the branch moved to version 3 when it was saved, as in a single-process
+    # save, so restoring "main" there names the failure; "main~1" is version 2.
+    assert r0["restore_failed"] == r1["restore_failed"]
+    assert r0["restore_failed"][0] == "VersionNotFoundError" and r0["v3"] in r0["restore_failed"][1]
+
+    for tier in ("disk", "s3"):
+        with one_tier(config, tier) as cache:
+            assert cache.resolve("main") == r0["v2"]
+            v2 = cache.manifest("main")
+            assert v2.parent == r0["v1"] and v2.step == 2 and len(v2.parts) == 2
+            assert cache.manifest(r0["v1"]).meta == {"loss": 1.5}
+            assert r0["v3"] not in {v.id for v in cache.versions()}
+            # Replicated chunks are stored once: both ranks' tables name the same weight chunks.
+            w0 = next(t for t in v2.tensors if t.path == "0/model/w")
+            w1 = next(t for t in v2.tensors if t.path == "1/model/w")
+            assert [p.chunk for p in w0.pieces] == [p.chunk for p in w1.pieces] and len(w0.pieces) == 2
+            # Restored in one process, a multi-rank version is the list of the ranks' states.
+            whole = cache.restore("main")
+            assert len(whole) == 2
+            for rank in range(2):
+                assert_state_equal(whole[rank], ddp_state(rank, 2))
+
+    for rank in range(2):
+        restored = torch.load(work / f"restored{rank}.pt", weights_only=True)
+        assert_state_equal(restored["main"], ddp_state(rank, 2))
+        assert_state_equal(restored["v1_into"], ddp_state(rank, 1))
+
+
+def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Config) -> None:
+    config = cache_config(tmp_path, s3_config)
+    work = tmp_path / "work"
+    assert run_ranks("kill", 2, work, config) == [0, -9]
+    r0 = rank_out(work, 0)
+    for lvl in ("local", "remote", "durable"):
+        name, message = r0["v2_errors"][lvl]
+        assert name == "GroupSaveError" and r0["v2"] in message
+    for tier in ("disk", "s3"):
+        with one_tier(config, tier) as cache:
+            assert cache.resolve("main") == r0["v1"]
+            assert r0["v2"] not in {v.id for v in cache.versions()}
+            whole = cache.restore("main")
+            for rank in range(2):
+                assert_state_equal(whole[rank], ddp_state(rank, 1))
+
+
+def test_sharded_dtensor_four_ranks(tmp_path: Path, s3_config: S3Config) -> None:
+    config = cache_config(tmp_path, s3_config)
+    work = tmp_path / "work"
+    assert run_ranks("sharded", 4, work, config) == [0, 0, 0, 0]
+    outs = [rank_out(work, r) for r in range(4)]
+    assert len({o["v1"] for o in outs}) == 1
+    assert all(o["restored_equal"] == {"w": True, "emb": True} for o in outs)
+    full = full_tensors(1)
+    for r in range(4):
+        local = torch.load(work / f"restored{r}.pt", weights_only=True)
+        assert torch.equal(local["w"], full["w"][16 * r : 16 * (r + 1)])
+    with one_tier(config, "s3") as cache:
+        version = cache.manifest("main")
+        assert len(version.parts) == 4
+        # The replicated 96 KiB embedding is one set of chunks shared by the four ranks' tables.
+        embs = [next(t for t in version.tensors if t.path == f"{r}/emb") for r in range(4)]
+        assert len({tuple(p.chunk for p in e.pieces) for e in embs}) == 1
+        whole = cache.restore("main")
+        assert torch.cat([whole[r]["w"] for r in range(4)]).equal(full["w"])
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def _part(rank: int, chunks: list[tuple[str, int]]) -> Version:
+    tensors = tuple(
+        TensorEntry(path=f"t{i}", dtype="uint8", shape=(n,), nbytes=n, pieces=(Piece(chunk=i, chunk_offset=0,
+                                                                                    offset=0, nbytes=n),))
+        for i, (_, n) in enumerate(chunks)
+    )
+    tree = ["dict", {f"t{i}": ["t", i] for i in range(len(chunks))}]
+    return Version(id="01J0000000000000000000000A", parent=None, branch="main", step=1, created_at=utcnow(),
+                   chunks=tuple(ChunkRef(id=c, nbytes=n) for c, n in chunks), tensors=tensors, tree=tree,
+                   nbytes=sum(n for _, n in chunks))
+
+
+def test_owners_split_shared_chunks_and_keep_own_ones() -> None:
+    a, b, c, d, own0, own1 = (f"{i:032x}" for i in range(1, 7))
+    parts = [_part(0, [(a, 100), (b, 100), (c, 100), (d, 100), (own0, 10)]),
+             _part(1, [(a, 100), (b, 100), (c, 100), (d, 100), (own1, 10)])]
+    owned = assign_owners(parts)
+    assert owned == [{own0, a, c}, {own1, b, d}]
+    merged = merge_parts(parts)
+    assert [ch.id for ch in merged.chunks] == [a, b, c, d, own0, own1]
+    assert [t.path for t in merged.tensors][5:] == ["1/t0", "1/t1", "1/t2", "1/t3", "1/t4"]
+    assert merged.tensors[9].pieces[0].chunk == 5
+    assert merged.tree[2] == ["dict", {f"t{i}": ["t", 5 + i] for i in range(5)}]
+    assert [(p.first, p.count) for p in merged.parts] == [(0, 5), (5, 5)]
+    assert Version.from_json(merged.to_json()) == merged
+
+
+def test_merge_refuses_mixed_hash_algorithms() -> None:
+    p0 = _part(0, [("a" * 32, 4)])
+    p1 = _part(1, [("b" * 32, 4)]).model_copy(update={"hash_algo": "blake2b"})
+    with pytest.raises(InvalidArgumentError):
+        merge_parts([p0, p1])

@@ -1,0 +1,572 @@
+"""S3Tier: error mapping and lost-response resolution on moto; multipart, conditional writes and
+failure paths on the real S3 server of ``conftest.py``.
+
+Faults are injected with botocore ``before-send`` hooks. A hook registered *first* runs before
+moto's stub: raising there means the request never landed, returning a response means it landed
+(moto still runs) but the client sees that response. A hook registered *last* runs after moto has
+carried the request out, so raising there is a lost response.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+import boto3
+import botocore.endpoint
+import pytest
+from botocore.awsrequest import AWSPreparedRequest, AWSResponse
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
+from moto import mock_aws
+
+from tiercache.config import MIB, S3Config
+from tiercache.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConflictError,
+    InvalidNameError,
+    StorageError,
+    TierFullError,
+    TierUnavailableError,
+)
+from tiercache.tiers.base import RefValue
+from tiercache.tiers.s3 import WRITE_ID_META, S3Tier
+
+MOTO_BUCKET = "tc-moto"
+REF = "refs/branch/main"
+CHUNK = "chunks/ab/ab0123456789abcdef0123456789abcdef"
+PROBE_PREFIX = "tiercache-probe"
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+class _Raw:
+    """The minimal raw stream an AWSResponse needs."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self._body
+
+
+def error_response(request: AWSPreparedRequest, status: int, code: str) -> AWSResponse:
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        f"<Message>injected {code}</Message></Error>"
+    ).encode()
+    return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Raw(body))
+
+
+class Hook:
+    """A before-send hook on one operation that acts on the first ``times`` matching requests.
+
+    It is registered on the generic ``before-send`` event (botocore calls handlers of more
+    specific event names first), at the very start or the very end of that event's handlers.
+    """
+
+    def __init__(
+        self,
+        tier: S3Tier,
+        op: str,
+        action: Callable[[AWSPreparedRequest], AWSResponse | None],
+        *,
+        times: int = 1,
+        first: bool = True,
+        when: Callable[[AWSPreparedRequest], bool] = lambda _: True,
+    ) -> None:
+        self.event = f"before-send.s3.{op}"
+        self.action, self.times, self.when = action, times, when
+        self.calls = self.fired = 0
+        self._lock = threading.Lock()
+        for client in (tier._client, tier._once):
+            if first:
+                client.meta.events.register_first("before-send", self)
+            else:
+                client.meta.events.register_last("before-send", self)
+
+    def __call__(self, request: AWSPreparedRequest, event_name: str = "", **_: Any) -> AWSResponse | None:
+        # The tier's own conditional-write probe (before its first ref write) is left alone.
+        if event_name != self.event or PROBE_PREFIX in request.url:
+            return None
+        with self._lock:
+            self.calls += 1
+            fire = self.fired < self.times and self.when(request)
+            if fire:
+                self.fired += 1
+        return self.action(request) if fire else None
+
+
+def lose_response(request: AWSPreparedRequest) -> None:
+    raise ReadTimeoutError(endpoint_url=request.url)
+
+
+def close_connection(request: AWSPreparedRequest) -> None:
+    raise ConnectionClosedError(endpoint_url=request.url)
+
+
+def count_requests(tier: S3Tier) -> list[str]:
+    seen: list[str] = []
+
+    def hook(request: AWSPreparedRequest, event_name: str = "", **_: Any) -> None:
+        seen.append(event_name)
+
+    for client in (tier._client, tier._once):
+        client.meta.events.register_first("before-send.s3", hook)
+    return seen
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# ---------------------------------------------------------------------------------------- moto
+
+
+@pytest.fixture
+def moto_tier(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Tier]:
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    with mock_aws():
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket=MOTO_BUCKET)
+        tier = S3Tier(S3Config(url=f"s3://{MOTO_BUCKET}/pfx", region="us-east-1", max_attempts=3))
+        try:
+            yield tier
+        finally:
+            tier.close()
+
+
+def raw_get(key: str) -> dict[str, Any]:
+    obj = boto3.client("s3", region_name="us-east-1").get_object(Bucket=MOTO_BUCKET, Key=f"pfx/{key}")
+    return {"data": obj["Body"].read(), "etag": obj["ETag"], "meta": obj.get("Metadata", {})}
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected"),
+    [
+        (403, "AccessDenied", AccessDeniedError),
+        (403, "SignatureDoesNotMatch", AccessDeniedError),
+        (403, "InvalidAccessKeyId", AccessDeniedError),
+        (404, "NoSuchBucket", BucketNotFoundError),
+        (400, "EntityTooLarge", TierFullError),
+        (403, "QuotaExceeded", TierFullError),
+        (507, "XMinioStorageFull", TierFullError),
+        (500, "InternalError", StorageError),
+        (400, "InvalidArgument", StorageError),
+    ],
+)
+def test_error_mapping_by_code_and_status(moto_tier: S3Tier, status: int, code: str, expected: type) -> None:
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    Hook(moto_tier, "PutObject", lambda r: error_response(r, status, code), times=100)
+    Hook(moto_tier, "GetObject", lambda r: error_response(r, status, code), times=100)
+    for call in (lambda: moto_tier.put(CHUNK, b"data"), lambda: moto_tier.get(CHUNK)):
+        with pytest.raises(StorageError) as info:
+            call()
+        assert type(info.value) is expected
+        assert isinstance(info.value.__cause__, ClientError)
+        assert info.value.__cause__.response["Error"]["Code"] == code
+        message = str(info.value)
+        assert "\n" not in message
+        assert secret not in message
+        assert MOTO_BUCKET in message
+
+
+def test_connection_errors_map_to_unavailable(moto_tier: S3Tier) -> None:
+    def refuse(request: AWSPreparedRequest) -> None:
+        raise EndpointConnectionError(endpoint_url=request.url)
+
+    hook = Hook(moto_tier, "HeadObject", refuse, times=100)
+    with pytest.raises(TierUnavailableError) as info:
+        moto_tier.size(CHUNK)
+    assert isinstance(info.value.__cause__, EndpointConnectionError)
+    assert isinstance(info.value, ConnectionError)  # the builtin a caller would catch
+    assert hook.fired == 3  # standard retries: max_attempts in total
+
+
+def test_missing_bucket_at_open(moto_tier: S3Tier) -> None:
+    with pytest.raises(BucketNotFoundError) as info:
+        S3Tier(S3Config(url="s3://no-such-bucket-tc/x", region="us-east-1"))
+    assert "no-such-bucket-tc" in str(info.value)
+    assert isinstance(info.value.__cause__, ClientError)
+
+
+def test_lost_create_response_is_a_success(moto_tier: S3Tier) -> None:
+    hook = Hook(moto_tier, "PutObject", lose_response, first=False)
+    token = moto_tier.write_ref(REF, b"v1", expect=None)
+    assert hook.fired == 1 and hook.calls == 2  # landed, answer lost; the retry got 412
+    stored = raw_get(REF)
+    assert stored["data"] == b"v1"
+    assert token == stored["etag"]
+    assert moto_tier.read_ref(REF) == RefValue(b"v1", token)
+    # The recovered token is live: a compare-and-swap with it succeeds.
+    t2 = moto_tier.write_ref(REF, b"v2", expect=token)
+    assert moto_tier.read_ref(REF) == RefValue(b"v2", t2)
+
+
+def test_lost_move_response_is_a_success(moto_tier: S3Tier) -> None:
+    t1 = moto_tier.write_ref(REF, b"v1", expect=None)
+    Hook(moto_tier, "PutObject", close_connection, first=False)
+    t2 = moto_tier.write_ref(REF, b"v2", expect=t1)
+    assert moto_tier.read_ref(REF) == RefValue(b"v2", t2)
+    with pytest.raises(ConflictError):
+        moto_tier.write_ref(REF, b"v3", expect=t1)
+    assert moto_tier.read_ref(REF) == RefValue(b"v2", t2)
+
+
+def test_every_response_lost_still_resolves(moto_tier: S3Tier) -> None:
+    hook = Hook(moto_tier, "PutObject", lose_response, first=False, times=100)
+    token = moto_tier.write_ref(REF, b"v1", expect=None)
+    assert hook.fired == 3  # all attempts lost; the read-back found our write id
+    assert moto_tier.read_ref(REF) == RefValue(b"v1", token)
+
+
+def test_5xx_after_the_write_landed_is_a_success(moto_tier: S3Tier) -> None:
+    hook = Hook(moto_tier, "PutObject", lambda r: error_response(r, 500, "InternalError"))
+    token = moto_tier.write_ref(REF, b"v1", expect=None)
+    assert hook.fired == 1
+    assert moto_tier.read_ref(REF) == RefValue(b"v1", token)
+
+
+def test_conditional_request_conflict_is_retried(moto_tier: S3Tier) -> None:
+    t1 = moto_tier.write_ref(REF, b"v1", expect=None)
+    hook = Hook(moto_tier, "PutObject", lambda r: error_response(r, 409, "ConditionalRequestConflict"))
+    t2 = moto_tier.write_ref(REF, b"v2", expect=t1)
+    assert hook.fired == 1
+    assert moto_tier.read_ref(REF) == RefValue(b"v2", t2)
+
+
+def test_write_that_never_landed_is_unavailable_not_success(moto_tier: S3Tier) -> None:
+    def reset(request: AWSPreparedRequest) -> None:
+        raise ConnectionClosedError(endpoint_url=request.url)
+
+    Hook(moto_tier, "PutObject", reset, first=True, times=100)  # before moto: nothing lands
+    with pytest.raises(TierUnavailableError):
+        moto_tier.write_ref(REF, b"v1", expect=None)
+    assert moto_tier.read_ref(REF) is None
+
+
+def test_genuine_conflicts_are_not_mistaken_for_lost_responses(moto_tier: S3Tier) -> None:
+    # Another writer's ref with *identical bytes*: its write id differs, so this is a conflict.
+    other = moto_tier.write_ref(REF, b"v1", expect=None)
+    hook = Hook(moto_tier, "PutObject", lose_response, first=False)
+    with pytest.raises(ConflictError) as info:
+        moto_tier.write_ref(REF, b"v1", expect=None)
+    assert type(info.value) is ConflictError
+    assert hook.fired == 1
+    assert moto_tier.read_ref(REF) == RefValue(b"v1", other)
+    # A stale move after a lost response is a conflict as well.
+    t2 = moto_tier.write_ref(REF, b"v2", expect=other)
+    with pytest.raises(ConflictError):
+        moto_tier.write_ref(REF, b"v3", expect=other)
+    assert moto_tier.read_ref(REF) == RefValue(b"v2", t2)
+
+
+def test_ref_writes_are_stamped_with_a_write_id(moto_tier: S3Tier) -> None:
+    moto_tier.write_ref(REF, b"v1", expect=None)
+    first = raw_get(REF)["meta"][WRITE_ID_META]
+    moto_tier.write_ref(REF, b"v2", expect=moto_tier.read_ref(REF).token)  # type: ignore[union-attr]
+    assert raw_get(REF)["meta"][WRITE_ID_META] != first
+
+
+def test_lost_delete_ref_response_is_a_success(moto_tier: S3Tier) -> None:
+    token = moto_tier.write_ref(REF, b"v1", expect=None)
+    hook = Hook(moto_tier, "DeleteObject", lose_response, first=False)
+    moto_tier.delete_ref(REF, expect=token)
+    assert hook.fired == 1
+    assert moto_tier.read_ref(REF) is None
+    with pytest.raises(ConflictError):  # without a lost response, a missing ref is a conflict
+        moto_tier.delete_ref(REF, expect=token)
+
+
+def test_lost_multipart_complete_is_a_success(moto_tier: S3Tier) -> None:
+    moto_tier._part_size = 5 * MIB
+    data = payload(11 * MIB, seed=7)
+    hook = Hook(moto_tier, "CompleteMultipartUpload", lose_response, first=False)
+    moto_tier.put(CHUNK, data)
+    assert hook.fired == 1
+    assert moto_tier.get(CHUNK) == data
+    assert moto_tier.list_multipart_uploads() == []
+
+
+# ---------------------------------------------------------------------------------------- real server
+
+
+@pytest.fixture
+def s3_tier(s3_config: S3Config) -> Iterator[S3Tier]:
+    tier = S3Tier(s3_config)
+    yield tier
+    tier.close()
+
+
+@pytest.fixture
+def small_parts(s3_config: S3Config) -> Iterator[S3Tier]:
+    tier = S3Tier(s3_config.model_copy(update={"part_size": 5 * MIB, "max_concurrency": 4}))
+    yield tier
+    tier.close()
+
+
+def test_server_enforces_conditional_writes(s3_tier: S3Tier) -> None:
+    assert s3_tier.probe_conditional_writes() == {
+        "if_none_match": True,
+        "if_match": True,
+        "delete_if_match": True,
+        "read_after_write": True,
+    }
+    assert s3_tier.list() == []  # the scratch key is gone
+
+
+def test_conditional_create_move_and_conflicts(s3_tier: S3Tier) -> None:
+    t1 = s3_tier.write_ref(REF, b"v1", expect=None)
+    with pytest.raises(ConflictError) as info:
+        s3_tier.write_ref(REF, b"other", expect=None)
+    assert type(info.value) is ConflictError
+    assert isinstance(info.value.__cause__, ClientError)
+    assert info.value.__cause__.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    t2 = s3_tier.write_ref(REF, b"v2", expect=t1)
+    assert t2 != t1
+    with pytest.raises(ConflictError) as info:
+        s3_tier.write_ref(REF, b"v3", expect=t1)
+    assert type(info.value) is ConflictError
+    with pytest.raises(ConflictError):
+        s3_tier.write_ref("refs/tag/never-created", b"v", expect=t2)
+    with pytest.raises(ConflictError):
+        s3_tier.delete_ref(REF, expect=t1)
+    assert s3_tier.read_ref(REF) == RefValue(b"v2", t2)
+    s3_tier.delete_ref(REF, expect=t2)
+    assert s3_tier.read_ref(REF) is None
+
+
+def test_concurrent_creates_have_exactly_one_winner(s3_tier: S3Tier) -> None:
+    results: list[object] = []
+
+    def create(i: int) -> None:
+        try:
+            results.append(s3_tier.write_ref(REF, b"%d" % i, expect=None))
+        except ConflictError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [r for r in results if isinstance(r, str)]
+    assert len(winners) == 1 and len(results) == 8
+    current = s3_tier.read_ref(REF)
+    assert current is not None and current.token == winners[0]
+
+
+def test_multipart_roundtrip_40mib(small_parts: S3Tier) -> None:
+    data = payload(40 * MIB, seed=11)
+    parts = Hook(small_parts, "UploadPart", lambda r: None, times=0)
+    checksummed: list[bool] = []
+
+    def has_checksum(request: AWSPreparedRequest, **_: Any) -> None:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        checksummed.append("x-amz-checksum-crc32" in headers or "x-amz-trailer" in headers)
+
+    small_parts._client.meta.events.register("before-send.s3.UploadPart", has_checksum)
+    small_parts.put(CHUNK, memoryview(bytearray(data)))
+    assert parts.calls == 8
+    assert checksummed == [True] * 8
+    assert small_parts.list_multipart_uploads() == []
+    assert small_parts.size(CHUNK) == len(data)
+    assert small_parts.get(CHUNK) == data
+    offset = 3 * MIB + 7
+    out = bytearray(len(data))  # longer than what is left: a short read at the end
+    assert small_parts.read_into(CHUNK, memoryview(out), offset) == len(data) - offset
+    assert out[: len(data) - offset] == data[offset:]
+    assert out[len(data) - offset :] == bytes(offset)
+    window = bytearray(12 * MIB + 5)
+    assert small_parts.read_into(CHUNK, memoryview(window), 17 * MIB + 1) == len(window)
+    assert window == data[17 * MIB + 1 : 29 * MIB + 6]
+    assert small_parts.read_into(CHUNK, memoryview(bytearray(10)), len(data)) == 0
+
+
+def test_part_failure_aborts_the_upload(small_parts: S3Tier) -> None:
+    data = payload(20 * MIB, seed=12)
+    hook = Hook(
+        small_parts, "UploadPart", lambda r: error_response(r, 400, "BadDigest"), when=lambda r: "partNumber=3" in r.url
+    )
+    with pytest.raises(StorageError) as info:
+        small_parts.put(CHUNK, data)
+    assert type(info.value) is StorageError
+    assert info.value.__cause__.response["Error"]["Code"] == "BadDigest"  # type: ignore[union-attr]
+    assert hook.fired == 1
+    assert small_parts.list_multipart_uploads() == []
+    assert small_parts.size(CHUNK) is None
+    assert small_parts.list() == []
+
+
+def test_keyboard_interrupt_aborts_the_upload(small_parts: S3Tier) -> None:
+    def interrupt(request: AWSPreparedRequest) -> None:
+        raise KeyboardInterrupt
+
+    Hook(small_parts, "UploadPart", interrupt, when=lambda r: "partNumber=2" in r.url)
+    with pytest.raises(KeyboardInterrupt):
+        small_parts.put(CHUNK, payload(16 * MIB, seed=13))
+    assert small_parts.list_multipart_uploads() == []
+    assert small_parts.size(CHUNK) is None
+
+
+def test_failed_complete_aborts_the_upload(small_parts: S3Tier) -> None:
+    Hook(small_parts, "CompleteMultipartUpload", lambda r: error_response(r, 400, "InvalidPart"))
+    with pytest.raises(StorageError):
+        small_parts.put(CHUNK, payload(11 * MIB, seed=14))
+    assert small_parts.list_multipart_uploads() == []
+    assert small_parts.size(CHUNK) is None
+
+
+def _send_then_lose(tier: S3Tier) -> Callable[[AWSPreparedRequest], None]:
+    """Carry the request out on the real server, then drop its answer."""
+
+    def action(request: AWSPreparedRequest) -> None:
+        response = tier._client._endpoint.http_session.send(request)
+        assert response.status_code < 300, response.content
+        raise ReadTimeoutError(endpoint_url=request.url)
+
+    return action
+
+
+def test_lost_responses_on_the_real_server(small_parts: S3Tier) -> None:
+    hook = Hook(small_parts, "PutObject", _send_then_lose(small_parts))
+    token = small_parts.write_ref(REF, b"v1", expect=None)
+    assert hook.fired == 1
+    assert small_parts.read_ref(REF) == RefValue(b"v1", token)
+    hook = Hook(small_parts, "CompleteMultipartUpload", _send_then_lose(small_parts))
+    data = payload(12 * MIB, seed=15)
+    small_parts.put(CHUNK, data)
+    assert hook.fired == 1
+    assert small_parts.get(CHUNK) == data
+    assert small_parts.list_multipart_uploads() == []
+
+
+def test_object_replaced_during_a_parallel_read_is_never_mixed(small_parts: S3Tier) -> None:
+    old, new = payload(16 * MIB, seed=16), payload(16 * MIB, seed=17)
+    small_parts.put(CHUNK, old)
+    other = S3Tier(small_parts._cfg)
+    try:
+        swapped = threading.Event()
+
+        def replace(request: AWSPreparedRequest) -> None:
+            if not swapped.is_set() and b"bytes=0-" not in request.headers.get("Range", b""):
+                swapped.set()
+                other.put(CHUNK, new)
+
+        small_parts._client.meta.events.register_first(
+            "before-send.s3.GetObject", lambda request, **_: replace(request)
+        )
+        assert small_parts.get(CHUNK) == new
+        assert swapped.is_set()
+    finally:
+        other.close()
+
+
+def test_doctor_lists_and_aborts_stale_uploads(s3_tier: S3Tier, s3_server: Any) -> None:
+    client = s3_tier._client
+    full = f"{s3_tier._root}{CHUNK}"
+    upload_id = client.create_multipart_upload(Bucket=s3_server.bucket, Key=full)["UploadId"]
+    uploads = s3_tier.list_multipart_uploads()
+    assert [(k, u) for k, u, _ in uploads] == [(CHUNK, upload_id)]
+    assert isinstance(uploads[0][2], datetime)
+    assert s3_tier.list() == []  # in-flight uploads never show as objects
+    s3_tier.abort_multipart_upload(CHUNK, upload_id)
+    assert s3_tier.list_multipart_uploads() == []
+    s3_tier.abort_multipart_upload(CHUNK, upload_id)  # idempotent
+
+
+def test_missing_bucket_is_bucket_not_found(s3_config: S3Config) -> None:
+    cfg = s3_config.model_copy(update={"url": "s3://tiercache-no-such-bucket/x"})
+    with pytest.raises(BucketNotFoundError) as info:
+        S3Tier(cfg)
+    assert type(info.value) is BucketNotFoundError
+    assert "tiercache-no-such-bucket" in str(info.value)
+
+
+def test_unreachable_endpoint_fails_fast(s3_config: S3Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again on exit: connections are refused
+    sent: list[str] = []
+    original = botocore.endpoint.Endpoint._send
+
+    def counting(self: Any, request: AWSPreparedRequest) -> Any:
+        sent.append(request.url)
+        return original(self, request)
+
+    monkeypatch.setattr(botocore.endpoint.Endpoint, "_send", counting)
+    cfg = s3_config.model_copy(update={"endpoint_url": f"http://127.0.0.1:{port}"})
+    with pytest.raises(TierUnavailableError) as info:
+        S3Tier(cfg)
+    assert len(sent) == 1  # one attempt at open, no retry loop
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert isinstance(info.value.__cause__, EndpointConnectionError)
+
+
+def test_bad_credentials_are_access_denied(
+    s3_config: S3Config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = "tc-wrong-secret-0123456789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad)
+    caplog.set_level(logging.DEBUG, logger="tiercache")
+    with pytest.raises(AccessDeniedError) as info:
+        S3Tier(s3_config)
+    assert isinstance(info.value, PermissionError)
+    assert bad not in str(info.value)
+    assert bad not in caplog.text
+
+
+def test_no_credentials_are_access_denied(
+    s3_config: S3Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(AccessDeniedError, match="credentials"):
+        S3Tier(s3_config)
+
+
+@pytest.mark.parametrize("key", ["../x", "a//b", "/abs", ".tmp-x", "a/", "", "a/b c"])
+def test_invalid_key_sends_no_request(s3_tier: S3Tier, key: str) -> None:
+    sent = count_requests(s3_tier)
+    calls: list[Callable[[], object]] = [
+        lambda: s3_tier.put(key, b"x"),
+        lambda: s3_tier.put(key, bytes(6 * MIB)),
+        lambda: s3_tier.get(key),
+        lambda: s3_tier.read_into(key, memoryview(bytearray(4))),
+        lambda: s3_tier.size(key),
+        lambda: s3_tier.exists(key),
+        lambda: s3_tier.delete(key),
+        lambda: s3_tier.read_ref(key),
+        lambda: s3_tier.write_ref(key, b"v", expect=None),
+        lambda: s3_tier.delete_ref(key, expect='"x"'),
+        lambda: s3_tier.abort_multipart_upload(key, "upload"),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidNameError):
+            call()
+    if key not in ("", "a/"):  # those two are valid list prefixes ("" and "a/")
+        with pytest.raises(InvalidNameError):
+            s3_tier.list(key)
+    assert sent == []
+
+
+def test_used_bytes_counts_everything_under_the_prefix(s3_tier: S3Tier) -> None:
+    s3_tier.put(CHUNK, payload(1000))
+    s3_tier.put("versions/v1.json", b"{}")
+    s3_tier.write_ref(REF, b"v1", expect=None)
+    assert s3_tier.used_bytes() == 1000 + 2 + 2

@@ -1,0 +1,105 @@
+"""The maintenance verbs of the CLI on a disk cache: ``stats``, ``verify [--repair]``, ``gc [--dry-run]``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner, Result
+
+import tiercache
+from tiercache.cli import app
+from tiercache.names import chunk_key
+
+
+def _cli(cfg: Path, *args: str) -> Result:
+    return CliRunner().invoke(app, ["--config", str(cfg), *args])
+
+
+def _stored(root: Path) -> int:
+    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs") for p in (root / sub).rglob("*")
+               if p.is_file() and not p.name.startswith("."))
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A disk cache with main: v1 <- v2 (w1 changed), 64 KiB chunks; returns (config, root, ids)."""
+    root = tmp_path / "cache"
+    cfg = tmp_path / "tiercache.toml"
+    cfg.write_text(f'chunk_bytes = "64KiB"\npack_below = "4KiB"\n[disk]\npath = "{root}"\n')
+    g = torch.Generator().manual_seed(0)
+    s1 = {f"w{i}": torch.randn(16 * 1024, generator=g) for i in range(3)}
+    with tiercache.open(cfg) as cache:
+        ids = [cache.save(s1, step=1).wait("local"), cache.save(dict(s1, w1=s1["w1"] * 3), step=2).wait("local")]
+    return cfg, root, ids
+
+
+def test_stats_in_process_counts_what_was_written(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path)}, "policy": {"name": "write-through"}}) as cache:
+        cache.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, step=1).wait("local")
+        stats = cache.stats()
+        chunks = sum(p.stat().st_size for p in (tmp_path / "chunks").rglob("*") if p.is_file())
+        write = stats["meter"]["tiers"]["disk"]["write"]
+        assert write["total_bytes"] == chunks and write["transfers"] == 1 and write["bps"] > 0
+        assert stats["tiers"]["disk"] == {"capacity": None, "used_bytes": _stored(tmp_path)}
+
+
+def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
+    cfg, root, _ = setup
+    table = _cli(cfg, "stats")
+    assert table.exit_code == 0, table.output
+    header, row = table.output.splitlines()[:2]
+    assert header.split() == ["tier", "used", "capacity", "read", "write"]
+    assert row.split()[0] == "disk"
+    data = json.loads(_cli(cfg, "stats", "--json").output)
+    assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root)}}
+    assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
+
+
+def test_verify_reports_and_repairs_nothing_on_a_single_tier(setup: tuple[Path, Path, list[str]]) -> None:
+    cfg, root, ids = setup
+    ok = _cli(cfg, "verify")
+    assert ok.exit_code == 0, ok.output
+    assert "verified 2 version(s), 4 chunk(s)" in ok.output and "0 bad" in ok.output
+    with tiercache.open(cfg) as cache:
+        victim = cache.manifest(ids[1]).chunks[1].id
+    path = root / chunk_key(victim)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x10
+    path.write_bytes(bytes(data))
+    bad = _cli(cfg, "verify", ids[1])
+    assert bad.exit_code == 1
+    assert f"damaged: disk:{chunk_key(victim)}" in bad.output and "1 bad, 0 repaired" in bad.output
+    assert "verify --repair" in bad.output
+    # One tier only: nothing to repair from.
+    report = json.loads(_cli(cfg, "verify", "--repair", "--json").output)
+    assert report["ok"] is False and report["unrepairable"] == [chunk_key(victim)]
+
+
+def test_gc_dry_run_then_gc(setup: tuple[Path, Path, list[str]]) -> None:
+    cfg, root, ids = setup
+    assert _cli(cfg, "rollback", "main", ids[0]).exit_code == 0
+    files = sorted(root.rglob("*"))
+    dry = _cli(cfg, "gc", "--dry-run", "--grace", "0", "--json")
+    assert dry.exit_code == 0, dry.output
+    would = json.loads(dry.output)
+    assert sorted(root.rglob("*")) == files
+    assert would["versions"] == [ids[1]] and would["chunks"] == {"disk": 1} and would["manifests"] == {"disk": 1}
+    done = _cli(cfg, "gc", "--grace", "0")
+    assert done.exit_code == 0, done.output
+    assert f"gc freed 1 version(s), {would['total_bytes']} B" in done.output or "gc freed 1 version(s)" in done.output
+    assert "disk: 1 manifest(s), 1 chunk(s)" in done.output
+    assert not (root / "versions" / f"{ids[1]}.json").exists()
+    again = json.loads(_cli(cfg, "gc", "--grace", "0", "--json").output)
+    assert again["total_bytes"] == 0 and again["versions"] == []
+    kept = _cli(cfg, "gc")  # default grace: nothing is old enough, and it says so
+    assert "gc freed 0 version(s)" in kept.output and "younger than 3600 s kept" in kept.output
+
+
+def test_gc_negative_grace_is_bad_input(setup: tuple[Path, Path, list[str]]) -> None:
+    cfg, _, _ = setup
+    result = _cli(cfg, "gc", "--grace", "-1")
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: gc grace must be >= 0 seconds, got -1.0"

@@ -1,0 +1,255 @@
+"""A bandwidth-limited TCP proxy on loopback, for tests and benchmarks of slow links.
+
+:class:`ThrottledProxy` listens on ``127.0.0.1`` and forwards every connection, byte for byte,
+to a loopback target (an S3 server), at most ``limit_bps`` bytes per second in each direction,
+shared by all connections (like one uplink). The limit can be changed or lifted while transfers
+run, which is how a test shows the policy noticing a link that got faster. Being a plain TCP
+relay it is transparent to HTTP and to SigV4 signatures (the Host header is the proxy's own
+address, which is what the client signed).
+
+Only loopback targets are accepted: tests and benchmarks must never reach another machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Literal
+from urllib.parse import urlsplit
+
+Direction = Literal["up", "down"]
+
+_CHUNK = 16 * 1024
+# Smooths bursts: a bucket holds at most this many seconds' worth of unused allowance.
+_BURST_S = 0.05
+
+
+class _TokenBucket:
+    """A shared allowance of bytes per second; ``take`` blocks until the bytes may pass."""
+
+    def __init__(self, rate: float | None) -> None:
+        self._cv = threading.Condition()
+        self._rate = rate
+        self._tokens = 0.0
+        self._stamp = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        if self._rate is not None:
+            self._tokens = min(self._rate * _BURST_S, self._tokens + (now - self._stamp) * self._rate)
+        self._stamp = now
+
+    def set_rate(self, rate: float | None) -> None:
+        with self._cv:
+            self._refill()
+            self._rate = rate
+            self._tokens = max(self._tokens, 0.0)  # a lifted or changed limit forgives the old debt
+            self._cv.notify_all()
+
+    def take(self, nbytes: int, stop: threading.Event) -> None:
+        # Tokens may go negative (debt), so a chunk larger than the burst still passes, and the
+        # next sender waits until the debt is paid off: the long-run rate is exactly the limit.
+        with self._cv:
+            while not stop.is_set():
+                self._refill()
+                if self._rate is None or self._tokens >= 0:
+                    self._tokens -= nbytes if self._rate is not None else 0
+                    return
+                self._cv.wait(min(-self._tokens / self._rate, 0.05))
+
+
+def _loopback_target(target: str | tuple[str, int]) -> tuple[str, int]:
+    if isinstance(target, str):
+        parts = urlsplit(target if "//" in target else f"//{target}")
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"proxy target {target!r}: expected http://127.0.0.1:PORT or (host, port)")
+        host, port = parts.hostname, parts.port
+    else:
+        host, port = target
+    addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    if not ipaddress.ip_address(addr).is_loopback:
+        raise ValueError(f"proxy target {host}:{port} is not on loopback: only local servers may be proxied")
+    return addr, port
+
+
+class ThrottledProxy:
+    """A TCP relay from ``127.0.0.1:<free port>`` to a loopback ``target`` at a limited rate.
+
+    Args:
+        target: ``http://127.0.0.1:PORT`` (an endpoint URL) or ``(host, port)`` on loopback.
+        limit_bps: Bytes per second allowed in each direction, shared by all connections, or
+            ``None`` for no limit.
+
+    Raises:
+        ValueError: If the target is not on loopback or the limit is not positive.
+
+    Example::
+
+        with ThrottledProxy(server.endpoint_url, limit_bps=4e6) as proxy:
+            cfg = S3Config(url="s3://bucket/prefix", endpoint_url=proxy.url)
+            ...
+            proxy.limit_bps = None  # lift the limit mid-run
+    """
+
+    def __init__(self, target: str | tuple[str, int], limit_bps: float | None = None) -> None:
+        self._target = _loopback_target(target)
+        self._check(limit_bps)
+        self._limit = limit_bps
+        self._buckets = {"up": _TokenBucket(limit_bps), "down": _TokenBucket(limit_bps)}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._socks: set[socket.socket] = set()
+        self._bytes = {"up": 0, "down": 0}
+        self._listener: socket.socket | None = None
+
+    @staticmethod
+    def _check(limit_bps: float | None) -> None:
+        if limit_bps is not None and not limit_bps > 0:
+            raise ValueError(f"limit_bps must be > 0 bytes/s or None for no limit, got {limit_bps!r}")
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self) -> ThrottledProxy:
+        """Bind a free loopback port and start accepting connections."""
+        if self._listener is not None:
+            return self
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        listener.settimeout(0.1)  # so the accept loop notices close() promptly
+        self._listener = listener
+        t = threading.Thread(target=self._accept_loop, name="tiercache-throttle-accept", daemon=True)
+        self._threads.append(t)
+        t.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting, cut every open connection and join the relay threads."""
+        self._stop.set()
+        for b in self._buckets.values():
+            b.set_rate(self._limit)  # wakes senders waiting on the bucket
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            # Shut down only: it wakes the pumps blocked in recv, and they close the sockets.
+            with contextlib.suppress(OSError):  # already shut by its peer
+                s.shutdown(socket.SHUT_RDWR)
+        for t in list(self._threads):
+            t.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
+
+    def __enter__(self) -> ThrottledProxy:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ what callers see
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the proxy listens on."""
+        if self._listener is None:
+            raise RuntimeError("the proxy is not started: call start() or use it as a context manager")
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``: the endpoint URL to give clients instead of the target's."""
+        host, port = self.address
+        return f"http://{host}:{port}"
+
+    @property
+    def limit_bps(self) -> float | None:
+        """Bytes per second allowed in each direction (``None``: unlimited); settable at run time."""
+        return self._limit
+
+    @limit_bps.setter
+    def limit_bps(self, value: float | None) -> None:
+        self._check(value)
+        self._limit = value
+        for b in self._buckets.values():
+            b.set_rate(value)
+
+    def bytes_forwarded(self, direction: Direction) -> int:
+        """Bytes relayed so far ``up`` (client to target) or ``down`` (target to client)."""
+        with self._lock:
+            return self._bytes[direction]
+
+    # ------------------------------------------------------------------ relaying
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener closed
+            try:
+                upstream = socket.create_connection(self._target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, upstream):
+                s.settimeout(None)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._socks.update((client, upstream))
+                # Forget finished relays so a long run does not accumulate dead threads.
+                self._threads = [t for t in self._threads if t.is_alive()]
+            pair = _Pair(client, upstream)
+            for src, dst, direction in ((client, upstream, "up"), (upstream, client, "down")):
+                t = threading.Thread(target=self._pump, args=(src, dst, direction, pair),
+                                     name=f"tiercache-throttle-{direction}", daemon=True)
+                with self._lock:
+                    self._threads.append(t)
+                t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: Direction, pair: _Pair) -> None:
+        bucket = self._buckets[direction]
+        try:
+            while not self._stop.is_set():
+                data = src.recv(_CHUNK)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)  # pass the half-close on, HTTP may still answer
+                    return
+                bucket.take(len(data), self._stop)
+                dst.sendall(data)
+                with self._lock:
+                    self._bytes[direction] += len(data)
+        except OSError:
+            # One side went away: drop both so the other side sees it too.
+            for s in (src, dst):
+                with contextlib.suppress(OSError):  # already shut
+                    s.shutdown(socket.SHUT_RDWR)
+        finally:
+            with self._lock:
+                pair.open_pumps -= 1
+                last = pair.open_pumps == 0
+                if last:
+                    self._socks.difference_update(pair.socks)
+            if last:  # both directions are done: only now may the sockets be closed
+                for s in pair.socks:
+                    s.close()
+
+
+class _Pair:
+    """The two sockets of one relayed connection and how many of its pumps still run."""
+
+    __slots__ = ("open_pumps", "socks")
+
+    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.socks = (client, upstream)
+        self.open_pumps = 2
