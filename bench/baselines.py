@@ -353,6 +353,7 @@ def _run_s3torch(state: Any, nbytes: int, repeat: int, s3: S3Endpoint) -> list[R
 
 
 BASELINE_GROUPS = ("memcpy", "odirect", "torch", "dcp", "s3", "s3torch")
+_S3_BASELINES = ("s3", "s3torch")
 
 
 def run_baselines(state: Any, work: Path, *, repeat: int, groups: Sequence[str], s3: S3Endpoint | None,
@@ -368,13 +369,14 @@ def run_baselines(state: Any, work: Path, *, repeat: int, groups: Sequence[str],
         dcp_threads: Writer threads for DCP's FileSystemWriter (the same as tiercache's disk tier).
 
     Returns:
-        The rows, limits first.
+        The rows, in group order.
     """
     nbytes = state_nbytes(state)
     rows: list[Row] = []
     for group in groups:
-        if group in BASELINE_GROUPS and (s3 is not None or group not in ("s3", "s3torch")):
-            progress(group)
+        if group not in BASELINE_GROUPS or (group in _S3_BASELINES and s3 is None):
+            continue
+        progress(group)
         if group == "memcpy":
             rows += _run_memcpy(state, nbytes, repeat)
         elif group == "odirect":

@@ -12,6 +12,8 @@ it is safe. A child spec's ``mode`` picks what the child does:
 ``commits``
     :func:`commits`: land a number of commits on a branch shared with other writers, retrying
     after each ``ConflictError``; all writers start when the ``go`` file appears.
+``gc``
+    :func:`collect`: run ``gc`` with the spec's failpoints armed.
 
 The state of a step is a pure function of the step (:func:`state_for`), so the parent can check
 any restored version bit-exact without the child telling it the bytes.
@@ -93,7 +95,7 @@ def _child(spec: dict[str, Any]) -> None:
         err = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(err, 2)
         torch.set_num_threads(1)
-        (commits if spec["mode"] == "commits" else save_loop)(spec)
+        {"commits": commits, "gc": collect, "loop": save_loop}[spec["mode"]](spec)
     except BaseException as e:  # the parent reads the log; the status says it failed
         print(f"child failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 3
@@ -138,6 +140,13 @@ def commits(spec: dict[str, Any]) -> None:
             landed.append(h.version)
     with open(spec["out"], "w") as fh:
         json.dump({"landed": landed, "conflicted": conflicted}, fh)
+
+
+def collect(spec: dict[str, Any]) -> None:
+    """Run ``gc`` (no grace period) on the cache of ``spec``, with its failpoints armed."""
+    failpoints.configure(spec.get("failpoints"))
+    with tiercache.open(config_for(spec)) as cache:
+        cache.gc(grace=0)
 
 
 class ForkServer:

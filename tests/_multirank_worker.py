@@ -1,4 +1,5 @@
-"""Entry point of one rank in the multi-rank tests: ``python _multirank_worker.py SCENARIO RANK WORLD PORT DIR``.
+"""One rank of the multi-rank tests: forked by the tests (:func:`forked`), or ``python _multirank_worker.py
+SCENARIO RANK WORLD PORT DIR`` by hand.
 
 Each rank joins a gloo group on loopback, opens its own cache from ``DIR/config.json`` (all ranks
 share the disk directory and the S3 prefix), runs the scenario and writes what it observed to
@@ -12,7 +13,9 @@ import json
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -163,20 +166,33 @@ SCENARIOS = {"ddp": scenario_ddp, "kill": scenario_kill, "sharded": scenario_sha
              "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load}
 
 
-def main() -> None:
-    scenario, rank, world, port, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(
-        sys.argv[5])
+def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
+    """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
     cache = tiercache.open(json.loads((work / "config.json").read_text()))
-    cache.distributed(timeout=__import__("datetime").timedelta(seconds=20))
+    cache.distributed(timeout=timedelta(seconds=20))
     SCENARIOS[scenario](cache, rank, world, out, work)
     (work / f"rank{rank}.json").write_text(json.dumps(out))
     if scenario == "kill":
-        os._exit(0)  # a peer is gone: tearing the group down would wait for it
+        return  # a peer is gone: tearing the group down would wait for it
     cache.close()
     dist.destroy_process_group()
 
 
+def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
+    """Entry point of a forked rank: run, then leave without the parent's exit handlers."""
+    code = 0
+    try:
+        run(scenario, rank, world, port, work)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))

@@ -9,9 +9,11 @@ acknowledges a level, fsynced, only after ``handle.wait(level)`` returned.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ import torch
 import tiercache
 from tiercache import failpoints
 from tiercache.config import S3Config
-from tiercache.errors import StorageError, VersionNotFoundError
+from tiercache.errors import StorageError, TierFullError, VersionNotFoundError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _crash_child import ForkServer, config_for, state_for  # the child script lives next to the tests
@@ -216,6 +218,25 @@ def test_kill_mid_multipart_upload(
     assert [len(_acks(tmp_path / f"ack{t}")["remote"]) for t in range(2)] == [0, 2]
 
 
+def test_kill_mid_gc_keeps_every_live_version(server: ForkServer, tmp_path: Path) -> None:
+    spec = {"root": str(tmp_path / "root"), "log": str(tmp_path / "child.log")}
+    with tiercache.open(config_for(spec)) as cache:
+        kept = cache.save(state_for(1), step=1)
+        kept.wait("local")
+        for step in (2, 3):
+            cache.save(state_for(step), step=step).wait("local")
+        cache.rollback("main", kept.version)  # steps 2 and 3 become garbage
+    server.start([{**spec, "mode": "gc", "failpoints": "gc.after_manifest_delete=kill"}])
+    (code,) = server.reap()
+    assert code == -signal.SIGKILL
+    with tiercache.open(config_for(spec)) as cache:
+        assert [v.step for v in cache.versions()] == [1]  # the manifests went first
+        assert torch.equal(cache.restore("main")["w"], state_for(1)["w"])
+        report = cache.gc(grace=0)  # the next gc finishes the job
+        assert sum(report.chunks.values()) > 0
+        assert torch.equal(cache.restore("main")["v"], state_for(1)["v"])
+
+
 @pytest.mark.parametrize("name", ["disk.after_fsync", "engine.after_manifest_write", "catalog.before_ref_write"])
 def test_a_raising_failpoint_fails_the_level_and_keeps_the_previous_version(tmp_path: Path, name: str) -> None:
     with tiercache.open(config_for({"root": str(tmp_path)})) as cache:
@@ -244,3 +265,70 @@ def test_failpoint_spec_is_validated() -> None:
         with pytest.raises(ConfigError, match="TIERCACHE_FAILPOINTS"):
             failpoints.configure(spec)
     failpoints.configure(None)
+
+
+@pytest.fixture(params=["tmpfs", "enospc"])
+def small_disk(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A disk tier root with about 8 MiB of room: a real 8 MiB tmpfs, or injected ENOSPC after 8 MiB.
+
+    Where mounting is not permitted (no root), the tmpfs case falls back to the injection too.
+    """
+    root = tmp_path / "mnt"
+    root.mkdir()
+    mounted = request.param == "tmpfs" and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], capture_output=True, check=False
+    ).returncode == 0
+    if not mounted:
+        written = [0]
+        real = os.pwrite
+
+        def pwrite(fd: int, data: Any, offset: int) -> int:
+            written[0] += len(data)
+            if written[0] > 8 << 20:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    try:
+        yield root
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def _big(step: int) -> dict[str, Any]:
+    return {**state_for(step), "big": torch.arange(3_000_000, dtype=torch.float32) + step}  # 12 MB
+
+
+def test_disk_full_fails_local_with_tier_full_and_keeps_the_previous_version(small_disk: Path) -> None:
+    cfg = config_for({"root": str(small_disk / "c")})
+    with tiercache.open(cfg) as cache:
+        good = cache.save(state_for(1), step=1)
+        good.wait("local")
+        full = cache.save(_big(2), step=2)
+        with pytest.raises(TierFullError):
+            full.wait("local")
+        with pytest.raises(TierFullError):
+            cache.close()
+    assert not list(small_disk.rglob(".tmp-*"))
+    with tiercache.open(cfg) as cache:
+        assert cache.resolve("main") == good.version
+        got = cache.restore("main")
+    assert all(torch.equal(got[k], state_for(1)[k]) for k in ("w", "v", "b"))
+
+
+def test_disk_full_with_s3_still_reaches_remote(small_disk: Path, s3_config: S3Config) -> None:
+    cfg = config_for({"root": str(small_disk / "c"), "s3": _s3_spec(s3_config)})
+    with tiercache.open(cfg) as cache:
+        cache.save(state_for(1), step=1).wait("remote")
+        full = cache.save(_big(2), step=2)
+        assert full.wait("remote") == full.version
+        with pytest.raises(TierFullError):
+            full.wait("local")
+        with pytest.raises(TierFullError):
+            cache.close()
+    assert not list(small_disk.rglob(".tmp-*"))
+    with tiercache.open(cfg) as cache:
+        assert cache.resolve("main") == full.version  # the remote head is the newest
+        got = cache.restore("main")
+    assert torch.equal(got["big"], _big(2)["big"])

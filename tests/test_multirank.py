@@ -1,6 +1,6 @@
 """Multi-rank save and restore (tiercache.distributed): 2 and 4 gloo ranks on CPU, all three tiers.
 
-Every rank is a subprocess (``_multirank_worker.py``) with its own cache on one shared disk
+Every rank is a forked process (``_multirank_worker.py``) with its own cache on one shared disk
 directory (a node-local cache) and one S3 prefix on the real local S3 server. The test then opens
 each durable tier alone, in this process, and checks what was committed there, bit for bit.
 """
@@ -8,16 +8,15 @@ each durable tier alone, in this process, and checks what was committed there, b
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _multirank_worker import ddp_state, full_tensors
+from _multirank_worker import ddp_state, forked, full_tensors
 
 import tiercache
 from tiercache.config import S3Config
@@ -25,38 +24,33 @@ from tiercache.distributed import assign_owners, merge_parts
 from tiercache.errors import InvalidArgumentError
 from tiercache.manifest import ChunkRef, Piece, TensorEntry, Version, utcnow
 
-WORKER = Path(__file__).with_name("_multirank_worker.py")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 90) -> list[int]:
-    """Run ``scenario`` on ``world`` ranks; return their exit codes."""
+def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 120) -> list[int]:
+    """Run ``scenario`` on ``world`` forked ranks; return their exit codes (-9: killed).
+
+    Forked, not spawned: the children inherit the imported torch, which on a loaded machine
+    saves each rank many seconds of imports.
+    """
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(port), str(work)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    codes = []
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=forked, args=(scenario, r, world, port, work)) for r in range(world)]
     for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        codes.append(p.returncode)
-        if p.returncode not in (0, -9):
-            print(out)
-    return codes
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
 
 
 def rank_out(work: Path, rank: int) -> dict[str, Any]:

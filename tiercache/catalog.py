@@ -117,6 +117,14 @@ class Catalog:
             if tier is not None:
                 self._on_tier[tier].add(version.id)
 
+    def forget(self, version_ids: Iterable[str]) -> None:
+        """Drop versions (collected by GC) from the catalog, so listing and resolution no longer see them."""
+        with self._lock:
+            for vid in version_ids:
+                self._versions.pop(vid, None)
+                for held in self._on_tier.values():
+                    held.discard(vid)
+
     def mark_on(self, tier: str, version_id: str, present: bool = True) -> None:
         """Record that ``tier`` now holds (or no longer holds) the manifest of a version."""
         with self._lock:

@@ -468,6 +468,11 @@ class Engine:
     def _placement(self, job: _Job) -> list[str]:
         placement = self.policy.place(self._view(job), self.context())
         targets = [p.tier for p in placement.plans if not p.skip and p.tier in self.tiers]
+        for name in self.tiers:
+            lvl = TIER_LEVEL.get(name)
+            if name not in targets and lvl and not job.futures[lvl].done():
+                reason = placement.plan_for(name).reason or "policy decision"
+                job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} skipped for {name}: {reason}"))
         with self._lock:
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
         self._coalesce(job)
@@ -802,12 +807,14 @@ class Engine:
     def _make_room(self, name: str, job: _Job) -> bool:
         """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot."""
         tier = self.tiers[name]
-        if tier.capacity is None or job.manifest is None:
+        if tier.capacity is None:
             return True
+        # Only chunks the tier lacks need room (dedup), so wait for the ids; hashing is quick.
+        manifest = job.published.result()
         have = self.catalog.chunks_on(name)
-        new = {c.id: c.nbytes for c in job.manifest.chunks if c.id not in have}
+        new = {c.id: c.nbytes for c in manifest.chunks if c.id not in have}
         # Raw size plus header: an upper bound, as encoding only ever stores a chunk smaller.
-        need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(job.manifest.to_json())
+        need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(manifest.to_json())
         while tier.used_bytes() + need > tier.capacity:
             dropped = [vid for vid in self.policy.evict(name, self.context()) if self._drop_version(name, vid)]
             if not dropped:
@@ -825,7 +832,10 @@ class Engine:
         with self._lock:
             if vid in self._jobs:
                 return False
-            keep = {c.id for j in self._jobs.values() if name in j.pending and j.manifest for c in j.manifest.chunks}
+            # Chunks of versions still to be written here, as far as they are hashed (a later
+            # one's writer sees what is gone from the catalog and writes it again).
+            keep = {f.result() for j in self._jobs.values() if name in j.pending
+                    for f in j.ready if f.done() and f.exception() is None}
         if not self.catalog.manifest_on(name, vid) or vid in {r.version for r in self.catalog.refs().values()}:
             return False
         version = self.catalog.get(vid)

@@ -275,7 +275,10 @@ class S3Tier(Tier):
             user_agent_appid="tiercache",
         )
         return session.create_client(
-            "s3", region_name=region, endpoint_url=cfg.endpoint_url, verify=cfg.verify_tls, config=config
+            # User:password in an endpoint URL is never a credential to botocore, which would
+            # only echo it into its logs and errors: it gets the URL without them.
+            "s3", region_name=region, endpoint_url=_redact(cfg.endpoint_url) if cfg.endpoint_url else None,
+            verify=cfg.verify_tls, config=config,
         )
 
     def _check_bucket(self) -> None:

@@ -1,0 +1,113 @@
+"""Lightning and Hugging Face Trainer integrations: train a tiny model, checkpoint through tiercache, resume.
+
+Each test compares an interrupted-and-resumed run against an uninterrupted one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import Trainer, TrainingArguments
+
+import tiercache
+from tiercache.integrations.hf import TierCacheCallback, restore_checkpoint
+from tiercache.integrations.lightning import TierCacheCheckpointIO
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 4, generator=g)
+    return x, x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(32, generator=g)
+
+
+# ----------------------------------------------------------------------------------------- Lightning
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layer(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _fit(root: Path, epochs: int, plugin: TierCacheCheckpointIO | None, ckpt_path: str | None = None) -> TinyModule:
+    L.seed_everything(0)
+    model = TinyModule()
+    trainer = L.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, plugins=[plugin] if plugin else None,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)],
+    )
+    x, y = _data()
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8), ckpt_path=ckpt_path)
+    return model
+
+
+def test_lightning_checkpoint_io_resume_is_identical(tmp_path: Path) -> None:
+    reference = _fit(tmp_path / "ref", 2, None)
+    config = {"disk": {"path": str(tmp_path / "cache")}}
+    with tiercache.open(config) as cache:
+        _fit(tmp_path / "run", 1, TierCacheCheckpointIO(cache, wait="local"))
+    ckpt = tmp_path / "run" / "ckpt" / "epoch=0-step=4.ckpt"
+    assert not ckpt.exists()  # stored in the cache only
+    with tiercache.open(config) as cache:
+        [info] = cache.versions()
+        assert (info.step, info.meta["lightning_path"]) == (4, str(ckpt))
+        resumed = _fit(tmp_path / "run", 2, TierCacheCheckpointIO(cache), ckpt_path=str(ckpt))
+        assert [v.step for v in cache.versions()] == [4, 8]
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+# ------------------------------------------------------------------------------------- Hugging Face
+
+
+class TinyRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.lin(x).squeeze(-1)
+        return {"loss": F.mse_loss(out, labels), "logits": out}
+
+
+def _train(out: Path, callbacks: list, resume: str | None = None) -> TinyRegressor:
+    torch.manual_seed(0)
+    model = TinyRegressor()
+    x, y = _data()
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=4, learning_rate=0.05,
+        use_cpu=True, report_to=[], seed=0, logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    data = [{"x": x[i], "labels": y[i]} for i in range(len(x))]
+    Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train(resume_from_checkpoint=resume)
+    return model
+
+
+def test_hf_callback_resume_is_identical(tmp_path: Path) -> None:
+    reference = _train(tmp_path / "ref", [])
+    with tiercache.open({"disk": {"path": str(tmp_path / "cache")}}) as cache:
+        _train(tmp_path / "run", [TierCacheCallback(cache)])
+        assert [(v.step, v.meta["hf_checkpoint"]) for v in cache.versions()] == [(3, "checkpoint-3"),
+                                                                                 (6, "checkpoint-6")]
+        original = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoint-3").iterdir() if p.is_file()}
+        shutil.rmtree(tmp_path / "run")
+        path = restore_checkpoint(cache, "main@3", tmp_path / "restored")
+        assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == original
+        resumed = _train(tmp_path / "again", [], resume=str(path))
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name

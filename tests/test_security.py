@@ -1,0 +1,172 @@
+"""Security: file modes, paths kept under the root, hostile manifests, pickle opt-in, secrets, TLS."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tiercache
+from tiercache.cli import app
+from tiercache.config import DiskConfig, S3Config, load_config
+from tiercache.errors import (
+    ConfigError,
+    IntegrityError,
+    InvalidNameError,
+    TierCacheError,
+    UnsupportedStateError,
+    VersionNotFoundError,
+)
+from tiercache.manifest import RefRecord, Version
+from tiercache.tiers.disk import DiskTier
+
+FAKE_SECRET = "tcFAKEsecret0123456789abcdefGHIJKLmnopQR"  # planted, then looked for in every output
+
+
+def _save_one(root: Path) -> tuple[str, dict]:
+    state = {"w": torch.arange(10, dtype=torch.float32), "n": 3}
+    with tiercache.open({"disk": {"path": str(root)}}) as cache:
+        vid = cache.save(state, step=1).wait("local")
+        cache.tag("best", vid)
+    return vid, state
+
+
+def test_local_files_are_0600_and_directories_0700(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    _save_one(root)
+    entries = [root, *root.rglob("*")]
+    files = [p for p in entries if p.is_file()]
+    dirs = [p for p in entries if p.is_dir()]
+    assert files and len(dirs) > 3
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o600"}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in dirs} == {"0o700"}
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["../escape", "chunks/../../escape", "/etc/passwd", "versions/.tmp-x", "refs//main", "a\\b", "a b", "", "x" * 129],
+)
+def test_keys_that_could_leave_the_root_are_refused_before_any_io(tmp_path: Path, key: str) -> None:
+    tier = DiskTier(DiskConfig(path=tmp_path / "root"))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(InvalidNameError):
+        tier.put(key, b"x")
+    with pytest.raises(InvalidNameError):
+        tier.get(key)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    tier = DiskTier(DiskConfig(path=root))
+    (root / "versions").symlink_to(outside)
+    with pytest.raises(InvalidNameError, match="outside the disk tier root"):
+        tier.put("versions/V1.json", b"{}")
+    assert list(outside.iterdir()) == []
+
+
+def _manifest(vid: str, **chunk: object) -> bytes:
+    data = {
+        "id": vid, "parent": None, "branch": "main", "step": 1, "created_at": "2024-01-01T00:00:00Z",
+        "chunks": [{"id": "ab" * 16, "nbytes": 4, **chunk}], "tree": 0, "nbytes": 4,
+        "tensors": [{"path": "w", "dtype": "float32", "shape": [1], "nbytes": 4,
+                     "pieces": [{"chunk": 0, "chunk_offset": 0, "offset": 0, "nbytes": 4}]}],
+    }
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    "chunk_id",
+    ["../../../etc/passwd", "ab/../../cd" + "0" * 24, "AB" * 16, "ab" * 8, "zz" * 16, "ab" * 16 + "/x", "ab" * 65],
+)
+def test_a_manifest_naming_keys_outside_its_layout_is_refused(tmp_path: Path, chunk_id: str) -> None:
+    assert Version.from_json(_manifest("V1"), source="ok").chunks[0].id == "ab" * 16
+    with pytest.raises(IntegrityError, match="not a valid tiercache manifest"):
+        Version.from_json(_manifest("V1", id=chunk_id))
+    # Planted on disk, the catalog ignores it: nothing reads a key it names.
+    root = tmp_path / "root"
+    tier = DiskTier(DiskConfig(path=root))
+    tier.put("versions/V1.json", _manifest("V1", id=chunk_id))
+    with tiercache.open({"disk": {"path": str(root)}}) as cache:
+        assert cache.versions() == []
+        with pytest.raises(VersionNotFoundError):
+            cache.restore("V1")
+
+
+@pytest.mark.parametrize("bad", [{"version": "../x"}, {"name": "a/b"}, {"kind": "remote"}, {"seq": -1}])
+def test_a_hostile_ref_record_is_refused(bad: dict) -> None:
+    good = {"kind": "branch", "name": "main", "version": "V1", "seq": 0}
+    assert RefRecord.from_json(json.dumps(good).encode()).version == "V1"
+    with pytest.raises(IntegrityError, match="not a valid tiercache ref"):
+        RefRecord.from_json(json.dumps({**good, **bad}).encode())
+
+
+class _Opaque:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_pickle_is_refused_unless_opted_in_on_both_save_and_restore(tmp_path: Path) -> None:
+    state = {"w": torch.ones(2), "obj": _Opaque(5)}
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache, pytest.raises(UnsupportedStateError):
+        cache.save(state, step=1)
+    with tiercache.open({"disk": {"path": str(tmp_path)}, "allow_pickle": True}) as cache:
+        cache.save(state, step=1).wait("local")
+        assert cache.restore("main")["obj"].x == 5
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache, pytest.raises(UnsupportedStateError):
+        cache.restore("main")
+
+
+def test_tls_verification_is_on_unless_turned_off() -> None:
+    assert S3Config(url="s3://bucket/p").verify_tls is True
+    assert load_config({"s3": {"url": "s3://bucket/p"}}).s3.verify_tls is True
+    assert load_config({"s3": {"url": "s3://bucket/p", "verify_tls": False}}).s3.verify_tls is False
+
+
+def test_a_planted_secret_never_reaches_logs_errors_or_cli_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKEFAKEFAKE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    seen: list[str] = []
+    # In a config: as a field that does not exist, and inside an endpoint URL (port 9: nothing listens).
+    bad_field = {"s3": {"url": "s3://bucket/p", "aws_secret_access_key": FAKE_SECRET}}
+    in_url = {"s3": {"url": "s3://bucket/p", "endpoint_url": f"http://key:{FAKE_SECRET}@127.0.0.1:9",
+                     "max_attempts": 1, "connect_timeout": 0.5}}
+    for cfg in (bad_field, in_url):
+        with pytest.raises(TierCacheError) as info:
+            tiercache.open(cfg)
+        seen += [str(info.value), repr(info.value), str(info.value.__cause__ or "")]
+    toml = tmp_path / "tiercache.toml"
+    toml.write_text(f'[s3]\nurl = "s3://bucket/p"\nendpoint_url = "http://key:{FAKE_SECRET}@127.0.0.1:9"\n'
+                    'max_attempts = 1\nconnect_timeout = 0.5\n')
+    runner = CliRunner()
+    for args in (["--config", str(toml), "ls"], ["--config", str(toml), "restore", "main", "--out", "x.pt"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code != 0
+        seen.append(result.output)
+    seen.append(caplog.text)
+    assert all(FAKE_SECRET not in text for text in seen)
+    assert any("127.0.0.1:9" in text for text in seen)  # the errors did name the endpoint
+
+
+def test_an_unknown_config_field_is_refused_by_name_without_echoing_its_value() -> None:
+    with pytest.raises(ConfigError, match="aws_secret_access_key") as info:
+        load_config({"s3": {"url": "s3://b/p", "aws_secret_access_key": FAKE_SECRET}})
+    assert FAKE_SECRET not in str(info.value)
+
+
+def test_environment_of_this_process_is_untouched_by_open(tmp_path: Path) -> None:
+    before = dict(os.environ)
+    _save_one(tmp_path)
+    assert dict(os.environ) == before
