@@ -1,8 +1,8 @@
 """``python -m bench.scenarios``: the policy scenarios, on a real S3 server behind a throttled link.
 
 Both scenarios start the embedded SeaweedFS server on loopback and put
-:class:`tiercache._throttle.ThrottledProxy` between it and the cache, so the S3 tier sees a link
-of a few MB/s whose limit the scenario lifts or lowers mid-run.
+:class:`tiercache._throttle.ThrottledProxy` (in a child process) between it and the cache, so the
+S3 tier sees a link of a few MB/s whose limit the scenario lifts or lowers mid-run.
 
 1. ``backlog``: a trainer saves faster than the link can absorb, first with ``throughput-adaptive``
    and then with ``write-through`` on the same link; halfway the limit is lifted. Printed per
@@ -26,6 +26,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -43,7 +45,6 @@ from bench.baselines import memcpy
 from bench.state import advance, make_state, state_nbytes
 from tiercache import codecs
 from tiercache._locals3 import LocalS3Server
-from tiercache._throttle import ThrottledProxy
 from tiercache.config import PolicyConfig, parse_size
 from tiercache.errors import SkippedError
 from tiercache.names import chunk_key
@@ -51,6 +52,7 @@ from tiercache.policy.base import OnFull, Placement, Policy, PolicyContext, Vers
 from tiercache.policy.builtin import load_policy
 
 SCENARIOS = ("backlog", "compression")
+_NO_S3 = "no S3 tier (reference)"
 _MB = 1e6
 
 
@@ -142,7 +144,56 @@ class Trace:
         return sum(e is None for e in errs), sum(isinstance(e, SkippedError) for e in errs)
 
 
-def _config(root: Path, name: str, server: LocalS3Server, proxy: ThrottledProxy, arena: int,
+class ProxyProcess:
+    """:class:`ThrottledProxy` run in a child process (``python -m tiercache._throttle``).
+
+    The relay's Python loops then do not compete with the trainer for the GIL, as a real link
+    would not; the limit is changed by writing it to the child's stdin.
+    """
+
+    def __init__(self, target: str, limit_bps: float | None) -> None:
+        self._limit = limit_bps
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercache._throttle", target, str(limit_bps)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self._proc.stdout is not None
+        self.url = self._proc.stdout.readline().strip()
+        if not self.url.startswith("http://127.0.0.1:"):
+            self.close()
+            raise RuntimeError(f"the proxy process did not start (it printed {self.url!r})")
+
+    @property
+    def limit_bps(self) -> float | None:
+        """The limit in bytes/s (``None``: lifted); setting it tells the child."""
+        return self._limit
+
+    @limit_bps.setter
+    def limit_bps(self, value: float | None) -> None:
+        self._limit = value
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{value}\n")
+        self._proc.stdin.flush()
+        time.sleep(0.05)  # let the child apply it before the caller measures anything
+
+    def close(self) -> None:
+        """Stop the child (end of its stdin) and wait for it."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> ProxyProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _config(root: Path, name: str, server: LocalS3Server, proxy: ProxyProcess, arena: int,
             policy: str, **params: Any) -> dict[str, Any]:
     return {
         "ram": {"capacity": arena},
@@ -162,10 +213,14 @@ def backlog(args: argparse.Namespace, server: LocalS3Server, root: Path, console
     copy_ms = statistics.median(memcpy(state) for _ in range(5)) * 1e3
     arena = 4 * nbytes + (16 << 20)
     results: dict[str, Any] = {}
-    for policy in ("throughput-adaptive", "write-through"):
+    # The reference run has no S3 tier: the trainer's wait per save on this machine as it is.
+    for policy in ("throughput-adaptive", "write-through", _NO_S3):
         params = {"max_remote_lag_s": args.bound} if policy == "throughput-adaptive" else {}
-        with ThrottledProxy(server.endpoint_url, limit_bps=args.link) as proxy:
-            cfg = _config(root, f"backlog-{policy}", server, proxy, arena, policy, **params)
+        with ProxyProcess(server.endpoint_url, args.link) as proxy:
+            cfg = _config(root, f"backlog-{policy}", server, proxy, arena,
+                          "throughput-adaptive" if policy == _NO_S3 else policy, **params)
+            if policy == _NO_S3:
+                del cfg["s3"]
             trace = Trace()
             with tiercache.open(cfg) as cache:
                 slow_s = trace.save(cache, state, "slow", args.saves, args.interval)
@@ -192,7 +247,7 @@ def backlog(args: argparse.Namespace, server: LocalS3Server, root: Path, console
                 "s3_slow_uploaded_skipped": trace.s3_outcomes("slow"),
                 "s3_fast_uploaded_skipped": trace.s3_outcomes("fast"),
                 "all_local": all(h.done("local") for h in trace.handles),
-                "max_remote_lag_s": trace.max_remote_lag(done),
+                "max_remote_lag_s": trace.max_remote_lag(done) if trace.remote_at else None,
                 "bound_s": args.bound,
                 "s3_meter_slow_MBps": (bps_slow or 0) / _MB,
                 "s3_meter_fast_MBps": (bps_fast or 0) / _MB,
@@ -220,7 +275,8 @@ def backlog(args: argparse.Namespace, server: LocalS3Server, root: Path, console
          lambda r: f"{r['s3_meter_slow_MBps']:.1f} / {r['s3_meter_fast_MBps']:.1f}"),
     ]
     for label, fmt in rows:
-        t.add_row(label, *(fmt(r) for r in results.values()))
+        s3_row = "S3" in label or "remote" in label
+        t.add_row(label, *("-" if s3_row and p == _NO_S3 else fmt(r) for p, r in results.items()))
     console.print(t)
     return results
 
@@ -259,7 +315,8 @@ def _stored_codecs(cache: tiercache.TierCache, version: str, tier: str, root: Pa
             head = path.read_bytes()[: codecs.HEADER_BYTES]
         else:
             try:
-                obj = client.get_object(Bucket=bucket, Key=f"{prefix}/{key}", Range=f"bytes=0-{codecs.HEADER_BYTES - 1}")
+                span = f"bytes=0-{codecs.HEADER_BYTES - 1}"
+                obj = client.get_object(Bucket=bucket, Key=f"{prefix}/{key}", Range=span)
             except client.exceptions.NoSuchKey:
                 return "-"
             head = obj["Body"].read()
@@ -285,7 +342,7 @@ def compression(args: argparse.Namespace, server: LocalS3Server, root: Path, con
             t.copy_(flat[lo : lo + n])
 
     name = "compression"
-    with ThrottledProxy(server.endpoint_url, limit_bps=None) as proxy:
+    with ProxyProcess(server.endpoint_url, None) as proxy:
         cfg = _config(root, name, server, proxy, 6 * nbytes + (16 << 20), "throughput-adaptive")
         trace = Trace()
         with tiercache.open(cfg) as cache:
@@ -347,7 +404,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the chosen scenarios and print one table each."""
     args = _parse(argv)
-    console = Console()
+    console = Console(width=130)
     figures: dict[str, Any] = {}
     with LocalS3Server() as server, tempfile.TemporaryDirectory(prefix="tiercache-scenarios-") as tmp:
         os.environ.update(server.env())

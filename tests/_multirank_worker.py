@@ -1,4 +1,4 @@
-"""One rank of the multi-rank tests: forked by the tests (:func:`forked`), or ``python _multirank_worker.py
+"""One rank of the multi-rank tests: forked by the tests' fork server (:func:`forked`), or ``python _multirank_worker.py
 SCENARIO RANK WORLD PORT DIR`` by hand.
 
 Each rank joins a gloo group on loopback, opens its own cache from ``DIR/config.json`` (all ranks
@@ -9,6 +9,7 @@ States are built by :func:`ddp_state` and :func:`full_tensors` so the test can r
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -183,6 +184,7 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
 def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """Entry point of a forked rank: run, then leave without the parent's exit handlers."""
     code = 0
+    faulthandler.dump_traceback_later(60, exit=True)  # a hung rank shows where, instead of hanging the test
     try:
         run(scenario, rank, world, port, work)
     except BaseException:

@@ -39,13 +39,10 @@ def _slow_enabled(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_slow = pytest.mark.skip(reason="slow: run with --slow or TIERCACHE_SLOW=1")
-    slow = _slow_enabled(config)
+    # Nothing is ever skipped: tests scale their trial counts with the ``slow`` fixture instead.
     for item in items:
         if "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
-        if not slow and item.get_closest_marker("slow") is not None:
-            item.add_marker(skip_slow)
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ def test_save_four_ranks_load_two_ranks_and_one_process(tmp_path: Path, s3_confi
     # And one process without torch.distributed, from S3 alone.
     with one_tier(config, "s3") as cache:
         state = {"w": torch.zeros(64, 512), "emb": torch.zeros(96, 256), "step": 0}
-        dcp.load(state, storage_reader=TierCacheStorageReader(cache, v1))
+        dcp.load(state, storage_reader=TierCacheStorageReader(cache, v1), no_dist=True)
         full = full_tensors(1)
         assert state["step"] == 1 and torch.equal(state["w"], full["w"]) and torch.equal(state["emb"], full["emb"])
 
@@ -47,15 +47,16 @@ def test_save_four_ranks_load_two_ranks_and_one_process(tmp_path: Path, s3_confi
 def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path / "d")}, "chunk_bytes": "64KiB", "pack_below": "4KiB"}) as c:
         base = {"frozen": torch.arange(65536, dtype=torch.float32), "head": torch.ones(8), "note": "hi"}
-        dcp.save(base, storage_writer=TierCacheStorageWriter(c, step=1))
+        dcp.save(base, storage_writer=TierCacheStorageWriter(c, step=1), no_dist=True)
         chunks_after_first = set(c.catalog.chunks_on("disk"))
-        dcp.save({**base, "head": torch.full((8,), 2.0)}, storage_writer=TierCacheStorageWriter(c, step=2))
+        dcp.save({**base, "head": torch.full((8,), 2.0)}, storage_writer=TierCacheStorageWriter(c, step=2),
+                 no_dist=True)
         v1, v2 = c.manifest("main~1"), c.manifest("main")
         frozen = [t for t in v2.tensors if t.path.startswith("frozen@")]
         assert [p.chunk for p in frozen[0].pieces] and {v2.chunks[p.chunk].id for p in frozen[0].pieces} <= {
             ch.id for ch in v1.chunks} <= chunks_after_first
         out = {"frozen": torch.zeros(65536), "head": torch.zeros(8), "note": ""}
-        dcp.load(out, storage_reader=TierCacheStorageReader(c, "main"))
+        dcp.load(out, storage_reader=TierCacheStorageReader(c, "main"), no_dist=True)
         assert torch.equal(out["frozen"], base["frozen"]) and torch.equal(out["head"], torch.full((8,), 2.0))
         assert out["note"] == "hi"
         # A DCP version restores through the plain API as its flat shards.

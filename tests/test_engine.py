@@ -187,3 +187,28 @@ def test_many_small_tensors_are_packed(tmp_path: Path) -> None:
             cache.save(state, step=s)
         cache.flush()
         assert len(cache.engine._layouts) == 1  # the plan is computed once per structure
+
+
+def test_full_arena_with_evict_policy_drops_the_oldest_unstarted_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gated = _GatedPut(monkeypatch)
+    state = _state(2, 1 << 20)
+    cfg = {
+        "ram": {"capacity": "20MiB", "serve_reads": False},
+        "disk": {"path": str(tmp_path)},
+        "policy": {"name": "write-through", "params": {"on_full": "evict"}},
+    }
+    with tiercache.open(cfg) as cache:
+        h1 = cache.save(state, step=1)  # the disk writer holds this one (gated)
+        h2 = cache.save({k: v + 1 for k, v in state.items()}, step=2)  # queued behind it
+        cache.engine.wait_published()
+        h3 = cache.save({k: v + 2 for k, v in state.items()}, step=3)  # no room: h2 is dropped
+        assert h3.wait("staged") == h3.version
+        with pytest.raises(SkippedError, match="on_full=evict"):
+            h2.wait("local")
+        gated.gate.set()
+        assert h1.wait("local") == h1.version and h3.wait("local") == h3.version
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        assert [v.step for v in cache.versions()] == [1, 3]
+        assert torch.equal(cache.restore("main")["w0"], state["w0"] + 2)

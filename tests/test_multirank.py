@@ -24,6 +24,7 @@ from tiercache.distributed import assign_owners, merge_parts
 from tiercache.errors import InvalidArgumentError
 from tiercache.manifest import ChunkRef, Piece, TensorEntry, Version, utcnow
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,16 +32,18 @@ def free_port() -> int:
 
 
 def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 120) -> list[int]:
-    """Run ``scenario`` on ``world`` forked ranks; return their exit codes (-9: killed).
+    """Run ``scenario`` on ``world`` ranks; return their exit codes (-9: killed).
 
-    Forked, not spawned: the children inherit the imported torch, which on a loaded machine
-    saves each rank many seconds of imports.
+    The ranks are forked by a fork server that imported torch and tiercache once for the whole
+    session: spawning would cost each rank many seconds of imports on a loaded machine, and
+    forking this process (whose torch may have started OpenMP threads) can deadlock the child.
     """
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
     port = free_port()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.distributed", "_multirank_worker"])
     procs = [ctx.Process(target=forked, args=(scenario, r, world, port, work)) for r in range(world)]
     for p in procs:
         p.start()

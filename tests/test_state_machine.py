@@ -118,7 +118,7 @@ class CacheModel(RuleBasedStateMachine):
 
 def test_cache_matches_the_model(slow: bool) -> None:
     machine = settings(
-        max_examples=60 if slow else 8, stateful_step_count=30 if slow else 12, deadline=None,
+        max_examples=60 if slow else 15, stateful_step_count=30 if slow else 15, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )(CacheModel)
     machine.TestCase().runTest()

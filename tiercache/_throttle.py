@@ -253,3 +253,38 @@ class _Pair:
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
         self.socks = (client, upstream)
         self.open_pumps = 2
+
+
+def _parse_limit(text: str) -> float | None:
+    text = text.strip().lower()
+    return None if text in ("", "none") else float(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tiercache._throttle TARGET [LIMIT]``: run a proxy in a process of its own.
+
+    Relaying in another process keeps the proxy's work off the caller's GIL, as a real link
+    would be. The first line printed is the proxy's URL; each line read from stdin afterwards
+    sets the limit in bytes/s (``none`` lifts it); the end of stdin stops the proxy.
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        raise SystemExit("usage: python -m tiercache._throttle http://127.0.0.1:PORT [BYTES_PER_S|none]")
+    try:
+        limit = _parse_limit(args[1]) if len(args) == 2 else None
+        proxy = ThrottledProxy(args[0], limit)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    with proxy:
+        print(proxy.url, flush=True)
+        for line in sys.stdin:
+            try:
+                proxy.limit_bps = _parse_limit(line)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,7 @@ from rich.progress import (
 from rich.table import Table
 
 import tiercache
+from tiercache.config import PolicyConfig, load_config
 from tiercache.errors import (
     AmbiguousRefError,
     StorageError,
@@ -81,6 +82,7 @@ class _Options:
 
     config: Path | None
     debug: bool
+    policy: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +124,12 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
     The cache is closed (pending writes waited for) before the verb's process exits.
     """
     opts: _Options = ctx.obj
-    with _cli_errors(opts.debug), tiercache.open(opts.config) as cache:
-        yield cache
+    with _cli_errors(opts.debug):
+        cfg = load_config(opts.config)
+        if opts.policy is not None:
+            cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
+        with tiercache.open(cfg) as cache:
+            yield cache
 
 
 @contextmanager
@@ -305,9 +311,17 @@ def _root(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")
     ] = False,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            help="Policy for this command: a built-in, a preset in policies/, or package.module:Class.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Tiered checkpoint cache for PyTorch: list, restore and move checkpoint versions."""
-    ctx.obj = _Options(config=config, debug=debug)
+    ctx.obj = _Options(config=config, debug=debug, policy=policy)
 
 
 @app.command("ls")
@@ -624,5 +638,22 @@ def stats(
 
 
 def main() -> None:
-    """Entry point of the ``tiercache`` console script and ``python -m tiercache``."""
-    app(prog_name="tiercache")
+    """Entry point of the ``tiercache`` console script and ``python -m tiercache``.
+
+    Usage errors (unknown option, missing argument) print one line and exit 2, like every other
+    bad input, instead of click's multi-line usage box.
+    """
+    try:
+        rc = app(prog_name="tiercache", standalone_mode=False)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        raise SystemExit(1) from None
+    except Exception as e:
+        # typer vendors click and does not export its UsageError: recognise it by its interface.
+        if getattr(e, "exit_code", None) != 2 or not hasattr(e, "format_message"):
+            raise
+        ctx = getattr(e, "ctx", None)
+        where = f"tiercache {ctx.command_path.partition(' ')[2]}".strip() if ctx is not None else "tiercache"
+        typer.echo(f"error: {e.format_message()} (see: {where} --help)", err=True)
+        raise SystemExit(2) from None
+    raise SystemExit(rc if isinstance(rc, int) else 0)

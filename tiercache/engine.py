@@ -514,8 +514,11 @@ class Engine:
                 continue
             written.add(cid)
             futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
-        for f in futs:
-            f.result()
+        spans = [f.result() for f in futs]
+        if spans:
+            # One observation per version: bytes over the time any put was in flight. Per-chunk
+            # rates would read a shared link as its speed divided by the puts in parallel.
+            self.meter.record(name, "write", sum(n for n, _, _ in spans), _busy_seconds(spans))
         self.catalog.note_chunks(name, written)
         if job.committer is not None:
             job.committer.commit(name)  # the group's rank 0 writes the merged manifest and moves the ref
@@ -550,7 +553,8 @@ class Engine:
             job.futures["durable"].set_result(job.version_id)
         self._done_with(job, name)
 
-    def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> None:
+    def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> tuple[int, float, float]:
+        """Write one chunk object; return its stored size and the put's start and end times."""
         view = self.ram.view(key)
         if view is None:
             raise TierCacheError(f"chunk {key} vanished from the RAM arena before it was written to {name}")
@@ -559,8 +563,9 @@ class Engine:
             data = self._encode(view, codec)
         t0 = time.perf_counter()
         tier.put(key, data)
-        self.meter.record(name, "write", len(data), time.perf_counter() - t0)
+        t1 = time.perf_counter()
         failpoint("engine.after_chunk_write")
+        return len(data), t0, t1
 
     def _encode(self, view: memoryview, codec: str) -> bytes:
         hdr = codecs.read_header(view[: codecs.HEADER_BYTES])
@@ -656,7 +661,24 @@ class Engine:
         return freed
 
     def _cancel_oldest_pending(self) -> bool:
-        return False  # a version already handed to writers is never dropped half-way
+        """Drop the oldest staged version no writer has started on (``on_full="evict"``).
+
+        Its durability levels fail with :class:`SkippedError` and its arena regions are freed.
+        A version some writer already holds is never dropped half-way, so this may find nothing.
+        """
+        with self._lock:
+            jobs = list(self._jobs.values())
+            heads = {n: next((j for j in jobs if n in j.pending), None) for n in self.tiers}
+            victim = next(
+                (j for j in jobs if j.published.done() and j.pending
+                 and j.committer is None and all(heads[n] is not j for n in j.pending)),
+                None,
+            )
+        if victim is None:
+            return False
+        for name in list(victim.pending):
+            self._skip_tier(name, victim, "dropped to make room in the RAM arena (on_full=evict)", unless_oldest=True)
+        return not victim.pending
 
     def evict_ram(self, keys: list[str]) -> int:
         """Drop the RAM copies of ``keys`` that no pending version needs; return bytes freed."""
@@ -894,3 +916,16 @@ class Engine:
         if self.arena is not None:
             self.arena.close()
         self.raise_background_error()
+
+
+def _busy_seconds(spans: list[tuple[int, float, float]]) -> float:
+    """Length of the union of the ``(start, end)`` intervals of ``spans``."""
+    total = 0.0
+    end = float("-inf")
+    for _, t0, t1 in sorted(spans, key=lambda s: s[1]):
+        if t0 > end:
+            total += t1 - t0
+        elif t1 > end:
+            total += t1 - end
+        end = max(end, t1)
+    return max(total, 1e-9)

@@ -273,6 +273,10 @@ class DiskTier(Tier):
                 tmp = None
                 if self._used is not None:
                     self._used += src.nbytes - old
+                # Move the reservation into _used in one step, so a parallel put never counts
+                # these bytes twice.
+                self._reserved -= reserved
+                reserved = 0
             failpoint("disk.after_rename")
             _fsync_dir(dirpath)
             failpoint("disk.after_dir_fsync")
