@@ -163,8 +163,27 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
         out["equal"][ref] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
-SCENARIOS = {"ddp": scenario_ddp, "kill": scenario_kill, "sharded": scenario_sharded,
-             "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load}
+def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
+    disk = cache.engine.tiers["disk"]
+    blob = bytes(range(256)) * 4096
+    dist.barrier()
+    for _ in range(20):
+        disk.put("chunks/ab/" + "ab" * 16, blob)
+        assert disk.get("chunks/ab/" + "ab" * 16) == blob
+    for _ in range(10):
+        while True:  # a counter in one shared ref, moved by compare-and-swap: no increment may be lost
+            got = disk.read_ref("refs/branch/shared")
+            value = int(got.data) + 1 if got else 1
+            try:
+                disk.write_ref("refs/branch/shared", str(value).encode(), expect=got.token if got else None)
+                break
+            except tiercache.ConflictError:
+                continue  # another rank moved it first: read again
+
+
+SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
+             "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load}
 
 
 def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:

@@ -174,6 +174,18 @@ def test_sharded_dtensor_four_ranks(tmp_path: Path, s3_config: S3Config) -> None
         assert torch.cat([whole[r]["w"] for r in range(4)]).equal(full["w"])
 
 
+def test_node_local_disk_shared_by_four_processes(tmp_path: Path) -> None:
+    config = {"disk": {"path": str(tmp_path / "disk")}}
+    work = tmp_path / "work"
+    assert run_ranks("shared_disk", 4, work, config) == [0, 0, 0, 0]
+    disk = tmp_path / "disk"
+    assert (disk / "chunks" / "ab" / ("ab" * 16)).read_bytes() == bytes(range(256)) * 4096
+    assert not list(disk.rglob(".tmp-*"))
+    # 4 processes x 10 compare-and-swap increments of one ref: none lost.
+    with tiercache.open(config) as cache:
+        assert cache.engine.tiers["disk"].read_ref("refs/branch/shared").data == b"40"
+
+
 # ----------------------------------------------------------------------------- pure functions
 
 

@@ -288,10 +288,10 @@ class _Round:
         cache.engine.wait_published()
         try:
             return ("ok", cache.catalog.get(self.vid).to_json().decode())
-        except TierCacheError:
-            # Hashing failed: the engine failed every level with the reason.
-            lvl = next(iter(TIER_LEVEL.values()))
-            return _status_of(self.local.future(lvl).exception() or TierCacheError("hashing failed"))
+        except TierCacheError as e:
+            # Hashing failed: the engine failed every level, "durable" included, with the reason.
+            durable = self.local.future("durable")
+            return _status_of((durable.exception() if durable.done() else None) or e)
 
     def status(self, tier: str) -> _Status:
         """Block until this rank's chunks are durable on ``tier`` or its write there failed."""

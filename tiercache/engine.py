@@ -156,6 +156,10 @@ class _Job:
     ready: list[Future[str]] = field(default_factory=list)
     #: Resolved with the manifest once every chunk is hashed.
     published: Future[Version] = field(default_factory=Future)
+    #: Set per chunk by the training thread once the chunk is fully copied into the arena.
+    copied: list[threading.Event] = field(default_factory=list)
+    #: The exception that interrupted the copy (the caller of save() got it too).
+    copy_error: BaseException | None = None
     pending: set[str] = field(default_factory=set)
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
@@ -274,13 +278,7 @@ class Engine:
             return SaveHandle(vid, futures)
         job.regions = list(regions)
         job.ready = [Future() for _ in regions]
-        try:
-            self._copy_in(flat, layout, regions)
-        except BaseException:
-            for r in regions:
-                self.arena.free(r)
-            raise
-        futures["staged"].set_result(vid)
+        job.copied = [threading.Event() for _ in regions]
         for lvl, tier in (("local", "disk"), ("remote", "s3")):
             if tier not in self.tiers:
                 futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
@@ -288,7 +286,17 @@ class Engine:
             futures["durable"].set_exception(ConfigError("no durable tier configured (only RAM)"))
         with self._lock:
             self._jobs[vid] = job
+        # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
+        # busy while the training thread is still copying the rest.
         self._hasher.submit(self._after_stage, job)
+        try:
+            self._copy_in(flat, layout, regions, job.copied)
+        except BaseException as e:
+            job.copy_error = e
+            for ev in job.copied:
+                ev.set()
+            raise
+        futures["staged"].set_result(vid)
         return SaveHandle(vid, futures)
 
     def _layout(self, flat: Flat, chunk_bytes: int) -> Layout:
@@ -354,29 +362,23 @@ class Engine:
             got.append(r)
         return got
 
-    def _copy_in(self, flat: Flat, layout: Layout, regions: list[Region]) -> None:
+    def _copy_in(self, flat: Flat, layout: Layout, regions: list[Region], copied: list[threading.Event]) -> None:
+        """Copy every tensor into its chunk regions; set ``copied[i]`` once chunk ``i`` is complete."""
         hdr = codecs.HEADER_BYTES
         views = [self.arena.tensor(r) for r in regions]
         cuda = any(t.is_cuda for t in flat.tensors)
+        # Chunk i is complete after the copy of its last piece; GPU copies are asynchronous, so
+        # with CUDA every chunk is released only after the final event sync.
+        last = [max(p.tensor for p in c.pieces) for c in layout.chunks]
+        done_after: dict[int, list[int]] = {}
+        if not cuda:
+            for ci, ti in enumerate(last):
+                done_after.setdefault(ti, []).append(ci)
         stream = torch.cuda.Stream() if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx, torch.no_grad():
-            for i, t in enumerate(flat.tensors):
-                pieces = layout.tensor_pieces[i]
-                if not pieces:
-                    continue
-                if len(pieces) == 1:
-                    ci, p = pieces[0]
-                    dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
-                    dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=cuda)
-                    continue
-                src = t if t.is_contiguous() else t.contiguous()
-                flat_bytes = src.reshape(-1).view(torch.uint8)
-                for ci, p in pieces:
-                    dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
-                    dst.copy_(flat_bytes[p.offset : p.offset + p.nbytes], non_blocking=cuda)
             # Gaps between packed tensors must be zero so a pack's hash depends only on content.
             for ci, c in enumerate(layout.chunks):
                 if not c.packed:
@@ -386,10 +388,30 @@ class Engine:
                     if p.chunk_offset > end:
                         views[ci][hdr + end : hdr + p.chunk_offset].zero_()
                     end = p.chunk_offset + p.nbytes
+            for i, t in enumerate(flat.tensors):
+                pieces = layout.tensor_pieces[i]
+                if not pieces:
+                    continue
+                if len(pieces) == 1:
+                    ci, p = pieces[0]
+                    dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
+                    dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=cuda)
+                else:
+                    src = t if t.is_contiguous() else t.contiguous()
+                    flat_bytes = src.reshape(-1).view(torch.uint8)
+                    for ci, p in pieces:
+                        dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes]
+                        dst.copy_(flat_bytes[p.offset : p.offset + p.nbytes], non_blocking=cuda)
+                        if len(layout.chunks[ci].pieces) == 1 and not cuda:
+                            copied[ci].set()  # one tensor's chunk: complete as soon as it is copied
+                for ci in done_after.get(i, ()):
+                    copied[ci].set()
         if stream is not None:
             ev = torch.cuda.Event()
             ev.record(stream)
             ev.synchronize()
+        for e in copied:
+            e.set()
 
     # ------------------------------------------------------------------ background
 
@@ -399,7 +421,7 @@ class Engine:
         try:
             targets = self._placement(job)
         except BaseException as e:
-            self._fail_job(job, e, list(LEVELS[1:]), staging_failed=True)
+            self._fail_job(job, e, list(LEVELS if job.copy_error is not None else LEVELS[1:]), staging_failed=True)
             return
         with self._lock:
             job.pending = set(targets)
@@ -416,7 +438,7 @@ class Engine:
             for f in [*job.ready, job.published]:
                 if not f.done():
                     f.set_exception(e)
-            self._fail_job(job, e, list(LEVELS[1:]), staging_failed=True)
+            self._fail_job(job, e, list(LEVELS if job.copy_error is not None else LEVELS[1:]), staging_failed=True)
             return
         if not targets:
             self._check_durable(job)
@@ -428,6 +450,9 @@ class Engine:
         hdr = codecs.HEADER_BYTES
         ids: list[str] = []
         for i, c in enumerate(job.layout.chunks):
+            job.copied[i].wait()
+            if job.copy_error is not None:
+                raise job.copy_error
             region = job.regions[i]
             assert region is not None
             buf = self.arena.buffer(region)
@@ -589,7 +614,9 @@ class Engine:
                 job.futures[lvl].set_exception(err)
         with self._lock:
             # A multi-rank version's error reaches every rank through the group's handle instead.
-            if self._error is None and not isinstance(err, SkippedError) and job.committer is None:
+            # A copy error was already raised to the caller of save(): not a background error.
+            if (self._error is None and not isinstance(err, SkippedError) and job.committer is None
+                    and err is not job.copy_error):
                 self._error = err
         # Only the hasher (the owner of not-yet-adopted regions) may free them.
         if staging_failed and self.arena is not None:

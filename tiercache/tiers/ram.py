@@ -36,8 +36,11 @@ log = logging.getLogger("tiercache.tiers.ram")
 #: Alignment of every region and of the arena itself (the page size O_DIRECT needs).
 ALIGN = 4096
 
-#: Objects smaller than this live in a dict instead of arena regions (manifests, refs).
+#: Objects smaller than this live in a dict instead of arena regions. Manifests and refs always
+#: do, whatever their size: the arena is budgeted for chunks, and a big manifest (thousands of
+#: tensors) must never fail a save that already has its chunks staged.
 SMALL_OBJECT_BYTES = 4096
+_ARENA_PREFIX = "chunks/"
 
 # Linux's MADV_POPULATE_WRITE (5.14+); Python 3.11's mmap module does not name it.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -379,10 +382,10 @@ class RamTier(Tier):
             if old is not None:
                 self._release(old)
 
-    def _make_entry(self, data: Buffer) -> _Entry:
+    def _make_entry(self, data: Buffer, key: str) -> _Entry:
         src = memoryview(data).cast("B")
         n = src.nbytes
-        if n < SMALL_OBJECT_BYTES:
+        if n < SMALL_OBJECT_BYTES or not key.startswith(_ARENA_PREFIX):
             return _Entry(bytes(src), None, n, 0)
         region = self.arena.alloc(n)
         if region is None:
@@ -464,7 +467,7 @@ class RamTier(Tier):
             TierFullError: If the arena has no contiguous room for it.
         """
         check_key(key)
-        self._install(key, self._make_entry(data), None)
+        self._install(key, self._make_entry(data, key), None)
 
     def adopt(self, key: str, region: Region, length: int) -> bool:
         """Register an arena region the caller already filled as the object ``key`` (no copy).
@@ -529,7 +532,7 @@ class RamTier(Tier):
             if expect is not None and (old is None or str(old.gen) != expect):
                 raise ConflictError(f"ref {key} was moved or deleted since it was read")
 
-        entry = self._make_entry(data)
+        entry = self._make_entry(data, key)
         self._install(key, entry, check)
         return str(entry.gen)
 
