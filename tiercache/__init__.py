@@ -15,6 +15,7 @@ Example:
 
 from tiercache.cache import TierCache, open
 from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
+from tiercache.distributed import DistributedCache
 from tiercache.engine import SaveHandle
 from tiercache.errors import (
     AccessDeniedError,
@@ -24,6 +25,7 @@ from tiercache.errors import (
     ConfigError,
     ConflictError,
     DeadlineExceededError,
+    GroupSaveError,
     IntegrityError,
     InvalidArgumentError,
     InvalidNameError,
@@ -52,6 +54,8 @@ __all__ = [
     "ConflictError",
     "DeadlineExceededError",
     "DiskConfig",
+    "DistributedCache",
+    "GroupSaveError",
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidNameError",

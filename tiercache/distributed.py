@@ -62,7 +62,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tiercache import errors
 from tiercache.cache import _json_meta
 from tiercache.engine import LEVELS, TIER_LEVEL, SaveHandle
-from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
+from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.layout import PAGE, round_up
 from tiercache.manifest import Piece, RankPart, RefRecord, Version, new_version_id
 from tiercache.names import check_name, version_key
@@ -80,14 +80,6 @@ _KEEP_ROUNDS = 64
 
 # A rank's status for one step: ("ok", payload) | ("skip", message) | ("error", "Type: message").
 _Status = tuple[str, Any]
-
-
-class GroupSaveError(TierCacheError):
-    """A multi-rank version failed: some rank failed (or died) while saving its part.
-
-    Every rank's handle raises this error with the same message; nothing was committed on the
-    tier it names.
-    """
 
 
 def _status_of(err: BaseException) -> _Status:

@@ -81,6 +81,14 @@ class LastCopyError(TierCacheError):
     """The operation would drop the last durable copy of a chunk or version."""
 
 
+class GroupSaveError(TierCacheError):
+    """A multi-rank version failed: some rank failed (or died) while saving its part.
+
+    Every rank's handle raises this error with the same message; nothing was committed on the
+    tier it names.
+    """
+
+
 class CacheClosedError(TierCacheError, RuntimeError):
     """The cache was closed; no further calls are accepted."""
 
@@ -93,6 +101,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "DeadlineExceededError",
+    "GroupSaveError",
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidNameError",
