@@ -215,20 +215,18 @@ def test_full_arena_with_evict_policy_drops_the_oldest_unstarted_version(
 
 
 def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache.engine import Engine
+    from tiercache import engine
 
-    real = Engine._copy_in
-
-    def broken(self: Engine, flat: object, layout: object, regions: list, copied: list) -> None:
+    def broken(flat: object, layout: object, views: list, copied: list) -> None:
         copied[0].set()  # the hasher may already be working on the first chunk
         raise RuntimeError("device lost mid-copy")
 
     cfg = {"ram": {"capacity": "64MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}}
     with tiercache.open(cfg) as cache:
-        monkeypatch.setattr(Engine, "_copy_in", broken)
+        monkeypatch.setattr(engine, "copy_in", broken)
         with pytest.raises(RuntimeError, match="device lost"):
             cache.save(_state(2, 1 << 20), step=1)
-        monkeypatch.setattr(Engine, "_copy_in", real)
+        monkeypatch.undo()
         cache.flush()
         assert cache.engine.arena is not None and cache.engine.arena.used_bytes == 0
         state = _state(2, 1 << 20, seed=7)

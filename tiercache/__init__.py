@@ -16,7 +16,6 @@ Example:
 from tiercache.cache import TierCache, open
 from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
 from tiercache.distributed import DistributedCache
-from tiercache.engine import SaveHandle
 from tiercache.errors import (
     AccessDeniedError,
     AmbiguousRefError,
@@ -39,6 +38,7 @@ from tiercache.errors import (
     UnsupportedStateError,
     VersionNotFoundError,
 )
+from tiercache.handle import SaveHandle
 from tiercache.manifest import VersionInfo
 from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
 

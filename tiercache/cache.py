@@ -23,7 +23,7 @@ import torch
 from tiercache import maintenance
 from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig, load_config
-from tiercache.engine import Engine, SaveHandle
+from tiercache.engine import Engine
 from tiercache.errors import (
     CacheClosedError,
     ConfigError,
@@ -34,6 +34,7 @@ from tiercache.errors import (
     VersionNotFoundError,
 )
 from tiercache.format import dtype_from_name, flatten, unflatten
+from tiercache.handle import SaveHandle
 from tiercache.manifest import RefRecord, Version, VersionInfo
 from tiercache.names import check_name, chunk_key, version_key
 from tiercache.policy.builtin import load_policy

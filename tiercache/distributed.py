@@ -61,8 +61,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tiercache import errors
 from tiercache.cache import _json_meta
-from tiercache.engine import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, SkippedError, TierCacheError
+from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import PAGE, round_up
 from tiercache.manifest import Piece, RankPart, RefRecord, Version, new_version_id
 from tiercache.names import check_name, version_key

@@ -28,8 +28,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tiercache.engine import Level
 from tiercache.errors import InvalidArgumentError
+from tiercache.handle import Level
 from tiercache.names import check_name
 
 if TYPE_CHECKING:

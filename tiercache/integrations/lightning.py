@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from tiercache.engine import Level
 from tiercache.errors import VersionNotFoundError
+from tiercache.handle import Level
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
