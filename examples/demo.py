@@ -55,7 +55,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
