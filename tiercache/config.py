@@ -181,6 +181,8 @@ class CacheConfig(_Model):
         allow_pickle: Store leaves that are not tensors or plain values with pickle, and
             unpickle them on restore (only for versions written with this opt-in).
         io_threads: Background threads hashing and writing.
+        background_nice: How much lower than the training thread the engine's background threads
+            run (Linux nice increment; 0 keeps them at the same priority).
         gc_grace: Seconds during which ``gc`` leaves a new, unreferenced manifest or chunk alone,
             so a save in flight in another process (chunks written, ref not yet) is never
             collected; keep it above the longest save.
@@ -196,6 +198,7 @@ class CacheConfig(_Model):
     hash: Literal["xxh3-128", "blake2b"] = "xxh3-128"
     allow_pickle: bool = False
     io_threads: int = Field(default=4, ge=1, le=64)
+    background_nice: int = Field(default=10, ge=0, le=19)
     gc_grace: float = Field(default=3600.0, ge=0)
 
     @field_validator("chunk_bytes")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -169,15 +170,22 @@ class Engine(PolicyBridge):
         self._closed = False
         self._arena_cv = threading.Condition()
         self._last_remote: float | None = None
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercache-hash")
+        nice = config.background_nice
+        self._hasher = ThreadPoolExecutor(
+            1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
+        )
         self._queues: dict[str, queue.Queue[_Job | None]] = {}
         self._writers: dict[str, threading.Thread] = {}
         self._io: dict[str, ThreadPoolExecutor] = {}
         for name in self.tiers:
             self._queues[name] = queue.Queue()
             threads = config.disk.io_threads if name == "disk" and config.disk else config.io_threads
-            self._io[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"tiercache-{name}")
-            t = threading.Thread(target=self._writer, args=(name,), name=f"tiercache-writer-{name}", daemon=True)
+            self._io[name] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"tiercache-{name}", initializer=lower_thread_priority, initargs=(nice,)
+            )
+            t = threading.Thread(
+                target=self._writer, args=(name, nice), name=f"tiercache-writer-{name}", daemon=True
+            )
             self._writers[name] = t
             t.start()
 
@@ -400,7 +408,8 @@ class Engine(PolicyBridge):
         self._coalesce(job)
         return targets
 
-    def _writer(self, name: str) -> None:
+    def _writer(self, name: str, nice: int) -> None:
+        lower_thread_priority(nice)
         q = self._queues[name]
         while True:
             job = q.get()
@@ -683,3 +692,20 @@ def _busy_seconds(spans: list[tuple[int, float, float]]) -> float:
             total += t1 - end
         end = max(end, t1)
     return max(total, 1e-9)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Give the calling thread a lower CPU priority (a higher nice value) than training.
+
+    Linux schedules threads individually, so the engine's hashing and writing threads step aside
+    whenever the training thread (and its intra-op threads) want the cores, and take them fully
+    once training is waiting on the GPU or on data. A no-op where per-thread priorities are not
+    available, or for ``nice <= 0``.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # e.g. a sandbox that forbids it: run at normal priority
+        log.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
