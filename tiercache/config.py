@@ -116,6 +116,8 @@ class S3Config(_Model):
         max_attempts: Attempts per request for retryable errors (throttling, 5xx, resets).
         connect_timeout: Seconds to wait for a connection.
         read_timeout: Seconds to wait for a response.
+        deadline_s: Seconds a version's chunk uploads (retries included) may take before that
+            version fails its ``remote`` level with ``DeadlineExceededError``; ``None`` for no limit.
         addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
             when an endpoint_url is set.
         allow_unsafe_refs: Commit refs even on a store that ignores conditional writes (as
@@ -131,6 +133,7 @@ class S3Config(_Model):
     max_attempts: int = Field(default=5, ge=1, le=20)
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=60.0, gt=0)
+    deadline_s: float | None = Field(default=900.0, gt=0)
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     allow_unsafe_refs: bool = False
 

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -43,6 +44,7 @@ from tiercache.errors import (
     CacheClosedError,
     ConfigError,
     ConflictError,
+    DeadlineExceededError,
     SkippedError,
     TierCacheError,
     TierFullError,
@@ -445,7 +447,7 @@ class Engine(PolicyBridge):
                 continue
             written.add(cid)
             futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
-        spans = [f.result() for f in futs]
+        spans = self._await_puts(name, job, futs)
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
             # rates would read a shared link as its speed divided by the puts in parallel.
@@ -472,6 +474,33 @@ class Engine(PolicyBridge):
             self._done_with(job, name)
             return
         self._tier_done(name, job)
+
+    def _await_puts(
+        self, name: str, job: _Job, futs: list[Future[tuple[int, float, float]]]
+    ) -> list[tuple[int, float, float]]:
+        """Wait for a version's chunk puts on ``name``, within the tier's per-version deadline.
+
+        Retries of throttled or failed requests happen inside each put; the deadline bounds them
+        all together, so a store that keeps answering 503 fails the version cleanly instead of
+        holding its RAM forever.
+
+        Raises:
+            DeadlineExceededError: If the puts are not all done in time (those not yet started
+                are cancelled; running ones finish harmlessly, as puts are idempotent).
+        """
+        limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
+        if limit is None:
+            return [f.result() for f in futs]
+        end = time.monotonic() + limit
+        try:
+            return [f.result(timeout=max(0.0, end - time.monotonic())) for f in futs]
+        except FuturesTimeout:
+            for f in futs:
+                f.cancel()
+            raise DeadlineExceededError(
+                f"writing version {job.version_id} to {name} took longer than its deadline of {limit:g}s "
+                "(s3.deadline_s): the store is throttling or failing; the next save retries"
+            ) from None
 
     def _tier_done(self, name: str, job: _Job) -> None:
         """Complete ``job``'s level for tier ``name`` once its manifest and ref are committed there."""
