@@ -92,7 +92,7 @@ def _run_writers(server: ForkServer, root: Path, branches: list[str], count: int
 def test_four_writers_on_one_branch_lose_nothing_and_other_branches_never_conflict(
     server: ForkServer, tmp_path: Path, slow: bool
 ) -> None:
-    count = 50 if slow else 25
+    count = 100 if slow else 50  # the issue asks for 4 x 50 in CI; --slow doubles it
     root = tmp_path / "cache"
     with tiercache.open(_cfg(root)) as cache:
         cache.save({"w": torch.zeros(4)}, step=0).wait("local")
