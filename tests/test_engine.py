@@ -234,3 +234,16 @@ def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeyp
         assert h.wait("local") == h.version
         assert [v.step for v in cache.versions()] == [2]
         assert torch.equal(cache.restore("main")["w1"], state["w1"])
+
+
+def test_observed_throughput_outlives_the_process(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        cache.save(_state(2, 1 << 20), step=1).wait("local")
+        seen = cache.stats()["meter"]["tiers"]["disk"]["write"]["bps"]
+        assert seen is not None and seen > 0
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        # A new process starts from the speed the last one measured (policy decisions, `stats`) ...
+        assert cache.meter.rate("disk", "write") == pytest.approx(seen)
+        # ... but only counts its own bytes.
+        assert cache.stats()["meter"]["tiers"]["disk"]["write"]["total_bytes"] == 0
+        assert [v.step for v in cache.versions()] == [1]

@@ -19,7 +19,7 @@ def _cli(cfg: Path, *args: str) -> Result:
 
 
 def _stored(root: Path) -> int:
-    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs") for p in (root / sub).rglob("*")
+    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs", "stats") for p in (root / sub).rglob("*")
                if p.is_file() and not p.name.startswith("."))
 
 
@@ -56,6 +56,9 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     data = json.loads(_cli(cfg, "stats", "--json").output)
     assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root)}}
     assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
+    # A fresh process shows the speed the saving process measured (left in stats/meter.json).
+    assert data["meter"]["tiers"]["disk"]["write"]["bps"] > 0
+    assert data["meter"]["tiers"]["disk"]["write"]["total_bytes"] == 0
 
 
 def test_verify_reports_and_repairs_nothing_on_a_single_tier(setup: tuple[Path, Path, list[str]]) -> None:

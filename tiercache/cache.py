@@ -31,6 +31,7 @@ from tiercache.errors import (
     InvalidArgumentError,
     LastCopyError,
     StateMismatchError,
+    TierCacheError,
     VersionNotFoundError,
 )
 from tiercache.format import dtype_from_name, flatten, unflatten
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from tiercache.distributed import DistributedCache
 
 log = logging.getLogger("tiercache.cache")
+
+#: Where a cache leaves its observed throughput for the next process (first durable tier).
+METER_KEY = "stats/meter.json"
 
 ConfigLike = CacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
@@ -99,6 +103,7 @@ class TierCache:
         self.policy = load_policy(config.policy)
         self.meter = ThroughputMeter()
         self._tiers = _make_tiers(config)
+        self._seed_meter()
         ram = config.ram
         self.catalog = Catalog(self._tiers)
         self.engine = Engine(
@@ -511,10 +516,35 @@ class TierCache:
         try:
             self.engine.close()
         finally:
+            self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()
             for t in self._tiers.values():
                 t.close()
+
+    def _meter_tier(self) -> Tier | None:
+        return next((t for t in self._tiers.values() if t.durable), None)
+
+    def _seed_meter(self) -> None:
+        """Start from the throughput the last process observed on these tiers (policy and ``stats``)."""
+        tier = self._meter_tier()
+        try:
+            data = tier.get(METER_KEY) if tier is not None else None
+            if data is not None:
+                self.meter.seed(json.loads(data))
+        except (TierCacheError, ValueError) as e:  # a hint only: never a reason not to open
+            log.debug("no usable meter snapshot: %s", e)
+
+    def _persist_meter(self) -> None:
+        """Leave what this process observed for the next one (``tiercache stats``, the policy)."""
+        tier = self._meter_tier()
+        snap = self.meter.snapshot()
+        if tier is None or not snap["tiers"]:
+            return
+        try:
+            tier.put(METER_KEY, json.dumps(snap).encode())
+        except TierCacheError as e:
+            log.warning("could not store the throughput meter: %s", e)
 
     def __enter__(self) -> TierCache:
         return self

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -111,6 +112,13 @@ class _CodecSeries:
             raw_bytes=self.raw_bytes,
             encoded_bytes=self.encoded_bytes,
         )
+
+
+def _positive(value: object) -> float | None:
+    """``value`` as a positive finite float, else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 def _check_count(name: str, value: int) -> None:
@@ -248,6 +256,31 @@ class ThroughputMeter:
                 }
             codecs = {name: asdict(series.stats()) for name, series in sorted(self._codecs.items())}
         return {"half_life": self._half_life, "tiers": tiers, "codecs": codecs}
+
+    def seed(self, snapshot: Mapping[str, Any]) -> None:
+        """Start from the speeds and ratios of an earlier :meth:`snapshot` (another process's).
+
+        Each known rate counts as one observation, so the first real transfers quickly take
+        over; the totals stay at zero, as they count only what this process moved. Entries that
+        are malformed are ignored: a seed is a hint, never a reason to fail.
+        """
+        with self._lock:
+            for tier, directions in dict(snapshot.get("tiers") or {}).items():
+                for direction, info in dict(directions or {}).items():
+                    bps = _positive(dict(info or {}).get("bps"))
+                    if direction in _DIRECTIONS and bps is not None and isinstance(tier, str):
+                        series = self._transfers.setdefault((tier, direction), _TransferSeries())
+                        series.rate.add(bps, 1.0, self._decay)
+            for codec, info in dict(snapshot.get("codecs") or {}).items():
+                info = dict(info or {})
+                enc, dec, ratio = (_positive(info.get(k)) for k in ("encode_bps", "decode_bps", "ratio"))
+                if not isinstance(codec, str) or enc is None or ratio is None:
+                    continue
+                series = self._codecs.setdefault(codec, _CodecSeries())
+                series.encode.add(enc, 1.0, self._decay)
+                series.ratio.add(ratio, 1.0, self._decay)
+                if dec is not None:
+                    series.decode.add(dec, 1.0, self._decay)
 
     def reset(self) -> None:
         """Forget every observation."""
