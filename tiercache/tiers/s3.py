@@ -15,16 +15,12 @@ appear in messages or logs.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import ctypes
 import logging
 import random
-import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import datetime
@@ -48,6 +44,7 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.names import check_key
+from tiercache.tiers._s3buffers import ViewReader, byte_view, crc32_b64, fresh_bytes, writable_view
 from tiercache.tiers.base import Buffer, RefValue, Tier
 
 log = logging.getLogger("tiercache.s3")
@@ -99,88 +96,12 @@ def _redact(url: str) -> str:
     return parts.geturl()
 
 
-def _byte_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _writable_view(out: memoryview) -> memoryview:
-    view = memoryview(out)
-    if view.readonly or not view.c_contiguous:
-        raise ValueError("read_into needs a writable, C-contiguous buffer")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _crc32_b64(view: memoryview) -> str:
-    return base64.b64encode(zlib.crc32(view).to_bytes(4, "big")).decode("ascii")
-
-
 def _total_length(resp: dict[str, Any]) -> int | None:
     rng = resp.get("ContentRange")  # "bytes 0-99/12345"
     if rng and "/" in rng:
         tail = rng.rsplit("/", 1)[1]
         return int(tail) if tail.isdigit() else None
     return None
-
-
-if sys.implementation.name == "cpython":
-    _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _new_bytes.restype = ctypes.py_object
-    _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-    _BYTES_DATA_OFFSET = bytes.__basicsize__ - 1  # offsetof(PyBytesObject, ob_sval)
-
-    def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
-        """Return a new, uninitialised ``bytes`` of length ``n`` and a writable view of its storage.
-
-        ``get`` streams the object straight into the ``bytes`` it returns, which saves zeroing a
-        buffer and copying it again (two full passes over up to a chunk of memory). The object is
-        private until it is filled: nothing else holds it and its hash has not been computed.
-        """
-        if n == 0:
-            return b"", memoryview(bytearray())
-        obj = _new_bytes(None, n)
-        view = memoryview((ctypes.c_char * n).from_address(id(obj) + _BYTES_DATA_OFFSET)).cast("B")
-        return obj, view
-
-else:  # pragma: no cover - other interpreters fill a bytearray and copy it once
-
-    def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
-        buf = bytearray(n)
-        return buf, memoryview(buf)  # type: ignore[return-value]
-
-
-class _ViewReader:
-    """A seekable file object over a memoryview whose ``read`` returns zero-copy slices.
-
-    botocore accepts only bytes or file objects as a body; wrapping the caller's buffer this way
-    lets the checksum, the signature and the socket all read the same memory without a copy.
-    """
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def read(self, size: int | None = -1) -> memoryview:
-        start = self._pos
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
-        self._pos = end
-        return self._view[start:end]
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
 
 
 _LOADER_LOCK = threading.Lock()
@@ -380,7 +301,7 @@ class S3Tier(Tier):
         full = self._full(key)
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        view = _writable_view(out)
+        view = writable_view(out)
         if not len(view):
             return None if self.size(key) is None else 0
         got = self._read(full, key, offset, view)
@@ -407,7 +328,7 @@ class S3Tier(Tier):
             avail = max(0, end - offset)
             etag = resp.get("ETag")
             buf: Any
-            buf, view = _fresh_bytes(avail) if out is None else (out, out)
+            buf, view = fresh_bytes(avail) if out is None else (out, out)
             first = min(avail, want)
             cancel = threading.Event()
             futures = [
@@ -492,9 +413,9 @@ class S3Tier(Tier):
     def put(self, key: str, data: Buffer) -> None:
         """Store ``data``: one PutObject, or a parallel multipart upload above the part size."""
         full = self._full(key)
-        view = _byte_view(data)
+        view = byte_view(data)
         if len(view) <= self._part_size:
-            body: Any = data if isinstance(data, bytes) else _ViewReader(view) if len(view) else b""
+            body: Any = data if isinstance(data, bytes) else ViewReader(view) if len(view) else b""
             self._call("put", key, self._client.put_object, Key=full, Body=body, ChecksumAlgorithm=_CHECKSUM)
         else:
             self._put_multipart(full, key, view)
@@ -532,13 +453,13 @@ class S3Tier(Tier):
         if cancel.is_set():
             raise _Cancelled
         resp = self._client.upload_part(
-            Bucket=self._bucket, Key=full, UploadId=upload_id, PartNumber=num, Body=_ViewReader(part),
+            Bucket=self._bucket, Key=full, UploadId=upload_id, PartNumber=num, Body=ViewReader(part),
             ChecksumAlgorithm=_CHECKSUM,
         )
         if num == 1:
             failpoint("s3.after_first_part")
         # The server echoes the CRC32 it verified; compute it only for a server that does not.
-        return {"PartNumber": num, "ETag": resp["ETag"], "ChecksumCRC32": resp.get("ChecksumCRC32") or _crc32_b64(part)}
+        return {"PartNumber": num, "ETag": resp["ETag"], "ChecksumCRC32": resp.get("ChecksumCRC32") or crc32_b64(part)}
 
     def _complete(self, full: str, key: str, upload_id: str, parts: list[dict[str, Any]], write_id: str) -> None:
         try:
