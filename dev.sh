@@ -36,7 +36,7 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/python" examples/demo.py "$@" ;;
-  test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) exec .ci/run "$@" ;;  # the same script CI runs: setup, then pytest
   bench) setup; exec "$VENV/bin/python" -m bench "$@" ;;
   *) echo "usage: ./dev.sh demo|test|bench|setup [args]" >&2; exit 2 ;;
 esac

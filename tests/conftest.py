@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tiercache._locals3 import aws_env
 from tiercache.config import S3Config
 
 DEFAULT_TEST_BUCKET = "tiercache-test"
@@ -62,13 +63,7 @@ class ExternalS3:
     region: str = "us-east-1"
 
     def env(self) -> dict[str, str]:
-        return {
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-            "AWS_REGION": self.region,
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        return aws_env(self.access_key, self.secret_key, self.region)
 
 
 def _boto_client(server: ExternalS3 | object):

@@ -171,6 +171,17 @@ def _stop_all() -> None:
             server.stop()
 
 
+def aws_env(access_key: str, secret_key: str, region: str) -> dict[str, str]:
+    """The ``AWS_*`` variables a client of an S3 server with these credentials runs with."""
+    return {
+        "AWS_ACCESS_KEY_ID": access_key,
+        "AWS_SECRET_ACCESS_KEY": secret_key,
+        "AWS_DEFAULT_REGION": region,
+        "AWS_REGION": region,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
 class LocalS3Server:
     """A SeaweedFS S3 server on loopback with one identity and one bucket.
 
@@ -292,13 +303,7 @@ class LocalS3Server:
         The endpoint itself is not among them (pass :attr:`endpoint_url` explicitly): an
         ``AWS_ENDPOINT_URL`` in the environment would also redirect unrelated clients.
         """
-        return {
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-            "AWS_REGION": self.region,
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        return aws_env(self.access_key, self.secret_key, self.region)
 
     def url(self, prefix: str = "") -> str:
         """Return ``s3://<bucket>/<prefix>``."""

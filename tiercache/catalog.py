@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, VersionNotFoundError
 from tiercache.failpoints import failpoint
 from tiercache.manifest import RefRecord, Version, parse_ref
-from tiercache.names import CHUNKS, REFS, VERSIONS, check_name, ref_key, version_key
+from tiercache.names import CHUNKS, REFS, VERSIONS, ref_key, version_key
 from tiercache.tiers.base import Tier
 
 log = logging.getLogger("tiercache.catalog")
@@ -382,8 +382,3 @@ class Catalog:
         if same:
             return max(same)
         raise VersionNotFoundError(f"{ref!r}: no version of step {step} on {base!r}")
-
-    @staticmethod
-    def check_branch(name: str) -> str:
-        """Validate a branch name."""
-        return check_name(name, "branch")

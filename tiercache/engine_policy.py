@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiercache import codecs
@@ -64,12 +65,8 @@ class PolicyBridge:
     _jobs: dict[str, _Job]
     _arena_capacity: int | None
     _last_remote: float | None
-
-    def _check_durable(self, job: _Job) -> None:
-        raise NotImplementedError
-
-    def _release(self, job: _Job) -> None:
-        raise NotImplementedError
+    _check_durable: Callable[[_Job], None]
+    _release: Callable[[_Job], None]
 
     def context(self) -> PolicyContext:
         """A snapshot of what the policy may look at."""
