@@ -215,15 +215,13 @@ def test_full_arena_with_evict_policy_drops_the_oldest_unstarted_version(
 
 
 def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache import engine
-
     def broken(flat: object, layout: object, views: list, copied: list) -> None:
         copied[0].set()  # the hasher may already be working on the first chunk
         raise RuntimeError("device lost mid-copy")
 
     cfg = {"ram": {"capacity": "64MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}}
     with tiercache.open(cfg) as cache:
-        monkeypatch.setattr(engine, "copy_in", broken)
+        monkeypatch.setattr(cache.engine._stager, "copy_in", broken)
         with pytest.raises(RuntimeError, match="device lost"):
             cache.save(_state(2, 1 << 20), step=1)
         monkeypatch.undo()
@@ -247,3 +245,22 @@ def test_observed_throughput_outlives_the_process(tmp_path: Path) -> None:
         # ... but only counts its own bytes.
         assert cache.stats()["meter"]["tiers"]["disk"]["write"]["total_bytes"] == 0
         assert [v.step for v in cache.versions()] == [1]
+
+
+def test_residency_follows_evict_and_promote_of_shared_chunks(tmp_path: Path) -> None:
+    shared = torch.randn(1 << 18)
+    cfg = {"ram": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "d")}}
+    with tiercache.open(cfg) as cache:
+        a = cache.save({"w": shared, "u": torch.zeros(1 << 18)}, step=1)
+        b = cache.save({"w": shared, "u": torch.ones(1 << 18)}, step=2)  # shares w's chunk with a
+        cache.flush()
+        both = ("ram", "disk")
+        assert {v.step: v.tiers for v in cache.versions()} == {1: both, 2: both}
+        # Dropping a's RAM copy keeps the chunk b needs: a is no longer resident in RAM, b still is.
+        cache.evict(a.version, "ram")
+        assert {v.step: v.tiers for v in cache.versions()} == {1: ("disk",), 2: both}
+        cache.promote(a.version, "ram")
+        assert {v.step: v.tiers for v in cache.versions()} == {1: both, 2: both}
+        cache.evict(b.version, "ram")
+        assert {v.step: v.tiers for v in cache.versions()} == {1: both, 2: ("disk",)}
+        assert torch.equal(cache.restore(a.version)["w"], shared)

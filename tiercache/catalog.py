@@ -47,6 +47,11 @@ class Catalog:
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
         self._refs: dict[tuple[str, str], RefRecord] = {}
         self._chunks: dict[str, set[str]] = {}
+        # residency() is asked for every version on every policy decision: cache it per version
+        # and drop an entry only when one of its chunks or its manifest moves, so a decision's
+        # cost does not grow with the number of saves.
+        self._residency: dict[str, tuple[str, ...]] = {}
+        self._chunk_users: defaultdict[str, set[str]] = defaultdict(set)
         self._ref_locks: dict[tuple[str, str], threading.Lock] = {}
         # Per (tier, ref key): the CAS token and record this process last saw or wrote there.
         self._tokens: dict[tuple[str, str], tuple[str | None, RefRecord | None]] = {}
@@ -90,7 +95,8 @@ class Catalog:
         with ThreadPoolExecutor(8) as pool:
             for v in pool.map(fetch, missing):
                 if v is not None:
-                    self._versions[v.id] = v
+                    self._put_version(v)
+        self._residency.clear()
         for key in tier.list(REFS):
             parts = key.split("/")
             if len(parts) != 3 or parts[1] not in ("branch", "tag"):
@@ -113,15 +119,35 @@ class Catalog:
     def add(self, version: Version, tier: str | None = None) -> None:
         """Record a version this process created or copied (on ``tier``, if given)."""
         with self._lock:
-            self._versions[version.id] = version
+            self._put_version(version)
             if tier is not None:
                 self._on_tier[tier].add(version.id)
+
+    def _put_version(self, version: Version) -> None:
+        old = self._versions.get(version.id)
+        if old is not None:
+            self._drop_users(old)
+        self._versions[version.id] = version
+        for c in version.chunks:
+            self._chunk_users[c.id].add(version.id)
+        self._residency.pop(version.id, None)
+
+    def _drop_users(self, version: Version) -> None:
+        for c in version.chunks:
+            users = self._chunk_users.get(c.id)
+            if users is not None:
+                users.discard(version.id)
+                if not users:
+                    del self._chunk_users[c.id]
 
     def forget(self, version_ids: Iterable[str]) -> None:
         """Drop versions (collected by GC) from the catalog, so listing and resolution no longer see them."""
         with self._lock:
             for vid in version_ids:
-                self._versions.pop(vid, None)
+                old = self._versions.pop(vid, None)
+                if old is not None:
+                    self._drop_users(old)
+                self._residency.pop(vid, None)
                 for held in self._on_tier.values():
                     held.discard(vid)
 
@@ -129,6 +155,7 @@ class Catalog:
         """Record that ``tier`` now holds (or no longer holds) the manifest of a version."""
         with self._lock:
             (self._on_tier[tier].add if present else self._on_tier[tier].discard)(version_id)
+            self._residency.pop(version_id, None)
 
     def manifest_on(self, tier: str, version_id: str) -> bool:
         """Whether ``tier`` holds the manifest of ``version_id``."""
@@ -164,27 +191,39 @@ class Catalog:
                 keys = self._tiers[tier].list(CHUNKS)
                 got = {k.rsplit("/", 1)[-1] for k in keys}
                 self._chunks[tier] = got
+                self._residency.clear()
             return got
 
     def note_chunks(self, tier: str, ids: Iterable[str], present: bool = True) -> None:
         """Record chunks written to (or removed from) ``tier``."""
         have = self.chunks_on(tier)
         with self._lock:
+            ids = list(ids)
             if present:
                 have.update(ids)
             else:
                 have.difference_update(ids)
+            for cid in ids:
+                for vid in self._chunk_users.get(cid, ()):
+                    self._residency.pop(vid, None)
 
     def residency(self, version: Version) -> tuple[str, ...]:
         """Tiers that hold every chunk of ``version``, fastest first."""
-        ids = {c.id for c in version.chunks}
-        out = []
-        for name in self._tiers:
-            if not (self._tiers[name].durable or self._tiers[name].name == "ram"):
-                continue
-            if ids <= self.chunks_on(name) and (self.manifest_on(name, version.id) or not ids):
-                out.append(name)
-        return tuple(out)
+        with self._lock:
+            got = self._residency.get(version.id)
+            if got is not None and self._versions.get(version.id) is version:
+                return got
+            ids = {c.id for c in version.chunks}
+            out = []
+            for name in self._tiers:
+                if not (self._tiers[name].durable or self._tiers[name].name == "ram"):
+                    continue
+                if ids <= self.chunks_on(name) and (self.manifest_on(name, version.id) or not ids):
+                    out.append(name)
+            got = tuple(out)
+            if self._versions.get(version.id) is version:
+                self._residency[version.id] = got
+            return got
 
     # ------------------------------------------------------------------ refs
 

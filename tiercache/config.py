@@ -67,6 +67,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 class RamConfig(_Model):
     """The RAM arena: staging area for every save, and the fastest tier for restores.
 
@@ -76,11 +83,21 @@ class RamConfig(_Model):
         serve_reads: Keep durable versions in the arena after they are written, so restores
             of recent versions run at memcpy speed.
         pin_memory: Pin the arena (page-locked) when CUDA is available, for async GPU copies.
+        copy_threads: Threads that copy a CPU state into the arena during ``save()``, the
+            calling thread included; ``"auto"`` uses the cores this process may run on (at most
+            8). Training is blocked in ``save()`` meanwhile, so those cores are otherwise idle.
     """
 
     capacity: AutoByteSize = "auto"
     serve_reads: bool = True
     pin_memory: bool = True
+    copy_threads: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+
+    def resolved_copy_threads(self) -> int:
+        """``copy_threads`` as a number: ``"auto"`` is the usable cores, at most 8."""
+        if self.copy_threads != "auto":
+            return self.copy_threads
+        return min(8, usable_cores())
 
 
 class DiskConfig(_Model):

@@ -38,7 +38,7 @@ import torch
 
 from tiercache import codecs
 from tiercache.catalog import Catalog
-from tiercache.config import CacheConfig
+from tiercache.config import CacheConfig, RamConfig
 from tiercache.engine_policy import FLOAT_DTYPE_NAMES, PolicyBridge
 from tiercache.errors import (
     CacheClosedError,
@@ -57,7 +57,7 @@ from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version,
 from tiercache.names import chunk_key, version_key
 from tiercache.policy.base import Policy, TierPlan, VersionView
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.staging import copy_in
+from tiercache.staging import Stager
 from tiercache.tiers.base import Tier
 from tiercache.tiers.ram import Arena, RamTier, Region
 
@@ -165,6 +165,7 @@ class Engine(PolicyBridge):
         self.meter = meter
         self._lock = threading.RLock()
         self._layouts: dict[object, Layout] = {}
+        self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         self._pins: dict[str, int] = {}
         self._ram_lru: OrderedDict[str, None] = OrderedDict()
         self._jobs: dict[str, _Job] = {}
@@ -172,6 +173,7 @@ class Engine(PolicyBridge):
         self._closed = False
         self._arena_cv = threading.Condition()
         self._last_remote: float | None = None
+        self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
         nice = config.background_nice
         self._hasher = ThreadPoolExecutor(
             1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
@@ -245,10 +247,11 @@ class Engine(PolicyBridge):
         with self._lock:
             self._jobs[vid] = job
         # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
-        # busy while the training thread is still copying the rest.
+        # busy while the training thread is still copying the rest (unless the copy uses every
+        # core: see Stager.saturates).
         self._hasher.submit(self._after_stage, job)
         try:
-            copy_in(flat, layout, [self.arena.tensor(r) for r in regions], job.copied)
+            self._stager.copy_in(flat, layout, [self.arena.tensor(r) for r in regions], job.copied)
         except BaseException as e:
             job.copy_error = e
             for ev in job.copied:
@@ -356,6 +359,10 @@ class Engine(PolicyBridge):
         algo = self.config.hash
         hdr = codecs.HEADER_BYTES
         ids: list[str] = []
+        if self._stager.saturates:
+            # Every core is copying for the training thread: hashing now would only slow it.
+            for e in job.copied:
+                e.wait()
         for i, c in enumerate(job.layout.chunks):
             job.copied[i].wait()
             if job.copy_error is not None:
@@ -703,6 +710,7 @@ class Engine(PolicyBridge):
         for pool in self._io.values():
             pool.shutdown()
         self._hasher.shutdown()
+        self._stager.close()
         if self.ram is not None:
             self.ram.close()
         if self.arena is not None:

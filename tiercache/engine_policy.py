@@ -65,6 +65,7 @@ class PolicyBridge:
     _jobs: dict[str, _Job]
     _arena_capacity: int | None
     _last_remote: float | None
+    _views_cache: dict[str, tuple[tuple[str, ...], VersionView]]
     _check_durable: Callable[[_Job], None]
     _release: Callable[[_Job], None]
 
@@ -102,15 +103,30 @@ class PolicyBridge:
         pinned = {r.version for r in self.catalog.refs().values()}
         by_job = {j.version_id: j for j in jobs}
         views: dict[str, VersionView] = {}
+        # A settled version's view is reused while its residency (the catalog hands out the same
+        # tuple until it changes), pending tiers and pin stay the same: most versions are settled,
+        # and rebuilding all of them on every decision would make each save cost more than the last.
+        known = self._views_cache
+        fresh: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         for v in self.catalog.all():
             job = by_job.get(v.id)
-            views[v.id] = VersionView(
-                id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes,
-                # The job knows when save() was called; the manifest only when hashing finished.
-                created_at=job.created_at if job is not None else v.created_at.timestamp(),
-                tiers=frozenset(self.catalog.residency(v)), pending=job_pending.get(v.id, frozenset()),
-                pinned=v.id in pinned, meta=v.meta, float_fraction=_float_share(v),
-            )
+            resid = self.catalog.residency(v)
+            pending = job_pending.get(v.id, frozenset())
+            # The job knows when save() was called; the manifest only when hashing finished.
+            created = job.created_at if job is not None else v.created_at.timestamp()
+            hit = known.get(v.id)
+            if (hit is not None and hit[0] is resid and hit[1].pending == pending
+                    and hit[1].pinned == (v.id in pinned) and hit[1].created_at == created):
+                view = hit[1]
+            else:
+                view = VersionView(
+                    id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=created,
+                    tiers=frozenset(resid), pending=pending, pinned=v.id in pinned, meta=v.meta,
+                    float_fraction=_float_share(v),
+                )
+            fresh[v.id] = (resid, view)
+            views[v.id] = view
+        self._views_cache = fresh
         for job in jobs:  # still hashing: not in the catalog yet
             if job.version_id not in views:
                 views[job.version_id] = dataclasses.replace(job.view(), pending=job_pending[job.version_id])
