@@ -264,3 +264,23 @@ def test_residency_follows_evict_and_promote_of_shared_chunks(tmp_path: Path) ->
         cache.evict(b.version, "ram")
         assert {v.step: v.tiers for v in cache.versions()} == {1: both, 2: ("disk",)}
         assert torch.equal(cache.restore(a.version)["w"], shared)
+
+
+def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path: Path) -> None:
+    cfg = {"ram": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path)}}
+    with tiercache.open(cfg) as cache:
+        state = _state(2, 1 << 16)
+        for step in range(6):
+            state["w0"][0] = step
+            cache.save(state, step=step)
+        cache.flush()
+        first = cache.engine.context().versions
+        again = cache.engine.context().versions
+        # Nothing moved: every view is the same object (a decision costs no rebuild per version).
+        assert len(first) == 6 and all(a is b for a, b in zip(first, again, strict=True))
+        oldest = first[0]
+        cache.evict(oldest.id, "ram")
+        after = cache.engine.context().versions
+        assert after[0] is not oldest and after[0].tiers == frozenset({"disk"})
+        assert oldest.tiers == frozenset({"ram", "disk"})
+        assert all(a is b for a, b in zip(first[1:], after[1:], strict=True))

@@ -62,6 +62,14 @@ def test_parallel_staging_writes_exactly_the_bytes_of_one_thread(threads: int) -
     assert len(layout.chunks) > 4
     for a, b in zip(one, many, strict=True):
         assert torch.equal(a, b)
+    # The regions started as 0xAB garbage: every byte of a pack not covered by a tensor is zero.
+    packs = [(payload, c) for payload, c in zip(many, layout.chunks, strict=True) if c.packed]
+    assert packs
+    for payload, c in packs:
+        covered = torch.zeros(c.nbytes, dtype=torch.bool)
+        for p in c.pieces:
+            covered[p.chunk_offset : p.chunk_offset + p.nbytes] = True
+        assert (~covered).any() and not payload[~covered].any()
 
 
 def test_staged_bytes_are_the_tensors_values(tmp_path: object) -> None:

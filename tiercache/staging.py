@@ -129,7 +129,7 @@ def _raw_copyable(t: torch.Tensor) -> bool:
         t.device.type == "cpu"
         and t.layout == torch.strided
         and t.is_contiguous()
-        and not t.is_conj()
+        and not (t.is_complex() and t.is_conj())  # is_conj is slow to ask, and only complex has it
         and not t.is_neg()
     )
 
@@ -143,13 +143,14 @@ def _cpu_units(flat: Flat, layout: Layout, views: list[torch.Tensor]) -> tuple[l
         pieces = layout.tensor_pieces[i]
         if not pieces:
             continue
-        if not _raw_copyable(t) and len(pieces) == 1:
+        raw = _raw_copyable(t)
+        if not raw and len(pieces) == 1:
             # One strided piece: copy_ reads it in place, no contiguous temporary.
             ci, p = pieces[0]
             dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes].view(t.dtype).view(t.shape)
             units.append((ci, p.chunk_offset, _torch_copy(dst, t)))
             continue
-        if not _raw_copyable(t):
+        if not raw:
             t = t.resolve_conj().resolve_neg().contiguous()
             keep.append(t)
         src = t.data_ptr()
@@ -176,10 +177,11 @@ def _zero_pack_gaps(layout: Layout, views: list[torch.Tensor]) -> None:
     for ci, c in enumerate(layout.chunks):
         if not c.packed:
             continue
+        base = views[ci].data_ptr() + hdr
         end = 0
         for p in c.pieces:
             if p.chunk_offset > end:
-                views[ci][hdr + end : hdr + p.chunk_offset].zero_()
+                ctypes.memset(base + end, 0, p.chunk_offset - end)
             end = p.chunk_offset + p.nbytes
 
 
