@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -91,18 +90,13 @@ def test_a_chunk_is_announced_only_after_its_last_slice(monkeypatch: pytest.Monk
     views = [torch.zeros(c.staged_bytes, dtype=torch.uint8) for c in layout.chunks]
     copied = [threading.Event()]
     seen: list[bool] = []
-    real = staging._memcpy
+    real = staging._memmove
 
-    def watched(dst: int, src: int, nbytes: int) -> Callable[[], object]:
-        copy = real(dst, src, nbytes)
+    def watched(dst: int, src: int, nbytes: int) -> object:
+        seen.append(copied[0].is_set())  # before this slice, the chunk must not be announced
+        return real(dst, src, nbytes)
 
-        def run() -> object:
-            seen.append(copied[0].is_set())  # before this slice, the chunk must not be announced
-            return copy()
-
-        return run
-
-    monkeypatch.setattr(staging, "_memcpy", watched)
+    monkeypatch.setattr(staging, "_memmove", watched)
     stager = Stager(2)
     try:
         stager.copy_in(flat, layout, views, copied)
@@ -122,19 +116,16 @@ def test_a_failing_slice_in_a_helper_is_raised_and_no_copy_runs_after(monkeypatc
     calls: list[str] = []
     finished = threading.Event()
 
-    def failing(dst: int, src: int, nbytes: int) -> Callable[[], object]:
-        def run() -> object:
-            calls.append(threading.current_thread().name)
-            if len(calls) == 1:
-                # Let the other thread take the second slice, then fail this one.
-                finished.wait(5)
-                raise OSError("bad page")
-            finished.set()
-            return None
+    def failing(dst: int, src: int, nbytes: int) -> object:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            # Let the other thread take the second slice, then fail this one.
+            finished.wait(5)
+            raise OSError("bad page")
+        finished.set()
+        return None
 
-        return run
-
-    monkeypatch.setattr(staging, "_memcpy", failing)
+    monkeypatch.setattr(staging, "_memmove", failing)
     stager = Stager(2)
     try:
         with pytest.raises(OSError, match="bad page"):

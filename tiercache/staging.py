@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -29,8 +29,11 @@ from tiercache.layout import Layout
 # finish together, large enough that the per-slice Python work is noise next to the memcpy.
 _SLICE = 4 << 20
 
-# A unit of work: (chunk index, sort key within the chunk, copy function).
-_Unit = tuple[int, int, Callable[[], object]]
+# One run of bytes to copy: (tensor index, offset in the chunk's region, offset in the tensor, bytes).
+_Slice = tuple[int, int, int, int]
+
+# The memcpy used for contiguous sources; ctypes releases the GIL for the call.
+_memmove = ctypes.memmove
 
 
 class Stager:
@@ -50,6 +53,7 @@ class Stager:
             raise ValueError(f"staging needs at least 1 thread, got {threads}: set ram.copy_threads")
         self.threads = threads
         self.saturates = threads >= usable_cores()
+        self._plans: dict[int, tuple[Layout, _Plan]] = {}
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="tiercache-copy") if threads > 1 else None
 
     def copy_in(self, flat: Flat, layout: Layout, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
@@ -66,7 +70,8 @@ class Stager:
             BaseException: Whatever a copy raised; no helper touches ``views`` after this returns.
         """
         with torch.no_grad():
-            _zero_pack_gaps(layout, views)
+            for ci, at, nbytes in self._plan(layout).gaps:
+                ctypes.memset(views[ci].data_ptr() + at, 0, nbytes)
             if any(t.is_cuda for t in flat.tensors):
                 _copy_cuda(flat, layout, views)
             else:
@@ -80,16 +85,29 @@ class Stager:
             self._pool.shutdown()
 
     def _copy_cpu(self, flat: Flat, layout: Layout, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
-        units, keep = _cpu_units(flat, layout, views)
-        remaining = [0] * len(layout.chunks)
-        for ci, _, _ in units:
-            remaining[ci] += 1
+        plan = self._plan(layout)
+        src, fallback, keep = _sources(flat, layout)
+        base = [v.data_ptr() for v in views]
+        remaining = list(plan.units_per_chunk)
         for ci, n in enumerate(remaining):
             if n == 0:
                 copied[ci].set()
+        units = plan.units
         lock = threading.Lock()
         ticket = count()
         failed: list[BaseException] = []
+
+        def run(ci: int, slices: tuple[_Slice, ...]) -> None:
+            b = base[ci]
+            for ti, at, offset, nbytes in slices:
+                t = fallback.get(ti)
+                if t is None:
+                    _memmove(b + at, src[ti] + offset, nbytes)
+                elif offset == 0:
+                    # A strided source in one piece: copy_ reads it in place (its first slice
+                    # copies all of it; the others have nothing left to do).
+                    whole = flat.metas[ti].nbytes
+                    views[ci][at : at + whole].view(t.dtype).view(t.shape).copy_(t)
 
         def work() -> None:
             # Each thread takes the next unit in chunk order, so chunks complete roughly in order
@@ -98,9 +116,9 @@ class Stager:
                 i = next(ticket)
                 if i >= len(units):
                     return
-                ci, _, fn = units[i]
+                ci, slices = units[i]
                 try:
-                    fn()
+                    run(ci, slices)
                 except BaseException as e:
                     failed.append(e)
                     raise
@@ -122,6 +140,70 @@ class Stager:
         if failed:
             raise failed[0]
 
+    def _plan(self, layout: Layout) -> _Plan:
+        # Keyed by identity (hashing a layout's pieces would cost more than the plan saves); the
+        # entry keeps its layout alive, so the id cannot be reused while it is cached.
+        hit = self._plans.get(id(layout))
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        plan = _make_plan(layout)
+        if len(self._plans) >= 16:
+            self._plans.clear()
+        self._plans[id(layout)] = (layout, plan)
+        return plan
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The copy work of one layout, fixed while the state's structure is.
+
+    Attributes:
+        units: ``(chunk index, slices)`` in chunk order; a unit is at most ``_SLICE`` bytes (a
+            slice of a big tensor, or a batch of small packed ones) and goes to one thread.
+        units_per_chunk: How many units each chunk has (it is complete when all have run).
+        gaps: ``(chunk index, offset in its region, bytes)`` between packed tensors, zeroed on
+            every save so a pack's hash depends only on its content.
+    """
+
+    units: tuple[tuple[int, tuple[_Slice, ...]], ...]
+    units_per_chunk: tuple[int, ...]
+    gaps: tuple[tuple[int, int, int], ...]
+
+
+def _make_plan(layout: Layout) -> _Plan:
+    hdr = HEADER_BYTES
+    by_chunk: list[list[_Slice]] = [[] for _ in layout.chunks]
+    for ti, pieces in enumerate(layout.tensor_pieces):
+        for ci, p in pieces:
+            for off in range(0, p.nbytes, _SLICE):
+                by_chunk[ci].append((ti, hdr + p.chunk_offset + off, p.offset + off, min(_SLICE, p.nbytes - off)))
+    units: list[tuple[int, tuple[_Slice, ...]]] = []
+    for ci, slices in enumerate(by_chunk):
+        slices.sort(key=lambda s: s[1])
+        batch: list[_Slice] = []
+        size = 0
+        for sl in slices:
+            if batch and size + sl[3] > _SLICE:
+                units.append((ci, tuple(batch)))
+                batch, size = [], 0
+            batch.append(sl)
+            size += sl[3]
+        if batch:
+            units.append((ci, tuple(batch)))
+    per_chunk = [0] * len(layout.chunks)
+    for ci, _ in units:
+        per_chunk[ci] += 1
+    gaps = []
+    for ci, c in enumerate(layout.chunks):
+        if not c.packed:
+            continue
+        end = 0
+        for p in c.pieces:
+            if p.chunk_offset > end:
+                gaps.append((ci, hdr + end, p.chunk_offset - end))
+            end = p.chunk_offset + p.nbytes
+    return _Plan(tuple(units), tuple(per_chunk), tuple(gaps))
+
 
 def _raw_copyable(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes in memory are exactly its values, in order (a memcpy copies it)."""
@@ -134,55 +216,27 @@ def _raw_copyable(t: torch.Tensor) -> bool:
     )
 
 
-def _cpu_units(flat: Flat, layout: Layout, views: list[torch.Tensor]) -> tuple[list[_Unit], list[torch.Tensor]]:
-    """The copy work for CPU sources, in chunk order, and the temporaries it needs kept alive."""
-    hdr = HEADER_BYTES
-    units: list[_Unit] = []
+def _sources(flat: Flat, layout: Layout) -> tuple[list[int], dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Where each tensor's bytes are read from for this save.
+
+    Returns:
+        The source address per tensor (for memcpy), the strided one-piece tensors that
+        ``copy_`` reads in place instead, and the contiguous temporaries made for strided
+        tensors of several pieces (kept alive until the copy is done).
+    """
+    src = [0] * len(flat.tensors)
+    fallback: dict[int, torch.Tensor] = {}
     keep: list[torch.Tensor] = []
-    for i, t in enumerate(flat.tensors):
-        pieces = layout.tensor_pieces[i]
-        if not pieces:
-            continue
-        raw = _raw_copyable(t)
-        if not raw and len(pieces) == 1:
-            # One strided piece: copy_ reads it in place, no contiguous temporary.
-            ci, p = pieces[0]
-            dst = views[ci][hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes].view(t.dtype).view(t.shape)
-            units.append((ci, p.chunk_offset, _torch_copy(dst, t)))
-            continue
-        if not raw:
-            t = t.resolve_conj().resolve_neg().contiguous()
-            keep.append(t)
-        src = t.data_ptr()
-        for ci, p in pieces:
-            dst = views[ci].data_ptr() + hdr + p.chunk_offset
-            for off in range(0, p.nbytes, _SLICE):
-                n = min(_SLICE, p.nbytes - off)
-                units.append((ci, p.chunk_offset + off, _memcpy(dst + off, src + p.offset + off, n)))
-    units.sort(key=lambda u: (u[0], u[1]))
-    return units, keep
-
-
-def _memcpy(dst: int, src: int, nbytes: int) -> Callable[[], object]:
-    return lambda: ctypes.memmove(dst, src, nbytes)
-
-
-def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
-    return lambda: dst.copy_(src)
-
-
-def _zero_pack_gaps(layout: Layout, views: list[torch.Tensor]) -> None:
-    # Gaps between packed tensors must be zero so a pack's hash depends only on content.
-    hdr = HEADER_BYTES
-    for ci, c in enumerate(layout.chunks):
-        if not c.packed:
-            continue
-        base = views[ci].data_ptr() + hdr
-        end = 0
-        for p in c.pieces:
-            if p.chunk_offset > end:
-                ctypes.memset(base + end, 0, p.chunk_offset - end)
-            end = p.chunk_offset + p.nbytes
+    for ti, t in enumerate(flat.tensors):
+        if _raw_copyable(t):
+            src[ti] = t.data_ptr()
+        elif len(layout.tensor_pieces[ti]) == 1:
+            fallback[ti] = t
+        elif layout.tensor_pieces[ti]:
+            c = t.resolve_conj().resolve_neg().contiguous()
+            keep.append(c)
+            src[ti] = c.data_ptr()
+    return src, fallback, keep
 
 
 def _copy_cuda(flat: Flat, layout: Layout, views: list[torch.Tensor]) -> None:
