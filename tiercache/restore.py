@@ -166,15 +166,7 @@ class Reader:
             obj: memoryview | None = lend(key)
             if obj is None:
                 return False
-            header = codecs.read_header(obj[:hdr_len])
-            self._check_header(header, chunk_id, nbytes)
-            if header.codec == codecs.RAW:
-                payload = obj[hdr_len : hdr_len + nbytes]
-                if len(payload) != nbytes or codecs.content_id(payload, algo) != chunk_id:
-                    raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
-                self._scatter(payload, targets)
-                return True
-            return self._decode_scatter(obj, chunk_id, nbytes, algo, targets)
+            return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)
         if len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes:
             # One tensor's bytes: read the header, then the payload straight into the tensor.
             head = bytearray(hdr_len)
@@ -194,11 +186,21 @@ class Reader:
         data = tier.get(key)
         if data is None:
             return False
-        return self._decode_scatter(memoryview(data), chunk_id, nbytes, algo, targets)
+        return self._decode_scatter(memoryview(data), chunk_id, nbytes, algo, targets, tier.name)
 
     def _decode_scatter(
-        self, obj: memoryview, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
+        self, obj: memoryview, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]],
+        where: str,
     ) -> bool:
+        header = codecs.read_header(obj[: codecs.HEADER_BYTES])
+        self._check_header(header, chunk_id, nbytes)
+        if header.codec == codecs.RAW:
+            # Verify the stored payload in place and copy each piece once (no decoded copy).
+            payload = obj[codecs.HEADER_BYTES : codecs.HEADER_BYTES + nbytes]
+            if len(payload) != nbytes or codecs.content_id(payload, algo) != chunk_id:
+                raise IntegrityError(f"chunk {chunk_id} on {where}: content does not match its id")
+            self._scatter(payload, targets)
+            return True
         raw = memoryview(bytearray(nbytes))
         self._decode_verify(obj, chunk_id, nbytes, algo, raw)
         self._scatter(raw, targets)
