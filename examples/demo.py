@@ -68,6 +68,7 @@ def trainer(config: Path) -> None:
     torch.set_num_threads(1)
     model, opt = make_model()
     cache = tiercache.open(config)
+    cache.prepare()  # fault the RAM arena in while training starts, not in the first save
     step = 0
     while True:
         step += 1

@@ -284,3 +284,60 @@ def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path:
         assert after[0] is not oldest and after[0].tiers == frozenset({"disk"})
         assert oldest.tiers == frozenset({"ram", "disk"})
         assert all(a is b for a, b in zip(first[1:], after[1:], strict=True))
+
+
+def test_prepare_faults_the_arena_in_before_the_first_save(tmp_path: Path) -> None:
+    state = _state(2, 1 << 18)
+    with tiercache.open({"ram": {"capacity": "32MiB"}, "disk": {"path": str(tmp_path)}}) as cache:
+        assert cache.engine.arena is None or not cache.engine.arena.is_allocated  # opening allocates nothing
+        cache.prepare(wait=True)
+        arena = cache.engine.arena
+        assert arena is not None and arena.is_allocated and arena.capacity == 32 << 20
+        h = cache.save(state, step=1)
+        assert cache.engine.arena is arena and h.wait("local") == h.version
+        assert torch.equal(cache.restore(h.version)["w1"], state["w1"])
+        cache.prepare()  # again: nothing to do
+        assert cache.engine.arena is arena
+
+
+def test_prepare_in_the_background_races_the_first_save_safely(tmp_path: Path) -> None:
+    state = _state(3, 1 << 18, seed=4)
+    with tiercache.open({"ram": {"capacity": "256MiB"}, "disk": {"path": str(tmp_path)}}) as cache:
+        cache.prepare()
+        h = cache.save(state, step=1)  # may arrive while the memory is still being faulted in
+        state["w0"].zero_()
+        h.wait("local")
+        got = cache.restore(h.version)
+        assert torch.equal(got["w2"], state["w2"]) and not torch.equal(got["w0"], state["w0"])
+        assert torch.equal(got["w0"], _state(3, 1 << 18, seed=4)["w0"])
+
+
+def test_prepare_with_auto_capacity_needs_a_state(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        with pytest.raises(tiercache.InvalidArgumentError, match=r"ram\.capacity is 'auto'"):
+            cache.prepare()
+        assert cache.engine.arena is None or not cache.engine.arena.is_allocated
+        cache.prepare(_state(2, 1 << 20), wait=True)  # two versions of 8 MiB, at least 64 MiB
+        assert cache.engine.arena is not None and cache.engine.arena.capacity == 64 << 20
+    with pytest.raises(tiercache.CacheClosedError):
+        cache.prepare()
+
+
+def test_an_arena_closed_while_prefaulting_gives_its_memory_back() -> None:
+    from tiercache.tiers.ram import Arena
+
+    arena = Arena(64 << 20)
+    started = threading.Event()
+    real = arena._populate
+
+    def slow() -> tuple:
+        started.set()
+        got = real()
+        arena.close()  # the cache closes while the kernel is still faulting pages in
+        return got
+
+    arena._populate = slow  # type: ignore[method-assign]
+    arena.prefault()
+    assert started.is_set() and not arena.is_allocated
+    with pytest.raises(tiercache.CacheClosedError):
+        arena.alloc(4096)

@@ -499,6 +499,26 @@ class TierCache:
             tiers[name] = {"capacity": t.capacity, "used_bytes": t.used_bytes()}
         return {"meter": snap, "tiers": tiers}
 
+    def prepare(self, state: Any = None, *, wait: bool = False) -> None:
+        """Allocate and pre-fault the RAM arena now, so that the first ``save()`` does not pay for it.
+
+        Otherwise the first save allocates it (opening a cache to list or restore versions
+        allocates nothing), and faulting in gigabytes takes seconds on some machines. Call this
+        right after opening, before the model is built or loaded: the memory is faulted in on a
+        background thread, and a save that comes earlier waits only for the rest.
+
+        Args:
+            state: A state like the ones you will save. Needed only when ``ram.capacity`` is
+                ``"auto"``: the arena is then sized for two versions of it.
+            wait: Return only once the memory is in place.
+
+        Raises:
+            InvalidArgumentError: If ``ram.capacity`` is ``"auto"`` and no state is given.
+            UnsupportedStateError: If ``state`` has a leaf that cannot be stored.
+        """
+        self._check_open()
+        self.engine.prepare_arena(state, wait=wait)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every pending save has finished on every tier."""
         self.engine.flush(timeout)

@@ -45,6 +45,7 @@ from tiercache.errors import (
     ConfigError,
     ConflictError,
     DeadlineExceededError,
+    InvalidArgumentError,
     SkippedError,
     TierCacheError,
     TierFullError,
@@ -287,6 +288,39 @@ class Engine(PolicyBridge):
                 for n in [n for n in self.all_tiers if n != "ram"]:
                     self.all_tiers[n] = self.all_tiers.pop(n)
             return self.ram
+
+    def prepare_arena(self, state: object | None, *, wait: bool) -> None:
+        """Create the arena and fault its memory in now (see :meth:`TierCache.prepare`).
+
+        Raises:
+            CacheClosedError: If the cache is closed.
+            InvalidArgumentError: If the capacity is ``"auto"`` and ``state`` is ``None``.
+            UnsupportedStateError: If ``state`` cannot be stored.
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one")
+        staged = 0
+        if state is not None:
+            flat = flatten(state, allow_pickle=self.config.allow_pickle)
+            staged = self._layout(flat, self.config.chunk_bytes).staged_bytes
+        elif self.arena is None and self._arena_capacity is None:
+            raise InvalidArgumentError(
+                "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"
+            )
+        self.ensure_arena(staged)
+        arena = self.arena
+        assert arena is not None
+        if wait:
+            arena.prefault()
+            return
+
+        def run() -> None:
+            try:
+                arena.prefault()
+            except Exception as e:  # the first save then allocates (and reports) it itself
+                log.warning("pre-faulting the RAM arena failed: %s", e)
+
+        threading.Thread(target=run, name="tiercache-prefault", daemon=True).start()
 
     def _reserve(self, layout: Layout, job: _Job) -> list[Region] | None:
         self.ensure_arena(layout.staged_bytes)

@@ -154,6 +154,7 @@ class Arena:
         self._tensor: torch.Tensor | None = None
         self._view: memoryview | None = None
         self._pinned_address: int | None = None
+        self._populating = False
 
     @property
     def capacity(self) -> int:
@@ -195,15 +196,51 @@ class Arena:
             )
         return need
 
+    def prefault(self) -> None:
+        """Allocate and pre-fault the memory now, without holding the lock while the kernel works.
+
+        Meant for a background thread started before the first save: allocations that arrive
+        meanwhile wait for it to finish instead of faulting the memory a second time.
+        """
+        with self._cond:
+            if self._view is not None or self._populating or self._closed:
+                return
+            self._populating = True
+        try:
+            mapping, pinned = self._populate()
+        except BaseException:
+            with self._cond:
+                self._populating = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._populating = False
+            self._cond.notify_all()
+            if not self._closed:
+                self._publish(mapping, pinned)
+                return
+        # Closed while populating: give the memory back at once.
+        if pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(pinned)
+        mapping.close()
+
     def _materialize(self) -> None:
+        # Called with the lock held; waits for a prefault() in progress rather than racing it.
+        self._cond.wait_for(lambda: not self._populating)
         if self._view is not None:
             return
+        if self._closed:
+            raise CacheClosedError("the RAM arena is closed: open a new cache")
+        self._publish(*self._populate())
+
+    def _populate(self) -> tuple[mmap.mmap, int | None]:
         mapping = aligned_buffer(self._capacity)
         try:
             mapping.madvise(_MADV_POPULATE_WRITE)
         except OSError:
             # Kernels before 5.14 refuse the advice: touch one byte per page instead.
             mapping[:: mmap.PAGESIZE] = bytes(len(range(0, self._capacity, mmap.PAGESIZE)))
+        pinned = None
         if self._pin:
             # Register the mapping rather than using pin_memory=True: torch's pinned allocator
             # rounds sizes up to a power of two, which could nearly double a large arena.
@@ -214,7 +251,12 @@ class Arena:
                             self._capacity, err)
                 self._pin = False
             else:
-                self._pinned_address = address
+                pinned = address
+        return mapping, pinned
+
+    def _publish(self, mapping: mmap.mmap, pinned: int | None) -> None:
+        # Called with the lock held.
+        self._pinned_address = pinned
         self._mapping = mapping
         self._tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         self._view = memoryview(mapping)
