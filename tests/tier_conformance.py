@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -65,11 +65,11 @@ def run_threads(fn: Callable[[int], object], n: int) -> list[object]:
 
 
 class TierConformance:
-    """Contract tests; subclasses provide the ``tier`` fixture."""
+    """Contract tests for every tier.
 
-    @pytest.fixture
-    def tier(self) -> Iterator[Tier]:
-        raise NotImplementedError("subclasses provide a fresh, empty tier")
+    Not collected itself (no ``Test`` prefix); each ``Test*Conformance`` subclass defines the
+    ``tier`` fixture that yields a fresh, empty tier of its kind, which every test here uses.
+    """
 
     def backing_state(self, tier: Tier) -> object:
         """Everything the tier stores, for checking that a refused call touched nothing."""
