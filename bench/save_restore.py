@@ -117,59 +117,40 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
                  with_s3: bool) -> list[Row]:
     """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone."""
     nbytes = state_nbytes(state)
+
+    def timed(row: Row, what: str, evict: Sequence[str], into: Any, cold: bool) -> Row:
+        # Each run drops the version from ``evict`` (a restore may promote it back) and, for a
+        # cold read, the page cache; the first run's result is checked bit-exact.
+        for i in range(repeat):
+            _evict(cache, version, evict)
+            if cold:
+                row.note = drop_page_cache(disk_root)
+            t0 = time.perf_counter()
+            out = cache.restore(version, into=into)
+            row.runs.append(time.perf_counter() - t0)
+            if i == 0:
+                _check_same(out, state, what)
+            del out
+        gc.collect()
+        return row
+
     ram = Row("tc.restore_ram", "tiercache restore from RAM (into=)", "tiercache", nbytes=nbytes)
-    into = _prefaulted_like(state)
     if "ram" not in _tiers_of(cache, version):
         ram.note = f"not held in RAM (tiers: {', '.join(_tiers_of(cache, version))})"
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        out = cache.restore(version, into=into)
-        ram.runs.append(time.perf_counter() - t0)
-        if i == 0:
-            _check_same(out, state, "restore from RAM")
-    del into, out
-    gc.collect()
-
-    disk = Row("tc.restore_disk", "tiercache restore from disk (cold)", "tiercache", nbytes=nbytes)
-    for i in range(repeat):
-        _evict(cache, version, ["ram"])
-        disk.note = drop_page_cache(disk_root)
-        t0 = time.perf_counter()
-        out = cache.restore(version)
-        disk.runs.append(time.perf_counter() - t0)
-        if i == 0:
-            _check_same(out, state, "restore from disk")
-        del out
-    gc.collect()
-
-    # The usual resume: the model and optimizer exist, so their tensors are already touched and
-    # the bytes land in them in place (no allocation, no page faults).
-    disk_into = Row("tc.restore_disk_into", "tiercache restore from disk (cold) into existing tensors",
-                    "tiercache", nbytes=nbytes)
-    into = _prefaulted_like(state)
-    for i in range(repeat):
-        _evict(cache, version, ["ram"])
-        disk_into.note = drop_page_cache(disk_root)
-        t0 = time.perf_counter()
-        out = cache.restore(version, into=into)
-        disk_into.runs.append(time.perf_counter() - t0)
-        if i == 0:
-            _check_same(out, state, "restore from disk into existing tensors")
-    del into, out
-    gc.collect()
-    if not with_s3:
-        return [ram, disk, disk_into]
-
-    s3 = Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes)
-    for i in range(repeat):
-        _evict(cache, version, ["ram", "disk"])
-        t0 = time.perf_counter()
-        out = cache.restore(version)
-        s3.runs.append(time.perf_counter() - t0)
-        if i == 0:
-            _check_same(out, state, "restore from S3")
-        del out
-    return [ram, disk, disk_into, s3]
+    rows = [
+        timed(ram, "restore from RAM", [], _prefaulted_like(state), False),
+        timed(Row("tc.restore_disk", "tiercache restore from disk (cold)", "tiercache", nbytes=nbytes),
+              "restore from disk", ["ram"], None, True),
+        # The usual resume: the model and optimizer exist, so their tensors are already touched
+        # and the bytes land in them in place (no allocation, no page faults).
+        timed(Row("tc.restore_disk_into", "tiercache restore from disk (cold) into existing tensors",
+                  "tiercache", nbytes=nbytes),
+              "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), True),
+    ]
+    if with_s3:
+        rows.append(timed(Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes),
+                          "restore from S3", ["ram", "disk"], None, False))
+    return rows
 
 
 @contextmanager

@@ -186,7 +186,7 @@ def test_many_small_tensors_are_packed(tmp_path: Path) -> None:
         for s in range(2, 6):
             cache.save(state, step=s)
         cache.flush()
-        assert len(cache.engine._layouts) == 1  # the plan is computed once per structure
+        assert len(cache.engine._plans) == 1  # the plan is computed once per structure
 
 
 def test_full_arena_with_evict_policy_drops_the_oldest_unstarted_version(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tiercache import staging
 from tiercache.codecs import HEADER_BYTES
 from tiercache.format import flatten
 from tiercache.layout import Layout, plan_layout
-from tiercache.staging import Stager
+from tiercache.staging import Stager, plan_copy
 
 
 def _odd_state() -> dict:
@@ -40,13 +41,14 @@ def _layout(flat: object, chunk_bytes: int = 4 << 20) -> Layout:
 
 def _stage(threads: int, state: dict) -> tuple[list[torch.Tensor], Layout]:
     flat = flatten(state)
-    layout = _layout(flat)
+    plan = plan_copy(_layout(flat))
+    layout = plan.layout
     # Garbage in the regions: staging must overwrite every payload byte and zero the pack gaps.
     views = [torch.full((c.staged_bytes,), 0xAB, dtype=torch.uint8) for c in layout.chunks]
     copied = [threading.Event() for _ in layout.chunks]
     stager = Stager(threads)
     try:
-        stager.copy_in(flat, layout, views, copied)
+        stager.copy_in(flat, plan, views, copied)
     finally:
         stager.close()
     assert all(e.is_set() for e in copied)
@@ -86,8 +88,8 @@ def test_staged_bytes_are_the_tensors_values(tmp_path: object) -> None:
 def test_a_chunk_is_announced_only_after_its_last_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: three slices per 12 MiB chunk
     flat = flatten(state)
-    layout = plan_layout([flat.metas[0].nbytes], [1], chunk_bytes=16 << 20, pack_below=1 << 20)
-    views = [torch.zeros(c.staged_bytes, dtype=torch.uint8) for c in layout.chunks]
+    plan = plan_copy(plan_layout([flat.metas[0].nbytes], [1], chunk_bytes=16 << 20, pack_below=1 << 20))
+    views = [torch.zeros(c.staged_bytes, dtype=torch.uint8) for c in plan.layout.chunks]
     copied = [threading.Event()]
     seen: list[bool] = []
     real = staging._memmove
@@ -99,7 +101,7 @@ def test_a_chunk_is_announced_only_after_its_last_slice(monkeypatch: pytest.Monk
     monkeypatch.setattr(staging, "_memmove", watched)
     stager = Stager(2)
     try:
-        stager.copy_in(flat, layout, views, copied)
+        stager.copy_in(flat, plan, views, copied)
     finally:
         stager.close()
     assert seen == [False, False, False]
@@ -107,34 +109,42 @@ def test_a_chunk_is_announced_only_after_its_last_slice(monkeypatch: pytest.Monk
     assert torch.equal(views[0][HEADER_BYTES:HEADER_BYTES + (12 << 20)].view(torch.float32), state["w"])
 
 
-def test_a_failing_slice_in_a_helper_is_raised_and_no_copy_runs_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    state = {"w": torch.ones(8 << 20, dtype=torch.uint8)}  # two slices
+def test_a_failing_slice_is_raised_and_no_slice_starts_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"w": torch.ones(16 << 20, dtype=torch.uint8)}  # four 4 MiB slices of one chunk
     flat = flatten(state)
-    layout = plan_layout([8 << 20], [1], chunk_bytes=16 << 20, pack_below=1 << 20)
-    views = [torch.zeros(c.staged_bytes, dtype=torch.uint8) for c in layout.chunks]
+    plan = plan_copy(plan_layout([16 << 20], [1], chunk_bytes=32 << 20, pack_below=1 << 20))
+    views = [torch.zeros(c.staged_bytes, dtype=torch.uint8) for c in plan.layout.chunks]
     copied = [threading.Event()]
     calls: list[str] = []
-    finished = threading.Event()
+    second_started = threading.Event()
+    raising = threading.Event()
+    real = staging._memmove
 
     def failing(dst: int, src: int, nbytes: int) -> object:
         calls.append(threading.current_thread().name)
         if len(calls) == 1:
-            # Let the other thread take the second slice, then fail this one.
-            finished.wait(5)
+            second_started.wait(5)  # the other thread is inside the second slice
+            raising.set()
             raise OSError("bad page")
-        finished.set()
-        return None
+        second_started.set()
+        raising.wait(5)
+        time.sleep(0.2)  # the failure is recorded before this slice returns
+        return real(dst, src, nbytes)
 
     monkeypatch.setattr(staging, "_memmove", failing)
     stager = Stager(2)
     try:
         with pytest.raises(OSError, match="bad page"):
-            stager.copy_in(flat, layout, views, copied)
+            stager.copy_in(flat, plan, views, copied)
         n = len(calls)
     finally:
         stager.close()
-    assert n == 2 and len(calls) == 2
-    assert len(set(calls)) == 2  # the caller and the helper each took one slice
+    # Two slices ran, one on each thread; the third and fourth never started, and the chunk was
+    # never announced as copied.
+    assert n == 2 and len(calls) == 2 and len(set(calls)) == 2
+    assert not copied[0].is_set()
+    payload = views[0][HEADER_BYTES : HEADER_BYTES + (16 << 20)]
+    assert int(payload.sum()) == 4 << 20  # exactly the one slice that was copied
 
 
 def test_copy_threads_config_is_checked() -> None:

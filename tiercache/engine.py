@@ -58,7 +58,7 @@ from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version,
 from tiercache.names import chunk_key, version_key
 from tiercache.policy.base import Policy, TierPlan, VersionView
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.staging import Stager
+from tiercache.staging import CopyPlan, Stager, plan_copy
 from tiercache.tiers.base import Tier
 from tiercache.tiers.ram import Arena, RamTier, Region
 
@@ -165,7 +165,7 @@ class Engine(PolicyBridge):
         self.policy = policy
         self.meter = meter
         self._lock = threading.RLock()
-        self._layouts: dict[object, Layout] = {}
+        self._plans: dict[object, CopyPlan] = {}
         self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         self._pins: dict[str, int] = {}
         self._ram_lru: OrderedDict[str, None] = OrderedDict()
@@ -226,7 +226,8 @@ class Engine(PolicyBridge):
             raise CacheClosedError("the cache is closed: open a new one to save")
         self.raise_background_error()
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        layout = self._layout(flat, chunk_bytes or self.config.chunk_bytes)
+        plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
+        layout = plan.layout
         vid = version_id or new_version_id()
         futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
         job = _Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
@@ -252,7 +253,7 @@ class Engine(PolicyBridge):
         # core: see Stager.saturates).
         self._hasher.submit(self._after_stage, job)
         try:
-            self._stager.copy_in(flat, layout, [self.arena.tensor(r) for r in regions], job.copied)
+            self._stager.copy_in(flat, plan, [self.arena.tensor(r) for r in regions], job.copied)
         except BaseException as e:
             job.copy_error = e
             for ev in job.copied:
@@ -261,17 +262,18 @@ class Engine(PolicyBridge):
         futures["staged"].set_result(vid)
         return SaveHandle(vid, futures)
 
-    def _layout(self, flat: Flat, chunk_bytes: int) -> Layout:
+    def _plan(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
+        """The chunk layout and copy plan of ``flat``'s structure, computed once per structure."""
         cache_key = (flat.structure_key, chunk_bytes)
-        layout = self._layouts.get(cache_key)
-        if layout is None:
+        plan = self._plans.get(cache_key)
+        if plan is None:
             sizes = [m.nbytes for m in flat.metas]
             items = [t.element_size() if t.dtype in _FLOAT_DTYPES else 1 for t in flat.tensors]
-            layout = plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self.config.pack_below)
-            if len(self._layouts) > 16:
-                self._layouts.clear()
-            self._layouts[cache_key] = layout
-        return layout
+            plan = plan_copy(plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self.config.pack_below))
+            if len(self._plans) > 16:
+                self._plans.clear()
+            self._plans[cache_key] = plan
+        return plan
 
     def ensure_arena(self, staged_bytes: int = 0) -> RamTier:
         """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
@@ -302,7 +304,7 @@ class Engine(PolicyBridge):
         staged = 0
         if state is not None:
             flat = flatten(state, allow_pickle=self.config.allow_pickle)
-            staged = self._layout(flat, self.config.chunk_bytes).staged_bytes
+            staged = self._plan(flat, self.config.chunk_bytes).layout.staged_bytes
         elif self.arena is None and self._arena_capacity is None:
             raise InvalidArgumentError(
                 "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"

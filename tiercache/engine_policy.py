@@ -36,20 +36,14 @@ log = logging.getLogger("tiercache.engine")
 #: Dtypes whose bytes byte-grouped compression is made for.
 FLOAT_DTYPE_NAMES = {"float64", "float32", "float16", "bfloat16"}
 
-_FLOAT_SHARES: dict[str, float] = {}
-"""Share of float bytes per version id: manifests never change, and summing ~1000 tensor entries
-for every known version on every policy decision would dominate the decision's cost."""
-
-
 def _float_share(version: Version) -> float:
-    share = _FLOAT_SHARES.get(version.id)
-    if share is None:
-        floats = sum(t.nbytes for t in version.tensors if t.dtype in FLOAT_DTYPE_NAMES)
-        share = floats / version.nbytes if version.nbytes else 0.0
-        if len(_FLOAT_SHARES) >= 1 << 16:
-            _FLOAT_SHARES.clear()
-        _FLOAT_SHARES[version.id] = share
-    return share
+    """Share of a version's bytes that are floating-point tensors.
+
+    Manifests never change, so the engine keeps this in the version's cached policy view rather
+    than summing its tensor table again.
+    """
+    floats = sum(t.nbytes for t in version.tensors if t.dtype in FLOAT_DTYPE_NAMES)
+    return floats / version.nbytes if version.nbytes else 0.0
 
 
 class PolicyBridge:
@@ -105,7 +99,7 @@ class PolicyBridge:
         views: dict[str, VersionView] = {}
         # A settled version's view is reused while its residency (the catalog hands out the same
         # tuple until it changes), pending tiers and pin stay the same: most versions are settled,
-        # and rebuilding all of them on every decision would make each save cost more than the last.
+        # so a decision costs a lookup per known version, not a rebuild of every view.
         known = self._views_cache
         fresh: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         for v in self.catalog.all():
@@ -122,7 +116,7 @@ class PolicyBridge:
                 view = VersionView(
                     id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=created,
                     tiers=frozenset(resid), pending=pending, pinned=v.id in pinned, meta=v.meta,
-                    float_fraction=_float_share(v),
+                    float_fraction=hit[1].float_fraction if hit is not None else _float_share(v),
                 )
             fresh[v.id] = (resid, view)
             views[v.id] = view

@@ -53,15 +53,14 @@ class Stager:
             raise ValueError(f"staging needs at least 1 thread, got {threads}: set ram.copy_threads")
         self.threads = threads
         self.saturates = threads >= usable_cores()
-        self._plans: dict[int, tuple[Layout, _Plan]] = {}
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="tiercache-copy") if threads > 1 else None
 
-    def copy_in(self, flat: Flat, layout: Layout, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
+    def copy_in(self, flat: Flat, plan: CopyPlan, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
         """Copy every tensor of ``flat`` into its chunk regions; set ``copied[i]`` once chunk ``i`` is complete.
 
         Args:
             flat: The flattened state (its tensors are the sources; CPU or CUDA).
-            layout: The chunk layout of that state.
+            plan: The copy plan of that state's layout (see :func:`plan_copy`).
             views: One uint8 tensor per chunk: its arena region (header slot first).
             copied: One event per chunk, set when the chunk's payload is complete (all of them
                 are set when this returns, and none is set early for CUDA sources).
@@ -70,12 +69,12 @@ class Stager:
             BaseException: Whatever a copy raised; no helper touches ``views`` after this returns.
         """
         with torch.no_grad():
-            for ci, at, nbytes in self._plan(layout).gaps:
+            for ci, at, nbytes in plan.gaps:
                 ctypes.memset(views[ci].data_ptr() + at, 0, nbytes)
             if any(t.is_cuda for t in flat.tensors):
-                _copy_cuda(flat, layout, views)
+                _copy_cuda(flat, plan.layout, views)
             else:
-                self._copy_cpu(flat, layout, views, copied)
+                self._copy_cpu(flat, plan, views, copied)
         for e in copied:
             e.set()
 
@@ -84,9 +83,8 @@ class Stager:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def _copy_cpu(self, flat: Flat, layout: Layout, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
-        plan = self._plan(layout)
-        src, fallback, keep = _sources(flat, layout)
+    def _copy_cpu(self, flat: Flat, plan: CopyPlan, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
+        src, fallback, keep = _sources(flat, plan.layout)
         base = [v.data_ptr() for v in views]
         remaining = list(plan.units_per_chunk)
         for ci, n in enumerate(remaining):
@@ -140,24 +138,13 @@ class Stager:
         if failed:
             raise failed[0]
 
-    def _plan(self, layout: Layout) -> _Plan:
-        # Keyed by identity (hashing a layout's pieces would cost more than the plan saves); the
-        # entry keeps its layout alive, so the id cannot be reused while it is cached.
-        hit = self._plans.get(id(layout))
-        if hit is not None and hit[0] is layout:
-            return hit[1]
-        plan = _make_plan(layout)
-        if len(self._plans) >= 16:
-            self._plans.clear()
-        self._plans[id(layout)] = (layout, plan)
-        return plan
-
 
 @dataclass(frozen=True)
-class _Plan:
-    """The copy work of one layout, fixed while the state's structure is.
+class CopyPlan:
+    """The copy work of one layout, fixed while the state's structure is (the engine caches it).
 
     Attributes:
+        layout: The chunk layout it copies into.
         units: ``(chunk index, slices)`` in chunk order; a unit is at most ``_SLICE`` bytes (a
             slice of a big tensor, or a batch of small packed ones) and goes to one thread.
         units_per_chunk: How many units each chunk has (it is complete when all have run).
@@ -165,12 +152,14 @@ class _Plan:
             every save so a pack's hash depends only on its content.
     """
 
+    layout: Layout
     units: tuple[tuple[int, tuple[_Slice, ...]], ...]
     units_per_chunk: tuple[int, ...]
     gaps: tuple[tuple[int, int, int], ...]
 
 
-def _make_plan(layout: Layout) -> _Plan:
+def plan_copy(layout: Layout) -> CopyPlan:
+    """Cut a layout's copy into units of at most ``_SLICE`` bytes, in chunk order."""
     hdr = HEADER_BYTES
     by_chunk: list[list[_Slice]] = [[] for _ in layout.chunks]
     for ti, pieces in enumerate(layout.tensor_pieces):
@@ -202,18 +191,7 @@ def _make_plan(layout: Layout) -> _Plan:
             if p.chunk_offset > end:
                 gaps.append((ci, hdr + end, p.chunk_offset - end))
             end = p.chunk_offset + p.nbytes
-    return _Plan(tuple(units), tuple(per_chunk), tuple(gaps))
-
-
-def _raw_copyable(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes in memory are exactly its values, in order (a memcpy copies it)."""
-    return (
-        t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        and not (t.is_complex() and t.is_conj())  # is_conj is slow to ask, and only complex has it
-        and not t.is_neg()
-    )
+    return CopyPlan(layout, tuple(units), tuple(per_chunk), tuple(gaps))
 
 
 def _sources(flat: Flat, layout: Layout) -> tuple[list[int], dict[int, torch.Tensor], list[torch.Tensor]]:
@@ -228,12 +206,14 @@ def _sources(flat: Flat, layout: Layout) -> tuple[list[int], dict[int, torch.Ten
     fallback: dict[int, torch.Tensor] = {}
     keep: list[torch.Tensor] = []
     for ti, t in enumerate(flat.tensors):
-        if _raw_copyable(t):
+        # flatten() has already resolved conjugate/negative bits and refused non-strided
+        # layouts, so a contiguous tensor's bytes are exactly its values, in order.
+        if t.is_contiguous():
             src[ti] = t.data_ptr()
         elif len(layout.tensor_pieces[ti]) == 1:
             fallback[ti] = t
         elif layout.tensor_pieces[ti]:
-            c = t.resolve_conj().resolve_neg().contiguous()
+            c = t.contiguous()
             keep.append(c)
             src[ti] = c.data_ptr()
     return src, fallback, keep

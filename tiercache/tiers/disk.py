@@ -28,9 +28,10 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -54,6 +55,8 @@ log = logging.getLogger("tiercache.tiers.disk")
 PIECE_BYTES = 8 << 20
 
 _TMP_PREFIX = ".tmp-"
+
+_T = TypeVar("_T")
 _LOCK_NAME = ".lock"
 _REF_MAGIC = b"tiercache-ref/1\n"
 _NONCE_BYTES = 16
@@ -375,23 +378,30 @@ class DiskTier(Tier):
             done += got
         return done
 
-    def _read_path(self, key: str, path: str) -> bytes | None:
+    def _read_with(self, key: str, path: str, read: Callable[[int, bool, int], _T]) -> _T | None:
+        """Open the object at ``path`` and return ``read(fd, direct, size)``; ``None`` if missing."""
         try:
             opened = self._open_read(path)
             if opened is None:
                 return None
             fd, direct, size = opened
             try:
-                if size == 0:
-                    return b""
-                # Aligned memory lets the whole object come in with O_DIRECT, no bounce copies.
-                buf = memoryview(aligned_buffer((size + ALIGN - 1) // ALIGN * ALIGN))
-                got = self._read_file(fd, direct, size, buf, 0)
-                return bytes(buf[:got])
+                return read(fd, direct, size)
             finally:
                 os.close(fd)
         except OSError as e:
             raise _storage_error(e, f"cannot read {key}") from e
+
+    def _read_path(self, key: str, path: str) -> bytes | None:
+        def whole(fd: int, direct: bool, size: int) -> bytes:
+            if size == 0:
+                return b""
+            # Aligned memory lets the whole object come in with O_DIRECT, no bounce copies.
+            buf = memoryview(aligned_buffer((size + ALIGN - 1) // ALIGN * ALIGN))
+            got = self._read_file(fd, direct, size, buf, 0)
+            return bytes(buf[:got])
+
+        return self._read_with(key, path, whole)
 
     def get(self, key: str) -> bytes | None:
         """Return the object at ``key``, or ``None`` if there is none."""
@@ -411,17 +421,7 @@ class DiskTier(Tier):
         if offset < 0:
             raise ValueError(f"read offset must be >= 0, got {offset}")
         dst = memoryview(out).cast("B")
-        try:
-            opened = self._open_read(path)
-            if opened is None:
-                return None
-            fd, direct, size = opened
-            try:
-                return self._read_file(fd, direct, size, dst, offset)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise _storage_error(e, f"cannot read {key}") from e
+        return self._read_with(key, path, lambda fd, direct, size: self._read_file(fd, direct, size, dst, offset))
 
     def size(self, key: str) -> int | None:
         """Return the object's length in bytes, or ``None`` if it does not exist."""
