@@ -22,6 +22,7 @@ from tiercache.codecs import (
     content_id,
     decode,
     encode,
+    hasher,
     pack_header,
     read_header,
     write_header,
@@ -375,6 +376,18 @@ def test_content_id_is_stable_and_sensitive_to_one_bit(algo: str) -> None:
     assert content_id(memoryview(flipped), algo) != first
 
 
+@pytest.mark.parametrize("algo", ["xxh3-128", "blake2b"])
+def test_streamed_hash_of_any_split_is_the_content_id(algo: str) -> None:
+    data = DATASETS["fp32"]
+    for cuts in ([], [1], [4096, 4097, 70_001], list(range(0, len(data), 65_536))):
+        h = hasher(algo)
+        for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            h.update(memoryview(data)[a:b])
+        assert h.hexdigest() == content_id(memoryview(data), algo)
+
+
 def test_content_id_rejects_unknown_algorithms() -> None:
     with pytest.raises(ConfigError, match="unknown hash"):
         content_id(memoryview(b"x"), "md5")
+    with pytest.raises(ConfigError, match="unknown hash algorithm 'md5'"):
+        hasher("md5")

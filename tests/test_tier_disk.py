@@ -14,7 +14,7 @@ from tier_conformance import KEY, MIB, TierConformance, page_aligned, payload
 from tiercache.config import DiskConfig
 from tiercache.errors import ConflictError, InvalidNameError, StorageError, TierFullError
 from tiercache.tiers.base import RefValue
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk import PIECE_BYTES, READ_PIECE_BYTES, DiskTier
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -281,3 +281,22 @@ def test_parallel_aligned_reads_are_exact(disk: DiskTier) -> None:
         counts = list(pool.map(read, range(4)))
     assert counts == [piece, piece, piece, piece + 4096]
     assert bytes(out) == data
+
+
+@pytest.mark.parametrize(
+    ("o_direct", "shift", "largest"),
+    [(True, 0, PIECE_BYTES), (True, 64, READ_PIECE_BYTES), (False, 64, None)],
+    ids=["direct-into-aligned", "direct-through-bounce", "buffered"],
+)
+def test_observer_sees_every_piece_in_order(tmp_path: Path, o_direct: bool, shift: int, largest: int | None) -> None:
+    disk = DiskTier(DiskConfig(path=tmp_path / "disk", o_direct=o_direct))
+    data = payload(4096 + 2 * PIECE_BYTES + 12_345, seed=11)
+    disk.put(KEY, data)
+    out = page_aligned(len(data) - 4096, shift=shift)
+    seen: list[bytes] = []
+    assert disk.read_into(KEY, out, 4096, observe=lambda piece: seen.append(bytes(piece))) == len(out)
+    assert bytes(out) == data[4096:]
+    assert b"".join(seen) == data[4096:]
+    if largest is not None:
+        # Reads move in pieces: a whole-file read would hash the tensor from memory afterwards.
+        assert len(seen) > 1 and max(map(len, seen)) == largest

@@ -117,9 +117,12 @@ class TierConformance:
         tier.put(KEY, data)
         out = page_aligned(length, shift=shift)
         out[:] = b"\xab" * length
-        assert tier.read_into(KEY, out, offset) == expected
+        seen: list[bytes] = []
+        assert tier.read_into(KEY, out, offset, observe=lambda piece: seen.append(bytes(piece))) == expected
         assert bytes(out[:expected]) == data[offset : offset + expected]
         assert bytes(out[expected:]) == b"\xab" * (length - expected)
+        # The observer saw exactly the bytes read, in order (a restore hashes them this way).
+        assert b"".join(seen) == data[offset : offset + expected]
 
     def test_misses_return_none(self, tier: Tier) -> None:
         out = page_aligned(16)

@@ -40,7 +40,7 @@ from tiercache.manifest import RefRecord, Version, VersionInfo
 from tiercache.names import check_name, chunk_key, version_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.restore import Progress, Reader
+from tiercache.restore import Progress, Reader, empty_aligned
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class TierCache:
         )
         if ram is not None or not self.engine.tiers:
             self.engine.ensure_arena()
-        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads * 2)
+        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads)
         self._save_lock = threading.Lock()
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
@@ -235,8 +235,10 @@ class TierCache:
 
         Raises:
             VersionNotFoundError: If the ref resolves to nothing.
-            IntegrityError: If a chunk has no good copy on any tier.
-            StateMismatchError: If a tensor in ``into`` has another dtype or shape.
+            IntegrityError: If a chunk has no good copy on any tier (tensors in ``into`` may then
+                hold part of it; run ``tiercache verify`` to see which versions are whole).
+            StateMismatchError: If a tensor in ``into`` has another dtype or shape (raised before
+                anything is read).
         """
         if group is not None:
             return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress)
@@ -271,11 +273,11 @@ class TierCache:
                 if target.device.type == "cpu" and target.is_contiguous():
                     dests.append(target)
                     continue
-                tmp = torch.empty(entry.shape, dtype=dtype)
+                tmp = empty_aligned(entry.shape, dtype)
                 dests.append(tmp)
                 finals.append((target, tmp))
                 continue
-            dests.append(torch.empty(entry.shape, dtype=dtype))
+            dests.append(empty_aligned(entry.shape, dtype))
         self.reader.read_version(version, dests, progress)
         for target, tmp in finals:
             with torch.no_grad():

@@ -3,17 +3,24 @@
 For each chunk the reader tries the tiers that hold it, best observed read throughput first
 (RAM, then disk, then S3 before anything is measured). Every copy is checked against its content
 id; a missing or damaged copy is logged and the next tier is tried, and only when no tier has a
-good copy does the restore fail, naming the chunk. Chunks are read in parallel, and a raw chunk
-that holds one tensor's bytes is read from disk straight into the destination tensor (O_DIRECT
-where the memory is aligned) and verified in place, so restoring costs no second copy.
+good copy does the restore fail, naming the chunk.
+
+Chunks are read in parallel, and every byte is hashed as it arrives, while it is still in the CPU
+cache. A raw chunk that holds one tensor's bytes is read straight into the destination tensor
+(O_DIRECT where its memory is page-aligned, as new destinations are); a pack of small tensors is
+streamed through a small reused window and scattered from it, so no chunk-sized buffer is ever
+allocated. Bytes land in the destinations before the chunk's hash is complete: a damaged copy is
+overwritten by the next tier's good one, and when no tier has a good copy the restore raises and
+tensors passed as ``into`` may hold part of the chunk.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,10 +32,19 @@ from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.tiers.base import Tier
+from tiercache.tiers.ram import ALIGN, aligned_buffer, copy_bytes
 
 log = logging.getLogger("tiercache.restore")
 
 Progress = Callable[[int], None]
+
+#: New destinations at least this big are page-aligned (smaller ones are packed chunks' tensors,
+#: which are copied out of a buffer anyway).
+_ALIGNED_FROM_BYTES = 1 << 20
+
+#: Window a pack of small tensors is read through: a few MiB, so it stays in the CPU cache while
+#: it is hashed and scattered, and each read is still large enough for the device.
+_WINDOW_BYTES = 4 << 20
 _DEFAULT_ORDER = {"ram": 0, "disk": 1, "s3": 2}
 
 
@@ -43,11 +59,48 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def as_uint8(buf: memoryview) -> torch.Tensor:
-    """A 1-D uint8 tensor over ``buf`` (read-only buffers included; no copy)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
-        return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+def empty_aligned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous CPU tensor to restore into; large ones start page-aligned.
+
+    Aligned memory lets a disk restore read straight into the tensor with O_DIRECT instead of
+    through a bounce buffer. Each tensor owns its storage, which starts up to one page before the
+    tensor (``storage_offset`` is not 0).
+    """
+    itemsize = dtype.itemsize
+    nbytes = math.prod(shape) * itemsize
+    if nbytes < _ALIGNED_FROM_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    pad = -raw.data_ptr() % ALIGN
+    if pad % itemsize:  # torch's allocator aligns to 64 bytes, so this does not happen
+        return torch.empty(tuple(shape), dtype=dtype)
+    return raw[pad : pad + nbytes].view(dtype).view(tuple(shape))
+
+
+class _Scatter:
+    """Copies consecutive windows of a chunk's bytes into the targets that hold parts of them.
+
+    Args:
+        targets: ``(dest view, offset in chunk, length)`` of every piece the chunk holds.
+    """
+
+    def __init__(self, targets: list[tuple[memoryview, int, int]]) -> None:
+        self._pending = sorted(targets, key=lambda t: t[1])
+        self._first = 0  # every target before this one is complete
+
+    def window(self, data: memoryview, pos: int) -> None:
+        """Copy ``data``, the chunk's bytes from offset ``pos`` on, into the targets overlapping it."""
+        end = pos + data.nbytes
+        pending = self._pending
+        i = self._first
+        while i < len(pending) and pending[i][1] < end:
+            dest, off, length = pending[i]
+            lo, hi = max(off, pos), min(off + length, end)
+            if lo < hi:
+                copy_bytes(dest[lo - off : hi - off], data[lo - pos : hi - pos])
+            i += 1
+        while self._first < len(pending) and pending[self._first][1] + pending[self._first][2] <= end:
+            self._first += 1
 
 
 class Reader:
@@ -72,6 +125,7 @@ class Reader:
         self._holds = holds
         self._meter = meter
         self._threads = threads
+        self._local = threading.local()
 
     def order(self, chunk_id: str) -> list[str]:
         """Tiers believed to hold ``chunk_id``, best observed read speed first."""
@@ -159,7 +213,6 @@ class Reader:
         self, tier: Tier, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
     ) -> bool:
         key = chunk_key(chunk_id)
-        hdr_len = codecs.HEADER_BYTES
         lend = getattr(tier, "view", None)
         if lend is not None:
             # The RAM tier lends its memory: verify the payload in place and copy each piece once.
@@ -167,26 +220,56 @@ class Reader:
             if obj is None:
                 return False
             return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)
-        if len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes:
-            # One tensor's bytes: read the header, then the payload straight into the tensor.
-            head = bytearray(hdr_len)
-            got = tier.read_into(key, memoryview(head), 0)
-            if got is None:
-                return False
-            header = codecs.read_header(memoryview(head)[:got])
-            self._check_header(header, chunk_id, nbytes)
-            if header.codec == codecs.RAW:
-                dest = targets[0][0]
-                n = tier.read_into(key, dest, hdr_len)
-                if n is None:
-                    return False
-                if n != nbytes or codecs.content_id(dest, algo) != chunk_id:
-                    raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
-                return True
-        data = tier.get(key)
-        if data is None:
+        head = bytearray(codecs.HEADER_BYTES)
+        got = tier.read_into(key, memoryview(head), 0)
+        if got is None:
             return False
-        return self._decode_scatter(memoryview(data), chunk_id, nbytes, algo, targets, tier.name)
+        header = codecs.read_header(memoryview(head)[:got])
+        self._check_header(header, chunk_id, nbytes)
+        if header.codec != codecs.RAW:
+            data = tier.get(key)
+            if data is None:
+                return False
+            return self._decode_scatter(memoryview(data), chunk_id, nbytes, algo, targets, tier.name)
+        # A raw payload is hashed as it arrives, while each piece is still in the CPU cache.
+        digest = codecs.hasher(algo)
+        if len(targets) == 1 and targets[0][1] == 0 and targets[0][2] == nbytes:
+            # One tensor's bytes: straight into the tensor (O_DIRECT where its memory is aligned).
+            done = tier.read_into(key, targets[0][0], codecs.HEADER_BYTES, observe=digest.update)
+        else:
+            done = self._stream_scatter(tier, key, nbytes, targets, digest)
+        if done is None:
+            return False
+        if done != nbytes or digest.hexdigest() != chunk_id:
+            raise IntegrityError(f"chunk {chunk_id} on {tier.name}: content does not match its id")
+        return True
+
+    def _stream_scatter(
+        self, tier: Tier, key: str, nbytes: int, targets: list[tuple[memoryview, int, int]], digest: codecs.Hasher
+    ) -> int | None:
+        """Read a raw payload window by window, copying each window's part of every target out of it.
+
+        A pack of small tensors never needs a buffer of its own size: the window is reused, so
+        restoring costs no page faults beyond the destinations'.
+
+        Returns:
+            Payload bytes read (short if the object is truncated), or ``None`` if it vanished.
+        """
+        window = getattr(self._local, "window", None)
+        if window is None:
+            window = self._local.window = memoryview(aligned_buffer(_WINDOW_BYTES))
+        scatter = _Scatter(targets)
+        pos = 0
+        while pos < nbytes:
+            want = min(window.nbytes, nbytes - pos)
+            got = tier.read_into(key, window[:want], codecs.HEADER_BYTES + pos, observe=digest.update)
+            if got is None:
+                return None
+            scatter.window(window[:got], pos)
+            pos += got
+            if got < want:
+                break
+        return pos
 
     def _decode_scatter(
         self, obj: memoryview, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]],
@@ -195,22 +278,22 @@ class Reader:
         header = codecs.read_header(obj[: codecs.HEADER_BYTES])
         self._check_header(header, chunk_id, nbytes)
         if header.codec == codecs.RAW:
-            # Verify the stored payload in place and copy each piece once (no decoded copy).
+            # Hash and copy the stored payload window by window: each window is hashed and then
+            # copied out while it is in the CPU cache, so memory is read once (no decoded copy).
             payload = obj[codecs.HEADER_BYTES : codecs.HEADER_BYTES + nbytes]
-            if len(payload) != nbytes or codecs.content_id(payload, algo) != chunk_id:
+            digest = codecs.hasher(algo)
+            scatter = _Scatter(targets)
+            for pos in range(0, len(payload), _WINDOW_BYTES):
+                piece = payload[pos : pos + _WINDOW_BYTES]
+                digest.update(piece)
+                scatter.window(piece, pos)
+            if len(payload) != nbytes or digest.hexdigest() != chunk_id:
                 raise IntegrityError(f"chunk {chunk_id} on {where}: content does not match its id")
-            self._scatter(payload, targets)
             return True
         raw = memoryview(bytearray(nbytes))
         self._decode_verify(obj, chunk_id, nbytes, algo, raw)
-        self._scatter(raw, targets)
+        _Scatter(targets).window(raw, 0)
         return True
-
-    @staticmethod
-    def _scatter(src_buf: memoryview, targets: list[tuple[memoryview, int, int]]) -> None:
-        src = as_uint8(src_buf)
-        for dest, off, length in targets:
-            as_uint8(dest).copy_(src[off : off + length])
 
     def _decode_verify(self, data: memoryview, chunk_id: str, nbytes: int, algo: str, out: memoryview) -> None:
         header = codecs.read_header(data[: codecs.HEADER_BYTES])

@@ -62,6 +62,7 @@ from tiercache.format import dtype_from_name, dtype_name
 from tiercache.layout import plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
 from tiercache.names import check_name, chunk_key
+from tiercache.restore import empty_aligned
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
@@ -369,7 +370,7 @@ class TierCacheStorageReader(StorageReader):
     def _read(self, version: Version, indices: list[int]) -> list[torch.Tensor]:
         """Read entries of ``version`` (in parallel, verified, best tier first) as tensors."""
         entries = [version.tensors[i] for i in indices]
-        dests = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in entries]
+        dests = [empty_aligned(e.shape, dtype_from_name(e.dtype)) for e in entries]
         self.cache.reader.read_version(version.model_copy(update={"tensors": tuple(entries)}), dests)
         return dests
 

@@ -33,10 +33,14 @@ Semantics every implementation must honour (checked by ``tests/tier_conformance.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import NamedTuple
 
 #: Anything exposing the buffer protocol that ``put`` accepts.
 Buffer = bytes | bytearray | memoryview
+
+#: Sees the bytes :meth:`Tier.read_into` reads, piece by piece, in order.
+Observer = Callable[[memoryview], None]
 
 
 class RefValue(NamedTuple):
@@ -64,13 +68,18 @@ class Tier(ABC):
         """Return the whole object stored at ``key``, or ``None`` if there is none."""
 
     @abstractmethod
-    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+    def read_into(
+        self, key: str, out: memoryview, offset: int = 0, *, observe: Observer | None = None
+    ) -> int | None:
         """Read bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
 
         Args:
             key: The object's key.
             out: A writable, C-contiguous byte buffer (for example a tensor's memory).
             offset: Where in the object to start reading.
+            observe: Called with consecutive runs of the bytes read, in order, covering exactly
+                the bytes returned; tiers that read in pieces call it per piece while the piece
+                is still in the CPU cache (a restore hashes chunks this way).
 
         Returns:
             The number of bytes read (short only at the end of the object), or ``None`` if the

@@ -45,14 +45,19 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.names import check_key
-from tiercache.tiers.base import Buffer, RefValue, Tier
+from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
 from tiercache.tiers.ram import ALIGN, aligned_buffer, buffer_address, copy_bytes
 
 log = logging.getLogger("tiercache.tiers.disk")
 
-#: Size of the per-thread bounce buffer and of each write: big enough for full device queues,
-#: small enough that unaligned copies never need much memory.
+#: Size of the per-thread bounce buffer and of each write or direct read: big enough for full
+#: device queues, small enough that unaligned copies never need much memory.
 PIECE_BYTES = 8 << 20
+
+#: Each read through the bounce buffer: small enough that the piece is still in the CPU cache when
+#: it is copied out and hashed. Restoring 2 GB of chunk files cold into unaligned tensors with 4
+#: threads measured 0.41-0.61 s with 1 MiB pieces against 0.58-0.87 s with 8 MiB ones.
+READ_PIECE_BYTES = 1 << 20
 
 _TMP_PREFIX = ".tmp-"
 
@@ -332,7 +337,7 @@ class DiskTier(Tier):
             self._refuse_direct()
         return fd, direct, st.st_size
 
-    def _read_direct(self, fd: int, out: memoryview, offset: int) -> int:
+    def _read_direct(self, fd: int, out: memoryview, offset: int, observe: Observer | None) -> int:
         """Read ``len(out)`` bytes at ``offset`` with O_DIRECT; return how many were read.
 
         The aligned body goes straight into ``out`` when both ``out`` and ``offset`` are
@@ -345,20 +350,25 @@ class DiskTier(Tier):
             if offset % ALIGN == 0 and buffer_address(out) % ALIGN == 0:
                 body = n // ALIGN * ALIGN
                 while done < body:
-                    got = os.preadv(fd, [out[done:body]], offset + done)
+                    got = os.preadv(fd, [out[done : min(body, done + PIECE_BYTES)]], offset + done)
                     if got <= 0:
                         return done
+                    if observe is not None:
+                        observe(out[done : done + got])
                     done += got
             bounce = self._bounce()
             while done < n:
                 pos = offset + done
                 start = pos // ALIGN * ALIGN
                 skip = pos - start
-                want = min(PIECE_BYTES, (skip + n - done + ALIGN - 1) // ALIGN * ALIGN)
+                want = min(READ_PIECE_BYTES, (skip + n - done + ALIGN - 1) // ALIGN * ALIGN)
                 got = min(os.preadv(fd, [bounce[:want]], start) - skip, n - done)
                 if got <= 0:
                     break
-                copy_bytes(out[done : done + got], bounce[skip : skip + got])
+                piece = bounce[skip : skip + got]
+                copy_bytes(out[done : done + got], piece)
+                if observe is not None:
+                    observe(piece)  # still in the CPU cache: a second pass over ``out`` would not be
                 done += got
         except OSError as e:
             if e.errno != errno.EINVAL:
@@ -366,15 +376,19 @@ class DiskTier(Tier):
             self._refuse_direct()
         return done
 
-    def _read_file(self, fd: int, direct: bool, size: int, out: memoryview, offset: int) -> int:
+    def _read_file(
+        self, fd: int, direct: bool, size: int, out: memoryview, offset: int, observe: Observer | None = None
+    ) -> int:
         n = max(min(out.nbytes, size - offset), 0)
-        done = self._read_direct(fd, out[:n], offset) if direct and n else 0
+        done = self._read_direct(fd, out[:n], offset, observe) if direct and n else 0
         if done < n and direct:
             _clear_direct(fd)
         while done < n:
             got = os.preadv(fd, [out[done:n]], offset + done)
             if got <= 0:
                 break
+            if observe is not None:
+                observe(out[done : done + got])
             done += got
         return done
 
@@ -407,12 +421,14 @@ class DiskTier(Tier):
         """Return the object at ``key``, or ``None`` if there is none."""
         return self._read_path(key, self._path(key))
 
-    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
+    def read_into(
+        self, key: str, out: memoryview, offset: int = 0, *, observe: Observer | None = None
+    ) -> int | None:
         """Read bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
 
         Uses O_DIRECT straight into ``out`` when ``out`` and ``offset`` are 4096-aligned (the
         arena, a pinned tensor), so the page cache is not needed for speed; safe to call from
-        several threads at once for parallel restores.
+        several threads at once for parallel restores. ``observe`` sees each piece as it lands.
 
         Returns:
             Bytes read (short only at the end of the object), or ``None`` if it does not exist.
@@ -421,7 +437,9 @@ class DiskTier(Tier):
         if offset < 0:
             raise ValueError(f"read offset must be >= 0, got {offset}")
         dst = memoryview(out).cast("B")
-        return self._read_with(key, path, lambda fd, direct, size: self._read_file(fd, direct, size, dst, offset))
+        return self._read_with(
+            key, path, lambda fd, direct, size: self._read_file(fd, direct, size, dst, offset, observe)
+        )
 
     def size(self, key: str) -> int | None:
         """Return the object's length in bytes, or ``None`` if it does not exist."""

@@ -29,7 +29,7 @@ import torch
 
 from tiercache.errors import CacheClosedError, ConflictError, TierFullError
 from tiercache.names import check_key
-from tiercache.tiers.base import Buffer, RefValue, Tier
+from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
 
 log = logging.getLogger("tiercache.tiers.ram")
 
@@ -472,8 +472,10 @@ class RamTier(Tier):
         finally:
             self._done(entry)
 
-    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
-        """Copy bytes ``[offset, offset + len(out))`` of ``key`` into ``out``.
+    def read_into(
+        self, key: str, out: memoryview, offset: int = 0, *, observe: Observer | None = None
+    ) -> int | None:
+        """Copy bytes ``[offset, offset + len(out))`` of ``key`` into ``out`` (``observe`` sees them after).
 
         Returns:
             Bytes copied (short at the end of the object), or ``None`` if there is no object.
@@ -487,6 +489,8 @@ class RamTier(Tier):
             dst = memoryview(out).cast("B")
             src = self._bytes_of(entry)[offset : offset + dst.nbytes]
             copy_bytes(dst, src)
+            if observe is not None:
+                observe(dst[: src.nbytes])
             return src.nbytes
         finally:
             self._done(entry)

@@ -45,7 +45,7 @@ from tiercache.errors import (
 from tiercache.failpoints import failpoint
 from tiercache.names import check_key
 from tiercache.tiers._s3buffers import ViewReader, byte_view, crc32_b64, fresh_bytes, writable_view
-from tiercache.tiers.base import Buffer, RefValue, Tier
+from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
 
 log = logging.getLogger("tiercache.s3")
 
@@ -296,8 +296,13 @@ class S3Tier(Tier):
         got = self._read(full, key, 0, None)
         return None if got is None else bytes(got[0]) if isinstance(got[0], bytearray) else got[0]
 
-    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int | None:
-        """Stream bytes ``[offset, offset + len(out))`` of the object into ``out``."""
+    def read_into(
+        self, key: str, out: memoryview, offset: int = 0, *, observe: Observer | None = None
+    ) -> int | None:
+        """Stream bytes ``[offset, offset + len(out))`` of the object into ``out``.
+
+        Parts arrive in parallel and out of order, so ``observe`` sees the bytes once, at the end.
+        """
         full = self._full(key)
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
@@ -305,7 +310,11 @@ class S3Tier(Tier):
         if not len(view):
             return None if self.size(key) is None else 0
         got = self._read(full, key, offset, view)
-        return None if got is None else got[1]
+        if got is None:
+            return None
+        if observe is not None:
+            observe(view[: got[1]])
+        return got[1]
 
     def _read(self, full: str, key: str, offset: int, out: memoryview | None) -> tuple[Any, int] | None:
         """Read from ``offset`` into ``out`` (or a new buffer up to the end if ``out`` is None)."""
