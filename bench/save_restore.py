@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tiercache
-from bench.baselines import S3Endpoint, drop_page_cache, memcpy
+from bench.baselines import S3Endpoint, drop_page_cache, memcpy, torch_load, torch_save
 from bench.report import Row, progress
 from bench.state import advance, iter_tensors, state_nbytes
 
@@ -115,8 +115,16 @@ def _prefaulted_like(state: Any) -> Any:
 
 def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, disk_root: Path,
                  with_s3: bool) -> list[Row]:
-    """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone."""
+    """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone.
+
+    Every cold restore is preceded by a cold ``torch.load`` of the same state: on a VM the cost
+    of first touching memory swings with what ran just before, so the pair sees the same machine.
+    """
     nbytes = state_nbytes(state)
+    torch_file = disk_root.parent / "torch-paired.pt"  # beside the disk tier's directory, not in it
+    torch_save(state, torch_file)
+    paired = Row("torch.load_cold_paired", "torch.load (page cache cold), alternating with tiercache",
+                 "baseline", nbytes=nbytes)
 
     def timed(row: Row, what: str, evict: Sequence[str], into: Any, cold: bool) -> Row:
         # Each run drops the version from ``evict`` (a restore may promote it back) and, for a
@@ -124,6 +132,9 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
         for i in range(repeat):
             _evict(cache, version, evict)
             if cold:
+                paired.note = drop_page_cache(torch_file)
+                paired.runs.append(torch_load(torch_file))
+                gc.collect()
                 row.note = drop_page_cache(disk_root)
             t0 = time.perf_counter()
             out = cache.restore(version, into=into)
@@ -147,10 +158,11 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
                   "tiercache", nbytes=nbytes),
               "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), True),
     ]
+    torch_file.unlink()
     if with_s3:
         rows.append(timed(Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes),
                           "restore from S3", ["ram", "disk"], None, False))
-    return rows
+    return [paired, *rows]
 
 
 @contextmanager
