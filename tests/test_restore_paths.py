@@ -23,6 +23,7 @@ from tiercache.codecs import HEADER_BYTES
 from tiercache.errors import IntegrityError
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
+from tiercache.tiers.disk import DiskTier
 
 MIB = 1 << 20
 
@@ -142,9 +143,24 @@ def test_packs_are_scattered_window_by_window(
             fresh = cache.restore("main")
             existing = cache.restore("main", into={k: torch.zeros_like(v) for k, v in state.items()})
     if source == "disk":
+        reads: list[int] = []
+        real_read_into, real_get = DiskTier.read_into, DiskTier.get
+
+        def recording_read_into(self: DiskTier, key: str, out: memoryview, offset: int = 0, **kw: Any) -> int | None:
+            reads.append(memoryview(out).nbytes)
+            return real_read_into(self, key, out, offset, **kw)
+
+        def no_whole_chunks(self: DiskTier, key: str) -> bytes | None:
+            assert not key.startswith("chunks/"), f"{key} read whole instead of window by window"
+            return real_get(self, key)
+
+        monkeypatch.setattr(DiskTier, "read_into", recording_read_into)
+        monkeypatch.setattr(DiskTier, "get", no_whole_chunks)
         with tiercache.open(_config(tmp_path)) as cache:
             fresh = cache.restore("main")
             existing = cache.restore("main", into={k: torch.zeros_like(v) for k, v in state.items()})
+        # Every read is a header or at most one window: no chunk-sized buffer.
+        assert reads and max(reads) <= max(window, HEADER_BYTES) and window in reads
     _assert_same(fresh, state)
     _assert_same(existing, state)
 

@@ -200,7 +200,7 @@ class CacheConfig(_Model):
         hash: Content hash that names chunks.
         allow_pickle: Store leaves that are not tensors or plain values with pickle, and
             unpickle them on restore (only for versions written with this opt-in).
-        io_threads: Background threads hashing and writing.
+        io_threads: Background threads hashing and writing; also the chunks a restore reads at once.
         background_nice: How much lower than the training thread the engine's background threads
             run (Linux nice increment; 0 keeps them at the same priority).
         gc_grace: Seconds during which ``gc`` leaves a new, unreferenced manifest or chunk alone,
