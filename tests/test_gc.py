@@ -198,6 +198,8 @@ def test_crash_between_manifest_and_chunk_deletes_is_finished_by_the_next_gc(
 def test_gc_on_disk_and_s3(tmp_path: Path, s3_config: S3Config) -> None:
     with tiercache.open(_cfg(tmp_path, s3=s3_config.model_dump(), policy={"name": "write-through"})) as cache:
         s1, (v1, v2, v3), _ = _history(cache)
+        # Uploads still in flight keep their versions live; wait for S3 so all three are settled.
+        cache.flush()
         cache.rollback("main", v1)
         report = cache.gc(grace=0)
         assert report.versions == (v2, v3)
