@@ -7,9 +7,7 @@ RAM tier holds nothing unless a test says so.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import mmap
 import os
 from collections import Counter
 from pathlib import Path
@@ -26,7 +24,6 @@ from tiercache.errors import IntegrityError
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.ram import buffer_address, populate
 
 MIB = 1 << 20
 
@@ -195,80 +192,3 @@ def test_damage_on_the_only_tier_raises_integrity_error_naming_the_chunk(
         assert f"disk: damaged (chunk {cid} on disk: content does not match its id)" in str(exc.value)
         report = cache.verify("main")
     assert [(d.tier, d.key) for d in report.damage] == [("disk", chunk_key(cid))]
-
-
-def _pages_resident(address: int, npages: int) -> list[int]:
-    """mincore(2): which of ``npages`` pages from ``address`` (page-aligned) are in memory."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    vec = (ctypes.c_ubyte * npages)()
-    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(npages * 4096), vec) == 0
-    return [b & 1 for b in vec]
-
-
-def test_populate_faults_in_only_whole_pages_inside_the_range() -> None:
-    mapping = mmap.mmap(-1, 6 * 4096)
-    base = buffer_address(mapping)
-    assert _pages_resident(base, 6) == [0] * 6
-    assert populate(base + 100, 100) is True  # no whole page inside: nothing to do
-    assert _pages_resident(base, 6) == [0] * 6
-    assert populate(base + 4096 + 1, 3 * 4096) is True  # pages 2 and 3 lie wholly inside
-    assert _pages_resident(base, 6) == [0, 0, 1, 1, 0, 0]
-    assert bytes(mapping) == bytes(6 * 4096)  # faulted in, still zero
-    mapping.close()
-
-
-def _inside(address: int, spans: list[tuple[int, int]]) -> bool:
-    return any(lo <= address < hi for lo, hi in spans)
-
-
-def test_new_destinations_are_faulted_in_ahead_of_their_reads_and_into_tensors_never(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state = _mixed_state()
-    version = _saved(tmp_path, state, chunk_bytes="1MiB", pack_below="64KiB")
-    populated: list[tuple[int, int]] = []
-    early: list[str] = []
-    real_read_chunk = restore_module.Reader.read_chunk
-
-    def recording_populate(address: int, nbytes: int) -> bool:
-        populated.append((address, nbytes))
-        return populate(address, nbytes)
-
-    def checking_read_chunk(self: Any, chunk_id: str, nbytes: int, algo: str, targets: list[Any]) -> str:
-        done = set(populated)
-        early.extend(chunk_id for view, _off, n in targets
-                     if not _inside(buffer_address(view), spans) and (buffer_address(view), n) not in done)
-        return real_read_chunk(self, chunk_id, nbytes, algo, targets)
-
-    existing = {"big.i64": torch.zeros(300_001, dtype=torch.int64), "small.f32": torch.zeros(1000)}
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in existing.values()]
-    monkeypatch.setattr(restore_module, "populate", recording_populate)
-    monkeypatch.setattr(restore_module.Reader, "read_chunk", checking_read_chunk)
-    with tiercache.open(_config(tmp_path)) as cache:
-        out = cache.restore_version(version, into=existing)
-
-    _assert_same(out, state)
-    assert early == []
-    # Exactly the pieces of the new tensors, chunk by chunk in read order; none of the caller's.
-    assert populated == [(out[e.path].data_ptr() + p.offset, p.nbytes)
-                         for c in range(len(version.chunks)) for e in version.tensors
-                         if e.path not in existing for p in e.pieces if p.chunk == c]
-    assert not any(a < hi and lo < a + n for a, n in populated for lo, hi in spans)
-
-
-def test_restore_is_bit_exact_when_the_kernel_refuses_to_populate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state = _mixed_state()
-    _saved(tmp_path, state, chunk_bytes="1MiB", pack_below="64KiB")
-    calls: list[int] = []
-
-    def refusing_populate(address: int, nbytes: int) -> bool:
-        calls.append(nbytes)
-        return False
-
-    monkeypatch.setattr(restore_module, "populate", refusing_populate)
-    with tiercache.open(_config(tmp_path)) as cache:
-        out = cache.restore("main")
-    _assert_same(out, state)
-    assert len(calls) == 1  # the prefaulter gives up at the first refusal; the reads fault on their own

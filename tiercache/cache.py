@@ -260,7 +260,6 @@ class TierCache:
         self._check_open()
         targets = _into_map(into)
         dests: list[torch.Tensor] = []
-        fresh: list[bool] = []  # dests allocated here, not the caller's tensors
         finals: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry in version.tensors:
             dtype = dtype_from_name(entry.dtype)
@@ -273,16 +272,13 @@ class TierCache:
                     )
                 if target.device.type == "cpu" and target.is_contiguous():
                     dests.append(target)
-                    fresh.append(False)
                     continue
                 tmp = empty_aligned(entry.shape, dtype)
                 dests.append(tmp)
-                fresh.append(True)
                 finals.append((target, tmp))
                 continue
             dests.append(empty_aligned(entry.shape, dtype))
-            fresh.append(True)
-        self.reader.read_version(version, dests, progress, fresh=fresh)
+        self.reader.read_version(version, dests, progress)
         for target, tmp in finals:
             with torch.no_grad():
                 target.copy_(tmp)

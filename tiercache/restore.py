@@ -7,8 +7,7 @@ good copy does the restore fail, naming the chunk.
 
 Chunks are read in parallel, and every byte is hashed as it arrives, while it is still in the CPU
 cache. A raw chunk that holds one tensor's bytes is read straight into the destination tensor
-(O_DIRECT where its memory is page-aligned, as new destinations are, whose pages a thread of their
-own faults in just ahead of the reads); a pack of small tensors is
+(O_DIRECT where its memory is page-aligned, as new destinations are); a pack of small tensors is
 streamed through a small reused window and scattered from it, so no chunk-sized buffer is ever
 allocated. Bytes land in the destinations before the chunk's hash is complete: a damaged copy is
 overwritten by the next tier's good one, and when no tier has a good copy the restore raises and
@@ -33,7 +32,7 @@ from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.tiers.base import Tier
-from tiercache.tiers.ram import ALIGN, aligned_buffer, copy_bytes, populate
+from tiercache.tiers.ram import ALIGN, aligned_buffer, copy_bytes
 
 log = logging.getLogger("tiercache.restore")
 
@@ -104,49 +103,6 @@ class _Scatter:
             self._first += 1
 
 
-class _Prefaulter:
-    """Faults in new destination memory on its own thread, one chunk's ranges after another.
-
-    Reading into memory nobody has touched makes every read fault its pages in first, and the
-    readers then wait on the faults and on the device in turn. Here the faults run ahead of the
-    reads, in read order, on a core of their own, and each reader waits only until its chunk's
-    memory is in. On a 2-core VM the bench's cold disk restore of 2 GB into new tensors went from
-    1.48 s to 1.02 s (``python -m bench --only torch,restore``, one run each way).
-
-    Args:
-        ranges: Per read job, in the order the jobs start: ``(address, bytes)`` to fault in.
-    """
-
-    def __init__(self, ranges: list[list[tuple[int, int]]]) -> None:
-        self._ranges = ranges
-        self._ready = [threading.Event() for _ in ranges]
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="tiercache-prefault-read", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for j, job in enumerate(self._ranges):
-                for address, nbytes in job:
-                    if self._stopped or not populate(address, nbytes):
-                        # Refused (old kernel, no memory) or no longer wanted: the readers
-                        # fault their memory in themselves, as without this thread.
-                        return
-                self._ready[j].set()
-        finally:
-            for e in self._ready:
-                e.set()
-
-    def wait(self, job: int) -> None:
-        """Block until job ``job``'s memory is faulted in (or the prefaulter gave up)."""
-        self._ready[job].wait()
-
-    def stop(self) -> None:
-        """Stop faulting and wait for the thread (the destinations may be freed after this)."""
-        self._stopped = True
-        self._thread.join()
-
-
 class Reader:
     """Reads versions' chunks from a set of tiers.
 
@@ -180,58 +136,32 @@ class Reader:
         # Until every candidate has been measured, keep the default RAM > disk > S3 order.
         return sorted(names, key=lambda n: _DEFAULT_ORDER.get(n, 9))
 
-    def read_version(
-        self,
-        version: Version,
-        dests: Sequence[torch.Tensor],
-        progress: Progress | None = None,
-        *,
-        fresh: Sequence[bool] | None = None,
-    ) -> None:
+    def read_version(self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None = None) -> None:
         """Fill ``dests`` (contiguous CPU tensors, one per tensor entry) with the version's bytes.
-
-        Args:
-            version: The manifest to read.
-            dests: One destination per tensor entry.
-            progress: Called with each chunk's size once it is read.
-            fresh: Which of ``dests`` were just allocated and never touched (default: none).
-                Their memory is faulted in on a thread of its own, chunk by chunk in read order,
-                just ahead of the readers (see :class:`_Prefaulter`).
 
         Raises:
             IntegrityError: If some chunk has no good copy on any tier.
         """
         targets: list[list[tuple[memoryview, int, int]]] = [[] for _ in version.chunks]
-        untouched: list[list[tuple[int, int]]] = [[] for _ in version.chunks]
         views = [byte_view(t) for t in dests]
         for ti, entry in enumerate(version.tensors):
-            base = dests[ti].data_ptr()
             for p in entry.pieces:
                 targets[p.chunk].append((views[ti][p.offset : p.offset + p.nbytes], p.chunk_offset, p.nbytes))
-                if fresh is not None and fresh[ti]:
-                    untouched[p.chunk].append((base + p.offset, p.nbytes))
         jobs = [i for i, c in enumerate(version.chunks) if targets[i]]
-        prefault = _Prefaulter([untouched[i] for i in jobs]) if any(untouched) and len(jobs) > 1 else None
 
-        def one(j: int) -> None:
-            c = version.chunks[jobs[j]]
-            if prefault is not None:
-                prefault.wait(j)
-            self.read_chunk(c.id, c.nbytes, version.hash_algo, targets[jobs[j]])
+        def one(i: int) -> None:
+            c = version.chunks[i]
+            self.read_chunk(c.id, c.nbytes, version.hash_algo, targets[i])
             if progress is not None:
                 progress(c.nbytes)
 
         if len(jobs) <= 1:
-            for j in range(len(jobs)):
-                one(j)
+            for i in jobs:
+                one(i)
             return
-        try:
-            with ThreadPoolExecutor(min(self._threads, len(jobs)), thread_name_prefix="tiercache-read") as pool:
-                for f in [pool.submit(one, j) for j in range(len(jobs))]:
-                    f.result()
-        finally:
-            if prefault is not None:
-                prefault.stop()
+        with ThreadPoolExecutor(min(self._threads, len(jobs)), thread_name_prefix="tiercache-read") as pool:
+            for f in [pool.submit(one, i) for i in jobs]:
+                f.result()
 
     def read_chunk(self, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]) -> str:
         """Read one chunk into its targets ``(dest view, offset in chunk, length)``.

@@ -371,9 +371,7 @@ class TierCacheStorageReader(StorageReader):
         """Read entries of ``version`` (in parallel, verified, best tier first) as tensors."""
         entries = [version.tensors[i] for i in indices]
         dests = [empty_aligned(e.shape, dtype_from_name(e.dtype)) for e in entries]
-        self.cache.reader.read_version(
-            version.model_copy(update={"tensors": tuple(entries)}), dests, fresh=[True] * len(dests)
-        )
+        self.cache.reader.read_version(version.model_copy(update={"tensors": tuple(entries)}), dests)
         return dests
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:

@@ -111,28 +111,6 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def populate(address: int, nbytes: int) -> bool:
-    """Fault in the whole pages of ``[address, address + nbytes)`` for writing, ahead of use.
-
-    Only pages that lie entirely inside the range are touched, so memory next to it is never
-    affected. ctypes releases the GIL for the call.
-
-    Returns:
-        False if the kernel refuses the advice (before Linux 5.14, or memory it cannot back):
-        the caller's own writes then fault the pages in as usual.
-    """
-    start = _round_up(address)
-    end = (address + nbytes) // ALIGN * ALIGN
-    if end <= start:
-        return True
-    return _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
-
-
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
