@@ -108,7 +108,7 @@ class DiskConfig(_Model):
         capacity: Byte budget, or ``None`` for the free space of the filesystem.
         o_direct: Write and read chunks with O_DIRECT (falls back to buffered I/O where the
             filesystem refuses it).
-        io_threads: Parallel readers/writers on this tier.
+        io_threads: Threads writing chunks to this tier (restores use the top-level ``io_threads``).
     """
 
     path: Path
@@ -200,7 +200,8 @@ class CacheConfig(_Model):
         hash: Content hash that names chunks.
         allow_pickle: Store leaves that are not tensors or plain values with pickle, and
             unpickle them on restore (only for versions written with this opt-in).
-        io_threads: Background threads hashing and writing; also the chunks a restore reads at once.
+        io_threads: Threads writing (and compressing) chunks for each durable tier (the disk tier
+            uses ``disk.io_threads``); also the chunks a restore reads at once.
         background_nice: How much lower than the training thread the engine's background threads
             run (Linux nice increment; 0 keeps them at the same priority).
         gc_grace: Seconds during which ``gc`` leaves a new, unreferenced manifest or chunk alone,
