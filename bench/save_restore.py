@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tiercache
-from bench.baselines import S3Endpoint, drop_page_cache, memcpy, torch_load, torch_save
+from bench.baselines import S3Endpoint, drop_page_cache, memcpy, odirect_write, torch_load, torch_save
 from bench.report import Row, progress
 from bench.state import advance, iter_tensors, state_nbytes
 
@@ -73,9 +73,24 @@ def _evict(cache: Any, version: str, tiers: Sequence[str]) -> None:
             cache.evict(version, tier)
 
 
-def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool) -> tuple[list[Row], str]:
-    """Time ``save()`` and its ``local`` and ``remote`` futures; return the rows and the last version."""
+def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool,
+              raw: Path | None = None) -> tuple[list[Row], str]:
+    """Time ``save()`` and its ``local`` and ``remote`` futures; return the rows and the last version.
+
+    With ``raw`` (a file path on the disk tier's filesystem), every timed save is paired with a raw
+    O_DIRECT write of the same bytes to ``raw``, before the save in odd runs and after it in even
+    ones: this virtual disk's write speed drifts by +-30% within minutes, so the time to local is
+    compared with a raw write that saw the same disk.
+    """
     nbytes = state_nbytes(state)
+    paired = Row("odirect.write_paired", "O_DIRECT write + fsync, paired with the saves", "limit",
+                 nbytes=nbytes)
+
+    def raw_write() -> None:
+        assert raw is not None
+        paired.runs.append(odirect_write(raw, nbytes))
+        raw.unlink()
+
     first = Row("tc.first_save_wait", "tiercache first save(): waits (arena allocation)", "tiercache",
                 nbytes=nbytes)
     wait = Row("tc.save_wait", "tiercache save(): training waits", "tiercache", nbytes=nbytes)
@@ -83,6 +98,8 @@ def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool) -> 
     remote = Row("tc.remote", "tiercache save: until remote (S3)", "tiercache", nbytes=nbytes)
     version = ""
     for i in range(repeat + 1):
+        if raw is not None and i % 2 == 1:  # run 0 (the first save) is not paired
+            raw_write()
         advance(state)
         t0 = time.perf_counter()
         h = cache.save(state, step=state["step"], meta={"bench_run": i})
@@ -101,7 +118,9 @@ def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool) -> 
         wait.runs.append(waited)
         local.runs.append(to_local)
         remote.runs.append(to_remote)
-    return [first, wait, local, *([remote] if with_s3 else [])], version
+        if raw is not None and i > 0 and i % 2 == 0:
+            raw_write()
+    return [first, wait, local, *([remote] if with_s3 else []), *([paired] if raw else [])], version
 
 
 def _prefaulted_like(state: Any) -> Any:
@@ -319,20 +338,21 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
             # would be charged to the next save (a real object store is elsewhere). The S3 run
             # below then measures the time to remote.
             with tiercache.open(cache_config(root, "save-local", capacity, None, policy)) as cache:
-                local_rows, _ = _run_save(cache, state, repeat, False)
+                local_rows, _ = _run_save(cache, state, repeat, False, root / "raw-paired.bin")
             _drop(root / "save-local")
         config = cache_config(root, "save", capacity, s3, policy)
         gc.collect()
         before = psutil.Process().memory_info().rss
         with tiercache.open(config) as cache:
             with _peak_rss() as peak:
-                saved, version = _run_save(cache, state, repeat, s3 is not None)
+                saved, version = _run_save(cache, state, repeat, s3 is not None,
+                                           root / "raw-paired.bin" if s3 is None and "save" in groups else None)
             # The rss group leaves S3 out (see there), so the S3 upload buffers are checked here.
             rss_note = (f"peak RSS during saves{' incl. S3' if s3 else ''}: "
                         f"{(peak[0] - before) / 1e9:.2f} GB over RSS before open "
                         f"(capacity {capacity / 1e9:.2f} GB)")
             if s3 is not None and "save" in groups:
-                saved = [*local_rows[:3], saved[3]]
+                saved = [*local_rows[:3], saved[3], *local_rows[3:]]
                 saved[3].note = rss_note
             else:
                 saved[1].note = rss_note

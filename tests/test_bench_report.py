@@ -1,0 +1,39 @@
+"""The bench's verdicts: which limit a target is measured against, and the ratio it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.report import Row, Verdict, evaluate
+
+
+def _verdict(rows: list[Row], key: str) -> Verdict:
+    return next(v for v in evaluate(rows) if v.target.row == key)
+
+
+def test_time_to_local_uses_the_paired_raw_write_when_measured() -> None:
+    rows = [
+        Row("odirect.write", "raw", "limit", runs=[0.60, 0.61, 0.62]),
+        Row("odirect.write_paired", "raw paired", "limit", runs=[1.00, 0.90, 1.10]),
+        Row("tc.local", "local", "tiercache", runs=[1.05, 1.00, 1.20]),
+    ]
+    v = _verdict(rows, "tc.local")
+    assert v.limit_key == "odirect.write_paired"
+    assert v.limit_ratio == pytest.approx(1.05 / 1.00)
+    assert v.met is True
+
+
+def test_time_to_local_falls_back_to_the_raw_write_group() -> None:
+    rows = [
+        Row("odirect.write", "raw", "limit", runs=[0.80]),
+        Row("tc.local", "local", "tiercache", runs=[1.00]),
+    ]
+    v = _verdict(rows, "tc.local")
+    assert v.limit_key == "odirect.write"
+    assert v.limit_ratio == pytest.approx(1.25)
+    assert v.met is False
+
+
+def test_a_target_without_its_limit_has_no_verdict() -> None:
+    v = _verdict([Row("tc.save_wait", "wait", "tiercache", runs=[0.2])], "tc.save_wait")
+    assert (v.limit_key, v.limit_ratio, v.met) == (None, None, None)
