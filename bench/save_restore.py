@@ -27,6 +27,9 @@ _MIB = 1 << 20
 _RSS_SAVES = 10
 _RSS_INTERVAL_S = 0.002
 _LOOP_STEPS = 10
+#: Saves paired with a raw write for the time to local: the disk drifts, so at least this many
+#: pairs (two seconds each at 2 GB) whatever ``--repeat`` says.
+_LOCAL_PAIRS = 5
 _LOOP_WIDTH = 2048
 _LOOP_BATCH = 64
 
@@ -338,15 +341,17 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
             # would be charged to the next save (a real object store is elsewhere). The S3 run
             # below then measures the time to remote.
             with tiercache.open(cache_config(root, "save-local", capacity, None, policy)) as cache:
-                local_rows, _ = _run_save(cache, state, repeat, False, root / "raw-paired.bin")
+                local_rows, _ = _run_save(cache, state, max(repeat, _LOCAL_PAIRS), False,
+                                          root / "raw-paired.bin")
             _drop(root / "save-local")
         config = cache_config(root, "save", capacity, s3, policy)
         gc.collect()
         before = psutil.Process().memory_info().rss
         with tiercache.open(config) as cache:
             with _peak_rss() as peak:
-                saved, version = _run_save(cache, state, repeat, s3 is not None,
-                                           root / "raw-paired.bin" if s3 is None and "save" in groups else None)
+                paired = s3 is None and "save" in groups
+                saved, version = _run_save(cache, state, max(repeat, _LOCAL_PAIRS) if paired else repeat,
+                                           s3 is not None, root / "raw-paired.bin" if paired else None)
             # The rss group leaves S3 out (see there), so the S3 upload buffers are checked here.
             rss_note = (f"peak RSS during saves{' incl. S3' if s3 else ''}: "
                         f"{(peak[0] - before) / 1e9:.2f} GB over RSS before open "
