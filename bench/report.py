@@ -146,7 +146,7 @@ def evaluate(rows: Sequence[Row]) -> list[Verdict]:
         measured = [b for b in t.best if by_key.get(b) is not None and by_key[b].value]
         best = min(measured, key=lambda b: by_key[b].value or 0.0) if measured else None
         best_ratio = _ratio(by_key, t.row, best) if best else None
-        checks = [_within(limit_ratio, t.limit_max if t.limit else None), _within(best_ratio, t.best_max)]
+        checks = [_within(limit_ratio, t.limit_max), _within(best_ratio, t.best_max)]
         met = None if not t.text or None in checks else all(checks)
         out.append(Verdict(t, limit, limit_ratio, best_ratio, by_key[best].name if best else None, met))
     return out

@@ -82,10 +82,13 @@ def _run_save(cache: Any, state: dict[str, Any], repeat: int, with_s3: bool,
 
     With ``raw`` (a file path on the disk tier's filesystem), every timed save is paired with a raw
     O_DIRECT write of the same bytes to ``raw``, before the save in odd runs and after it in even
-    ones: this virtual disk's write speed drifts by +-30% within minutes, so the time to local is
-    compared with a raw write that saw the same disk.
+    ones, and at least ``_LOCAL_PAIRS`` saves are timed: this virtual disk switches between two
+    write speeds within minutes, so the time to local is compared with raw writes that saw the
+    same disk.
     """
     nbytes = state_nbytes(state)
+    if raw is not None:
+        repeat = max(repeat, _LOCAL_PAIRS)
     paired = Row("odirect.write_paired", "O_DIRECT write + fsync, paired with the saves", "limit",
                  nbytes=nbytes)
 
@@ -341,17 +344,15 @@ def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Seq
             # would be charged to the next save (a real object store is elsewhere). The S3 run
             # below then measures the time to remote.
             with tiercache.open(cache_config(root, "save-local", capacity, None, policy)) as cache:
-                local_rows, _ = _run_save(cache, state, max(repeat, _LOCAL_PAIRS), False,
-                                          root / "raw-paired.bin")
+                local_rows, _ = _run_save(cache, state, repeat, False, root / "raw-paired.bin")
             _drop(root / "save-local")
         config = cache_config(root, "save", capacity, s3, policy)
         gc.collect()
         before = psutil.Process().memory_info().rss
         with tiercache.open(config) as cache:
             with _peak_rss() as peak:
-                paired = s3 is None and "save" in groups
-                saved, version = _run_save(cache, state, max(repeat, _LOCAL_PAIRS) if paired else repeat,
-                                           s3 is not None, root / "raw-paired.bin" if paired else None)
+                raw = root / "raw-paired.bin" if s3 is None and "save" in groups else None
+                saved, version = _run_save(cache, state, repeat, s3 is not None, raw)
             # The rss group leaves S3 out (see there), so the S3 upload buffers are checked here.
             rss_note = (f"peak RSS during saves{' incl. S3' if s3 else ''}: "
                         f"{(peak[0] - before) / 1e9:.2f} GB over RSS before open "
