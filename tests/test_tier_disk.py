@@ -300,3 +300,55 @@ def test_observer_sees_every_piece_in_order(tmp_path: Path, o_direct: bool, shif
     if largest is not None:
         # Reads move in pieces: a whole-file read would hash the tensor from memory afterwards.
         assert len(seen) > 1 and max(map(len, seen)) == largest
+
+
+@pytest.mark.parametrize("tail", [0, 123])
+def test_a_pending_put_is_named_at_commit_and_written_in_any_order(tmp_path: Path, tail: int) -> None:
+    disk = DiskTier(DiskConfig(path=tmp_path / "disk", capacity=1 << 20))
+    data = payload(4096 + 64 * 1024 + tail, seed=7)
+    src = page_aligned(len(data))
+    src[:] = data
+    pending = disk.begin_put(len(data), "chunks")
+    pending.write(4096, src[4096:])  # the payload first, as the engine does before the hash is known
+    assert disk.used_bytes() == 0 and disk._reserved == len(data)
+    assert [p.parent.name for p in disk.root.rglob(".tmp-*")] == ["chunks"]
+    pending.write(0, src[:4096])
+    pending.commit("chunks/ab/abcdef")
+    pending.abort()  # a no-op once committed
+    assert disk.get("chunks/ab/abcdef") == data
+    assert disk.used_bytes() == len(data) and disk._reserved == 0
+    assert list(disk.root.rglob(".tmp-*")) == []
+
+
+def test_an_aborted_pending_put_leaves_nothing_and_gives_its_room_back(tmp_path: Path) -> None:
+    disk = DiskTier(DiskConfig(path=tmp_path / "disk", capacity=10_000))
+    pending = disk.begin_put(6000, "chunks")
+    pending.write(0, payload(6000))
+    with pytest.raises(TierFullError, match=r"disk\.capacity"):
+        disk.begin_put(6000, "chunks")  # the first one's room is reserved
+    pending.abort()
+    assert list(disk.root.rglob(".tmp-*")) == [] and disk._reserved == 0
+    disk.put("chunks/bb/b", payload(6000, seed=2))
+    assert disk.list() == ["chunks/bb/b"]
+
+
+def test_puts_without_dir_sync_leave_every_directory_to_one_sync_dirs(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiercache.tiers.disk as diskmod
+
+    synced: list[str] = []
+    real = diskmod._fsync_dir
+    monkeypatch.setattr(diskmod, "_fsync_dir", lambda p: (synced.append(os.path.relpath(p, disk.root)), real(p)))
+    keys = ["chunks/aa/a1", "chunks/aa/a2", "chunks/bb/b1"]
+    for k in keys[:2]:
+        disk.put(k, payload(5000), sync_dir=False)  # new directories, created without fsyncs
+    pending = disk.begin_put(5000, "chunks", sync_dir=False)
+    pending.write(0, payload(5000))
+    pending.commit(keys[2])
+    assert synced == []
+    disk.sync_dirs(keys)
+    assert synced == ["chunks/aa", "chunks/bb", "chunks", "."]  # deepest first, each once
+    disk.put("versions/v1", b"{}")  # the default syncs at once: the new directory's parent, then itself
+    assert synced[4:] == [".", "versions"]
+    assert disk.list() == [*keys, "versions/v1"]

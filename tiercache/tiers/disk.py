@@ -28,7 +28,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
@@ -181,17 +181,21 @@ class DiskTier(Tier):
 
     # ----------------------------------------------------------------------------- writing
 
-    def _ensure_dir(self, path: str) -> None:
-        """Create ``path`` (0700) and missing parents, fsyncing each new directory's parent."""
+    def _ensure_dir(self, path: str, *, sync: bool = True) -> None:
+        """Create ``path`` (0700) and missing parents, fsyncing each new one's parent if ``sync``.
+
+        With ``sync=False``, :meth:`sync_dirs` does it later.
+        """
         if os.path.isdir(path):
             return
         parent = os.path.dirname(path)
-        self._ensure_dir(parent)
+        self._ensure_dir(parent, sync=sync)
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             return
-        _fsync_dir(parent)
+        if sync:
+            _fsync_dir(parent)
 
     def _open_tmp(self, dirpath: str) -> tuple[int, str, bool]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -209,8 +213,8 @@ class DiskTier(Tier):
         tmp = os.path.join(dirpath, _TMP_PREFIX + secrets.token_hex(8))
         return os.open(tmp, flags, 0o600), tmp, False
 
-    def _write_direct(self, fd: int, src: memoryview, end: int) -> int:
-        """Write ``src[:end]`` (``end`` aligned) with O_DIRECT; return how much was written.
+    def _write_direct(self, fd: int, offset: int, src: memoryview, end: int) -> int:
+        """Write ``src[:end]`` (``end`` aligned) at ``offset`` with O_DIRECT; return how much was written.
 
         Less than ``end`` only if the filesystem refused O_DIRECT; the caller goes on buffered.
         """
@@ -224,7 +228,7 @@ class DiskTier(Tier):
                 copy_bytes(bounce, piece)
                 piece = bounce[: piece.nbytes]
             try:
-                pos += os.pwrite(fd, piece, pos)
+                pos += os.pwrite(fd, piece, offset + pos)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -232,22 +236,28 @@ class DiskTier(Tier):
                 break
         return pos
 
-    def _write_file(self, fd: int, direct: bool, src: memoryview) -> None:
-        pos = self._write_direct(fd, src, src.nbytes // ALIGN * ALIGN) if direct else 0
+    def _write_at(self, fd: int, direct: bool, offset: int, src: memoryview) -> bool:
+        """Write ``src`` at ``offset``; return whether ``fd`` is still in O_DIRECT mode."""
+        pos = self._write_direct(fd, offset, src, src.nbytes // ALIGN * ALIGN) if direct else 0
         if pos < src.nbytes:
             if direct:
                 # The unaligned tail (or everything, if O_DIRECT was refused) goes buffered.
                 _clear_direct(fd)
+                direct = False
             while pos < src.nbytes:
-                pos += os.pwrite(fd, src[pos : pos + PIECE_BYTES], pos)
+                pos += os.pwrite(fd, src[pos : pos + PIECE_BYTES], offset + pos)
+        return direct
 
-    def _reserve(self, path: str, nbytes: int) -> int:
-        """Check the capacity budget before writing; return the bytes reserved against it."""
+    def _reserve(self, nbytes: int, path: str | None = None) -> int:
+        """Check the capacity budget before writing; return the bytes reserved against it.
+
+        ``path`` is the file being replaced, if known: only the growth over its size counts.
+        """
         if self.capacity is None:
             return 0
         with self._lock:
             used = self._scan_locked()
-            delta = max(nbytes - (_regular_size(path) or 0), 0)
+            delta = max(nbytes - ((_regular_size(path) or 0) if path else 0), 0)
             if used + self._reserved + delta > self.capacity:
                 raise TierFullError(
                     f"disk tier {self._root}: writing {nbytes} bytes would exceed its capacity of "
@@ -256,52 +266,37 @@ class DiskTier(Tier):
             self._reserved += delta
             return delta
 
-    def _atomic_write(self, key: str, path: str, src: memoryview) -> None:
-        """Write ``src`` to ``path`` via tmp + fsync + rename + directory fsync."""
-        dirpath = os.path.dirname(path)
-        reserved = 0
-        tmp: str | None = None
-        try:
-            reserved = self._reserve(path, src.nbytes)
-            try:
-                fd, tmp, direct = self._open_tmp(dirpath)
-            except FileNotFoundError:
-                self._ensure_dir(dirpath)
-                fd, tmp, direct = self._open_tmp(dirpath)
-            try:
-                self._write_file(fd, direct, src)
-                failpoint("disk.after_tmp_write")
-                os.fsync(fd)
-                failpoint("disk.after_fsync")
-            finally:
-                os.close(fd)
-            with self._lock:
-                old = _regular_size(path) or 0
-                os.rename(tmp, path)
-                tmp = None
-                if self._used is not None:
-                    self._used += src.nbytes - old
-                # Move the reservation into _used in one step, so a parallel put never counts
-                # these bytes twice.
-                self._reserved -= reserved
-                reserved = 0
-            failpoint("disk.after_rename")
-            _fsync_dir(dirpath)
-            failpoint("disk.after_dir_fsync")
-        except StorageError:
-            raise
-        except OSError as e:
-            raise _storage_error(e, f"cannot write {key}") from e
-        finally:
-            if reserved:
-                with self._lock:
-                    self._reserved -= reserved
-            if tmp is not None:
-                with suppress(FileNotFoundError):
-                    os.unlink(tmp)
+    def begin_put(self, nbytes: int, under: str, *, sync_dir: bool = True) -> PendingPut:
+        """Start writing an object of ``nbytes`` bytes whose key is chosen at commit.
 
-    def put(self, key: str, data: Buffer) -> None:
+        The engine writes a chunk's payload while its hash (its name) is still being computed;
+        the tmp file lives in directory ``under`` (a key prefix such as ``"chunks"``) and is
+        renamed onto its key by :meth:`PendingPut.commit`. ``sync_dir`` is as in :meth:`put`.
+
+        Raises:
+            TierFullError: If the capacity budget would be exceeded, or on ENOSPC.
+            StorageError: On any other I/O error.
+        """
+        return PendingPut(self, self._path(under), nbytes, sync_dir=sync_dir)
+
+    def _atomic_write(self, key: str, path: str, src: memoryview, *, sync_dir: bool = True) -> None:
+        """Write ``src`` to ``path`` via tmp + fsync + rename (+ directory fsync)."""
+        pending = PendingPut(self, os.path.dirname(path), src.nbytes, replacing=path, what=key, sync_dir=sync_dir)
+        try:
+            pending.write(0, src)
+            pending.commit_path(path, key)
+        finally:
+            pending.abort()
+
+    def put(self, key: str, data: Buffer, *, sync_dir: bool = True) -> None:
         """Store ``data`` at ``key`` atomically and durably.
+
+        Args:
+            key: The object's key.
+            data: Its bytes.
+            sync_dir: If ``False``, the fsyncs of the directories that name the object are left
+                to a later :meth:`sync_dirs` (until then a crash may lose the new name, never
+                the old one).
 
         Raises:
             TierFullError: On ENOSPC or if the capacity budget would be exceeded (checked before
@@ -309,7 +304,32 @@ class DiskTier(Tier):
             StorageError: On any other I/O error (the OSError is the ``__cause__``).
         """
         path = self._path(key)
-        self._atomic_write(key, path, memoryview(data).cast("B"))
+        self._atomic_write(key, path, memoryview(data).cast("B"), sync_dir=sync_dir)
+
+    def sync_dirs(self, keys: Iterable[str]) -> None:
+        """Make durable the names of objects put with ``sync_dir=False``.
+
+        Each directory from the root down to them is fsynced once. The engine syncs a version's
+        chunk directories here, after all its chunks and before its manifest. A directory fsync
+        issued while O_DIRECT chunk writes are in flight waits behind them (3-22 ms each on this
+        machine's disk, two per chunk counting new directories) and holds up the writer that
+        issued it; once the writes are done they cost about 0.15 ms each.
+
+        Raises:
+            StorageError: On an I/O error.
+        """
+        dirs: set[str] = set()
+        for key in keys:
+            d = os.path.dirname(self._path(key))
+            while d not in dirs and d.startswith(self._root):
+                dirs.add(d)
+                d = os.path.dirname(d)
+        for dirpath in sorted(dirs, key=lambda d: (-len(d), d)):  # children before their parents
+            try:
+                _fsync_dir(dirpath)
+            except OSError as e:
+                raise _storage_error(e, f"cannot sync directory {dirpath}") from e
+        failpoint("disk.after_dir_fsync")
 
     # ----------------------------------------------------------------------------- reading
 
@@ -590,3 +610,119 @@ class DiskTier(Tier):
         except OSError as e:
             raise _storage_error(e, f"cannot delete ref {key}") from e
 
+
+
+class PendingPut:
+    """One object being written to a tmp file of the disk tier, named when it is committed.
+
+    Made by :meth:`DiskTier.begin_put` (and by every ``put``): :meth:`write` its byte ranges in
+    any order, then :meth:`commit` once. :meth:`abort` removes the tmp file and gives back the
+    capacity reserved for it; it may always be called, and does nothing after a commit.
+
+    Args:
+        tier: The disk tier written to.
+        dirpath: The directory holding the tmp file (on the tier's filesystem).
+        nbytes: The object's size, reserved against the tier's capacity budget.
+        replacing: The path the object will replace, if known (only its growth is reserved).
+        what: What is written, for error messages.
+
+    Raises:
+        TierFullError: If the capacity budget would be exceeded, or on ENOSPC.
+        StorageError: On any other I/O error.
+    """
+
+    def __init__(
+        self, tier: DiskTier, dirpath: str, nbytes: int, *, replacing: str | None = None, what: str = "a chunk",
+        sync_dir: bool = True,
+    ) -> None:
+        self._tier = tier
+        self._what = what
+        self._sync_dir = sync_dir
+        self._tmp: str | None = None
+        self._fd = -1
+        self._reserved = tier._reserve(nbytes, replacing)
+        try:
+            try:
+                self._fd, self._tmp, self._direct = tier._open_tmp(dirpath)
+            except FileNotFoundError:
+                tier._ensure_dir(dirpath, sync=sync_dir)
+                self._fd, self._tmp, self._direct = tier._open_tmp(dirpath)
+        except OSError as e:
+            self._give_back()
+            raise _storage_error(e, f"cannot write {what}") from e
+        except BaseException:
+            self._give_back()
+            raise
+
+    def write(self, offset: int, src: Buffer) -> None:
+        """Write ``src`` at byte ``offset`` (a multiple of 4096 keeps O_DIRECT on).
+
+        Raises:
+            TierFullError: On ENOSPC.
+            StorageError: On any other I/O error.
+        """
+        try:
+            self._direct = self._tier._write_at(self._fd, self._direct, offset, memoryview(src).cast("B"))
+        except OSError as e:
+            raise _storage_error(e, f"cannot write {self._what}") from e
+
+    def commit(self, key: str) -> None:
+        """Make the object durable under ``key``: fsync, rename onto it, fsync its directory.
+
+        The directory fsync is left out for an object begun with ``sync_dir=False``.
+
+        Raises:
+            InvalidNameError: If ``key`` is not a valid key.
+            StorageError: On an I/O error (the tmp file is left for :meth:`abort`).
+        """
+        self.commit_path(self._tier._path(key), key)
+
+    def commit_path(self, path: str, key: str) -> None:
+        """:meth:`commit` onto an already resolved ``path`` (``key`` names it in errors)."""
+        tier = self._tier
+        assert self._tmp is not None, "PendingPut committed twice or after abort"
+        dirpath = os.path.dirname(path)
+        try:
+            failpoint("disk.after_tmp_write")
+            os.fsync(self._fd)
+            failpoint("disk.after_fsync")
+            size = os.fstat(self._fd).st_size
+            os.close(self._fd)
+            self._fd = -1
+            if os.path.dirname(self._tmp) != dirpath:
+                tier._ensure_dir(dirpath, sync=self._sync_dir)
+            with tier._lock:
+                old = _regular_size(path) or 0
+                os.rename(self._tmp, path)
+                self._tmp = None
+                if tier._used is not None:
+                    tier._used += size - old
+                # Move the reservation into _used in one step, so a parallel put never counts
+                # these bytes twice.
+                tier._reserved -= self._reserved
+                self._reserved = 0
+            failpoint("disk.after_rename")
+            if self._sync_dir:
+                _fsync_dir(dirpath)
+                failpoint("disk.after_dir_fsync")
+        except StorageError:
+            raise
+        except OSError as e:
+            raise _storage_error(e, f"cannot write {key}") from e
+
+    def abort(self) -> None:
+        """Remove the tmp file and give back its reservation (a no-op once committed)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tmp is not None:
+            with suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+            self._tmp = None
+        self._give_back()
+
+    def _give_back(self) -> None:
+        if self._reserved:
+            with self._tier._lock:
+                self._tier._reserved -= self._reserved
+            self._reserved = 0
