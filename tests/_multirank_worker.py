@@ -48,10 +48,12 @@ def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
     for tier in cache.engine.tiers.values():
         put = tier.put
 
-        def recording(key: str, data: Any, _put: Callable[..., None] = put, _tier: str = tier.name) -> None:
+        def recording(
+            key: str, data: Any, _put: Callable[..., None] = put, _tier: str = tier.name, **kw: bool
+        ) -> None:
             if key.startswith(CHUNKS):
                 seen.append(f"{_tier}:{key}")
-            _put(key, data)
+            _put(key, data, **kw)
 
         tier.put = recording  # type: ignore[method-assign]
 
@@ -60,10 +62,10 @@ def _fail_chunk_puts(cache: tiercache.TierCache, action: Callable[[], None]) -> 
     for tier in cache.engine.tiers.values():
         put = tier.put
 
-        def failing(key: str, data: Any, _put: Callable[..., None] = put) -> None:
+        def failing(key: str, data: Any, _put: Callable[..., None] = put, **kw: bool) -> None:
             if key.startswith(CHUNKS):
                 action()
-            _put(key, data)
+            _put(key, data, **kw)
 
         tier.put = failing  # type: ignore[method-assign]
 

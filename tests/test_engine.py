@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -66,10 +67,10 @@ class _GatedPut:
         self.calls = 0
         real = DiskTier.put
 
-        def put(tier: DiskTier, key: str, data: object) -> None:
+        def put(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
             self.calls += 1
             self.gate.wait(30)
-            real(tier, key, data)  # type: ignore[arg-type]
+            real(tier, key, data, **kw)  # type: ignore[arg-type]
 
         monkeypatch.setattr(DiskTier, "put", put)
 
@@ -127,7 +128,7 @@ def test_version_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
 
 
 def test_background_failure_surfaces_on_handle_and_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(tier: DiskTier, key: str, data: object) -> None:
+    def broken(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
         raise StorageError(f"injected failure writing {key}")
 
     cache = tiercache.open({"disk": {"path": str(tmp_path)}})
@@ -146,7 +147,7 @@ def test_background_failure_surfaces_on_handle_and_next_save(tmp_path: Path, mon
 
 
 def test_background_failure_surfaces_on_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(tier: DiskTier, key: str, data: object) -> None:
+    def broken(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
         raise StorageError("injected")
 
     monkeypatch.setattr(DiskTier, "put", broken)
@@ -341,3 +342,121 @@ def test_an_arena_closed_while_prefaulting_gives_its_memory_back() -> None:
     assert started.is_set() and not arena.is_allocated
     with pytest.raises(tiercache.CacheClosedError):
         arena.alloc(4096)
+
+
+def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Hold the hashing of each chunk until the disk writer has begun writing it speculatively.
+
+    Without this a small chunk is hashed before the writer gets to it and is written the plain
+    way. Returns the sizes of the speculative writes begun.
+    """
+    from tiercache import codecs
+
+    sizes: list[int] = []
+    begun = threading.Condition()
+    hashed = [0]
+    real_begin, real_id = DiskTier.begin_put, codecs.content_id
+
+    def begin_put(self: DiskTier, nbytes: int, under: str, **kw: bool) -> object:
+        with begun:
+            sizes.append(nbytes)
+            begun.notify_all()
+        return real_begin(self, nbytes, under, **kw)
+
+    def content_id(data: object, algo: str) -> str:
+        with begun:
+            assert begun.wait_for(lambda: len(sizes) > hashed[0], timeout=30), "no speculative write began"
+            hashed[0] += 1
+        return real_id(data, algo)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskTier, "begin_put", begin_put)
+    monkeypatch.setattr(codecs, "content_id", content_id)
+    return sizes
+
+
+def test_speculative_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state(4, 1 << 20)
+    state["twin"] = state["w0"].clone()  # the same bytes twice within one version
+    cfg = {"ram": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB",
+           "policy": {"name": "write-through"}}  # raw chunks (an adaptive policy may compress them)
+    with tiercache.open(cfg) as cache:
+        begun = _hash_after_begun(monkeypatch)
+        v1 = cache.save(state, step=1)
+        v1.wait("local")
+        assert len(begun) == 20  # every chunk, the twin's too, was written before it was hashed
+        files = _chunk_files(tmp_path)
+        assert len(files) == 16  # ... and the twin's four were dropped as w0's
+        arena = cache.engine.arena
+        held = arena.capacity - arena.free_bytes
+        # Identical: every chunk is in RAM already, so the hasher hands each staged copy to the
+        # speculative write still reading it, which frees it.
+        v2 = cache.save(state, step=2)
+        v2.wait("local")
+        cache.flush()
+        assert len(begun) == 40
+        assert arena.capacity - arena.free_bytes == held  # all of v2's staging went back to the arena
+        assert _chunk_files(tmp_path) == files
+        assert list(tmp_path.rglob(".tmp-*")) == []
+        m1, m2 = cache.manifest(v1.version), cache.manifest(v2.version)
+        assert [c.id for c in m2.chunks] == [c.id for c in m1.chunks]
+        got = cache.restore(v2.version)
+    for k, v in state.items():
+        assert torch.equal(got[k], v)
+
+
+def test_only_chunks_that_changed_last_time_are_written_before_their_hash(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    state = {"frozen": torch.randn(3 << 18), "trained": torch.randn(2 << 18)}  # 3 and 2 chunks of 1 MiB
+    with tiercache.open({"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB"}) as cache:
+        engine = cache.engine
+        for step in (1, 2, 3):
+            state["trained"].add_(1)
+            cache.save(state, step=step).wait("local")
+        disk = engine.tiers["disk"]
+        layout = engine._last_hashed[0]
+        job = SimpleNamespace(layout=layout, ready=[None] * 5, committer=None)
+        assert engine._speculation_hint(job, disk, "raw/1") == [False, False, False, True, True]
+        assert engine._speculation_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown
+        other = SimpleNamespace(layout=object(), ready=[None] * 2, committer=None)
+        assert engine._speculation_hint(other, disk, "raw/1") == [True, True]  # no history: all
+        assert len(_chunk_files(tmp_path)) == 3 + 2 * 3
+        got = cache.restore("main")
+    assert torch.equal(got["trained"], state["trained"]) and torch.equal(got["frozen"], state["frozen"])
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_a_version_syncs_each_chunk_directory_once_after_its_chunks_and_before_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculate: bool
+) -> None:
+    import tiercache.tiers.disk as diskmod
+
+    events: list[tuple[str, str]] = []
+    real_sync, real_put = diskmod._fsync_dir, diskmod.PendingPut.commit_path
+
+    def fsync_dir(path: str) -> None:
+        events.append(("sync", os.path.relpath(path, tmp_path)))
+        real_sync(path)
+
+    def commit_path(self: diskmod.PendingPut, path: str, key: str) -> None:
+        real_put(self, path, key)
+        events.append(("put", key))
+
+    monkeypatch.setattr(diskmod, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(diskmod.PendingPut, "commit_path", commit_path)
+    cfg = {"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB", "policy": {"name": "write-through"}}
+    with tiercache.open(cfg) as cache:
+        cache.engine.speculate = speculate
+        v = cache.save(_state(4, 1 << 20), step=1)
+        v.wait("local")
+        chunk_dirs = sorted({f"chunks/{c.id[:2]}" for c in cache.manifest(v.version).chunks})
+    first_manifest = events.index(("put", f"versions/{v.version}.json"))
+    before = events[:first_manifest]
+    puts = [k for op, k in before if op == "put"]
+    assert len(puts) == 16 and all(k.startswith("chunks/") for k in puts)
+    last_chunk = max(i for i, e in enumerate(before) if e[0] == "put")
+    synced = [p for op, p in before[last_chunk + 1 :] if op == "sync"]
+    assert sorted(p for p in synced if p.startswith("chunks/")) == chunk_dirs
+    assert [p for op, p in before[: last_chunk + 1] if op == "sync"] == []  # none while chunks are written

@@ -132,11 +132,11 @@ class _GatedManifestPut:
         self.entered = threading.Event()
         real = DiskTier.put
 
-        def put(tier: DiskTier, key: str, data: object) -> None:
+        def put(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
             if key.startswith("versions/"):
                 self.entered.set()
                 self.gate.wait(30)
-            real(tier, key, data)  # type: ignore[arg-type]
+            real(tier, key, data, **kw)  # type: ignore[arg-type]
 
         monkeypatch.setattr(DiskTier, "put", put)
 

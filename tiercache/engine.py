@@ -55,11 +55,12 @@ from tiercache.format import Flat, flatten
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id
-from tiercache.names import chunk_key, version_key
+from tiercache.names import CHUNKS, chunk_key, version_key
 from tiercache.policy.base import Policy, TierPlan, VersionView
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.staging import CopyPlan, Stager, plan_copy
 from tiercache.tiers.base import Tier
+from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.ram import Arena, RamTier, Region
 
 log = logging.getLogger("tiercache.engine")
@@ -116,6 +117,10 @@ class _Job:
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None
+    #: Per chunk: speculative disk writes still reading its arena region (see Engine._spec_put).
+    region_users: list[int] = field(default_factory=list)
+    #: Per chunk: a duplicate region the hasher left for the last speculative write to free.
+    dup_regions: list[Region | None] = field(default_factory=list)
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
         float_bytes = sum(m.nbytes for m in self.flat.metas if m.dtype in FLOAT_DTYPE_NAMES)
@@ -174,6 +179,11 @@ class Engine(PolicyBridge):
         self._closed = False
         self._arena_cv = threading.Condition()
         self._last_remote: float | None = None
+        #: The last hashed version's layout, chunk ids, and which chunks differed from the one
+        #: before it: where a chunk changed last time, the disk writer speculates it changed again.
+        self._last_hashed: tuple[Layout, list[str], list[bool]] | None = None
+        #: Whether the disk tier writes chunk payloads before their hash is known (off only in A/Bs).
+        self.speculate = True
         self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
         nice = config.background_nice
         self._hasher = ThreadPoolExecutor(
@@ -241,6 +251,8 @@ class Engine(PolicyBridge):
         job.regions = list(regions)
         job.ready = [Future() for _ in regions]
         job.copied = [threading.Event() for _ in regions]
+        job.region_users = [0] * len(regions)
+        job.dup_regions = [None] * len(regions)
         for lvl, tier in (("local", "disk"), ("remote", "s3")):
             if tier not in self.tiers:
                 futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
@@ -411,7 +423,10 @@ class Engine(PolicyBridge):
             key = chunk_key(cid)
             with self._lock:
                 # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
-                self.ram.adopt(key, region, hdr + c.nbytes)
+                # A speculative disk write still reading our copy frees it when it is done.
+                busy = job.region_users[i] > 0
+                if not self.ram.adopt(key, region, hdr + c.nbytes, free_duplicate=not busy) and busy:
+                    job.dup_regions[i] = region
                 job.regions[i] = None
                 self._pins[key] = self._pins.get(key, 0) + 1
                 self._ram_lru.pop(key, None)
@@ -438,6 +453,11 @@ class Engine(PolicyBridge):
         job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
         self.catalog.add(manifest, "ram")
         job.published.set_result(manifest)
+        with self._lock:
+            prev = self._last_hashed
+            changed = ([a != b for a, b in zip(prev[1], ids, strict=True)] if prev and prev[0] is job.layout
+                       else [True] * len(ids))
+            self._last_hashed = (job.layout, ids, changed)
         self._notify_arena()
 
     def _placement(self, job: _Job) -> list[str]:
@@ -484,13 +504,21 @@ class Engine(PolicyBridge):
         mine = job.committer.owned(name) if job.committer is not None else None
         written: set[str] = set()
         futs = []
-        for ready in job.ready:
-            cid = ready.result()  # raises the hashing error, failing this level
-            if cid in have or cid in written or (mine is not None and cid not in mine):
+        hint = self._speculation_hint(job, tier, plan.codec)
+        for i, ready in enumerate(job.ready):
+            region = self._lend_region(job, i) if hint[i] and not ready.done() else None
+            if region is not None:
+                futs.append(self._io[name].submit(self._spec_put, tier, job, i, region, have, written))
                 continue
-            written.add(cid)
+            cid = ready.result()  # raises the hashing error, failing this level
+            with self._lock:
+                if cid in have or cid in written or (mine is not None and cid not in mine):
+                    continue
+                written.add(cid)
             futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
         spans = self._await_puts(name, job, futs)
+        if isinstance(tier, DiskTier):
+            tier.sync_dirs(chunk_key(c) for c in written)  # the chunks' names, before the manifest
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
             # rates would read a shared link as its speed divided by the puts in parallel.
@@ -556,6 +584,72 @@ class Engine(PolicyBridge):
             job.futures["durable"].set_result(job.version_id)
         self._done_with(job, name)
 
+    def _speculation_hint(self, job: _Job, tier: Tier, codec: str) -> list[bool]:
+        """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.
+
+        The disk then starts on the first copied chunk instead of after the whole copy and its
+        hashing. Only raw chunks of a single-process version go to the disk this way, and only
+        those that changed between the last two versions: a chunk that turns out to be stored
+        already was written for nothing.
+        """
+        if not (self.speculate and isinstance(tier, DiskTier) and codec == "raw/1" and job.committer is None):
+            return [False] * len(job.ready)
+        with self._lock:
+            last = self._last_hashed
+        if last is not None and last[0] is job.layout:
+            return last[2]
+        return [True] * len(job.ready)
+
+    def _lend_region(self, job: _Job, i: int) -> Region | None:
+        """Wait until chunk ``i`` is copied; return its region, counted as in use, if not yet hashed."""
+        job.copied[i].wait()
+        with self._lock:
+            region = job.regions[i]  # None once the hasher has adopted it (or the save failed)
+            if region is None or job.copy_error is not None:
+                return None
+            job.region_users[i] += 1
+            return region
+
+    def _spec_put(
+        self, tier: DiskTier, job: _Job, i: int, region: Region, have: Collection[str], written: set[str]
+    ) -> tuple[int, float, float]:
+        """Write chunk ``i``'s payload, then, once it is hashed, its header, and commit it by name.
+
+        Returns the bytes written and a span as long as the disk was busy with them (the wait
+        for the hash left out). A chunk that proves to be stored already is dropped unwritten.
+        """
+        assert self.arena is not None
+        hdr = codecs.HEADER_BYTES
+        n = job.layout.chunks[i].nbytes
+        buf = self.arena.buffer(region)
+        try:
+            t0 = time.perf_counter()
+            pending = tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_dir=False)
+            try:
+                pending.write(hdr, buf[hdr : hdr + n])
+                busy = time.perf_counter() - t0
+                cid = job.ready[i].result()  # the hasher wrote the header into buf[:hdr] before this
+                with self._lock:
+                    if cid in have or cid in written:
+                        return n, t0, t0 + busy
+                    written.add(cid)
+                t2 = time.perf_counter()
+                pending.write(0, buf[:hdr])
+                pending.commit(chunk_key(cid))
+                busy += time.perf_counter() - t2
+            finally:
+                pending.abort()
+            failpoint("engine.after_chunk_write")
+            return hdr + n, t0, t0 + busy
+        finally:
+            with self._lock:
+                job.region_users[i] -= 1
+                dup = job.dup_regions[i] if job.region_users[i] == 0 else None
+                job.dup_regions[i] = None if dup is not None else job.dup_regions[i]
+            if dup is not None:
+                self.arena.free(dup)
+                self._notify_arena()
+
     def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> tuple[int, float, float]:
         """Write one chunk object; return its stored size and the put's start and end times."""
         view = self.ram.view(key)
@@ -565,7 +659,10 @@ class Engine(PolicyBridge):
         if codec != "raw/1":
             data = self._encode(view, codec)
         t0 = time.perf_counter()
-        tier.put(key, data)
+        if isinstance(tier, DiskTier):
+            tier.put(key, data, sync_dir=False)  # _write_version syncs the directories once
+        else:
+            tier.put(key, data)
         t1 = time.perf_counter()
         failpoint("engine.after_chunk_write")
         return len(data), t0, t1

@@ -515,7 +515,7 @@ class RamTier(Tier):
         check_key(key)
         self._install(key, self._make_entry(data, key), None)
 
-    def adopt(self, key: str, region: Region, length: int) -> bool:
+    def adopt(self, key: str, region: Region, length: int, *, free_duplicate: bool = True) -> bool:
         """Register an arena region the caller already filled as the object ``key`` (no copy).
 
         The tier owns the region from now on. If ``key`` is already stored, its existing copy
@@ -525,16 +525,19 @@ class RamTier(Tier):
             key: The object's key.
             region: A live region of this tier's arena.
             length: The object's length (at most ``region.nbytes``).
+            free_duplicate: If ``False``, a duplicate region stays the caller's to free (while
+                something still reads it).
 
         Returns:
-            ``True`` if the region now holds ``key``, ``False`` if it was a duplicate (freed).
+            ``True`` if the region now holds ``key``, ``False`` if it was a duplicate.
         """
         check_key(key)
         if not 0 <= length <= region.nbytes:
             raise ValueError(f"length {length} does not fit in {region}")
         with self._lock:
             if key in self._entries:
-                self.arena.free(region)
+                if free_duplicate:
+                    self.arena.free(region)
                 return False
             self._entries[key] = _Entry(None, region, length, next(self._gens))
             return True
