@@ -460,3 +460,41 @@ def test_a_version_syncs_each_chunk_directory_once_after_its_chunks_and_before_i
     synced = [p for op, p in before[last_chunk + 1 :] if op == "sync"]
     assert sorted(p for p in synced if p.startswith("chunks/")) == chunk_dirs
     assert [p for op, p in before[: last_chunk + 1] if op == "sync"] == []  # none while chunks are written
+
+
+def test_a_failed_chunk_write_fails_the_level_only_after_the_other_writes_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiercache.tiers.disk as diskmod
+
+    started = threading.Semaphore(0)
+    gate = threading.Event()
+    calls = [0]
+    lock = threading.Lock()
+    real = diskmod.PendingPut.write
+
+    def write(self: diskmod.PendingPut, offset: int, src: object) -> None:
+        if memoryview(src).nbytes >= 1 << 20:  # a chunk's payload, not a manifest
+            with lock:
+                calls[0] += 1
+                first = calls[0] == 1
+            started.release()
+            if first:
+                assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both writes are running
+                raise StorageError("injected failure of one chunk")
+            gate.wait(30)
+        real(self, offset, src)
+
+    monkeypatch.setattr(diskmod.PendingPut, "write", write)
+    cfg = {"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB", "policy": {"name": "write-through"}}
+    cache = tiercache.open(cfg)
+    h = cache.save(_state(2, 1 << 18), step=1)
+    # The other chunk is still being written from the arena: the version must not fail (and give
+    # its staging back to the next save) before that write has ended.
+    with pytest.raises(TimeoutError):
+        h.wait("local", timeout=0.5)
+    gate.set()
+    with pytest.raises(StorageError, match="injected failure of one chunk"):
+        h.wait("local")
+    with pytest.raises(StorageError):
+        cache.close()

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -561,6 +562,9 @@ class Engine(PolicyBridge):
         """
         limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
         if limit is None:
+            # Every put ends before the first error is raised: a failed version's regions are
+            # freed next, and a put still reading one would write the next save's bytes.
+            futures_wait(futs)
             return [f.result() for f in futs]
         end = time.monotonic() + limit
         try:
@@ -616,7 +620,8 @@ class Engine(PolicyBridge):
         """Write chunk ``i``'s payload, then, once it is hashed, its header, and commit it by name.
 
         Returns the bytes written and a span as long as the disk was busy with them (the wait
-        for the hash left out). A chunk that proves to be stored already is dropped unwritten.
+        for the hash left out). A chunk that proves to be stored already is dropped: its tmp
+        file is removed.
         """
         assert self.arena is not None
         hdr = codecs.HEADER_BYTES
