@@ -498,3 +498,43 @@ def test_a_failed_chunk_write_fails_the_level_only_after_the_other_writes_end(
         h.wait("local")
     with pytest.raises(StorageError):
         cache.close()
+
+
+def test_chunks_written_before_their_hash_hold_a_bounded_number_of_open_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiercache.engine as engine_mod
+    import tiercache.tiers.disk as diskmod
+
+    monkeypatch.setattr(engine_mod, "_EARLY_AHEAD", 2)
+    begun = _hash_after_begun(monkeypatch)
+    open_now, most = [0], [0]
+    lock = threading.Lock()
+    real_init, real_abort = diskmod.PendingPut.__init__, diskmod.PendingPut.abort
+
+    def init(self: diskmod.PendingPut, *a: object, **kw: object) -> None:
+        real_init(self, *a, **kw)  # type: ignore[arg-type]
+        with lock:
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+
+    def abort(self: diskmod.PendingPut) -> None:  # every PendingPut ends with it, committed or not
+        if not getattr(self, "_counted_out", False):
+            self._counted_out = True
+            with lock:
+                open_now[0] -= 1
+        real_abort(self)
+
+    monkeypatch.setattr(diskmod.PendingPut, "__init__", init)
+    monkeypatch.setattr(diskmod.PendingPut, "abort", abort)
+    cfg = {"disk": {"path": str(tmp_path), "io_threads": 2}, "chunk_bytes": "1MiB",
+           "policy": {"name": "write-through"}}
+    state = _state(4, 1 << 20)  # 16 chunks
+    with tiercache.open(cfg) as cache:
+        cache.save(state, step=1).wait("local")
+        got = cache.restore("main")
+    assert len(begun) == 16
+    assert open_now[0] == 0
+    assert most[0] <= 2 + 2  # _EARLY_AHEAD + io threads (16 open at once without the bound)
+    for k, v in state.items():
+        assert torch.equal(got[k], v)

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -61,12 +61,16 @@ from tiercache.policy.base import Policy, TierPlan, VersionView
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.staging import CopyPlan, Stager, plan_copy
 from tiercache.tiers.base import Tier
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk import DiskTier, PendingPut
 from tiercache.tiers.ram import Arena, RamTier, Region
 
 log = logging.getLogger("tiercache.engine")
 
 _FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+
+#: Most chunks of one version whose payload is written before they are named; each holds an open
+#: tmp file until then, so this bounds the file descriptors a version holds.
+_EARLY_AHEAD = 64
 
 
 
@@ -118,7 +122,7 @@ class _Job:
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None
-    #: Per chunk: speculative disk writes still reading its arena region (see Engine._spec_put).
+    #: Per chunk: early disk writes still reading its arena region (see Engine._finish_early).
     region_users: list[int] = field(default_factory=list)
     #: Per chunk: a duplicate region the hasher left for the last speculative write to free.
     dup_regions: list[Region | None] = field(default_factory=list)
@@ -506,17 +510,36 @@ class Engine(PolicyBridge):
         written: set[str] = set()
         futs = []
         hint = self._speculation_hint(job, tier, plan.codec)
-        for i, ready in enumerate(job.ready):
-            region = self._lend_region(job, i) if hint[i] and not ready.done() else None
-            if region is not None:
-                futs.append(self._io[name].submit(self._spec_put, tier, job, i, region, have, written))
-                continue
-            cid = ready.result()  # raises the hashing error, failing this level
-            with self._lock:
-                if cid in have or cid in written or (mine is not None and cid not in mine):
+        # Chunks whose payload is being written before they are hashed: each is finished (named)
+        # by a task queued after the payload writes, so no writer thread sits waiting for a hash
+        # while there are copied chunks to write.
+        early: deque[tuple[int, Region, Future[tuple[PendingPut, float, float]]]] = deque()
+
+        def finish_oldest() -> None:
+            i, region, payload = early.popleft()
+            futs.append(self._io[name].submit(self._finish_early, job, i, region, payload, have, written))
+
+        try:
+            for i, ready in enumerate(job.ready):
+                region = self._lend_region(job, i) if hint[i] and not ready.done() else None
+                if region is not None:
+                    early.append((i, region, self._io[name].submit(self._write_payload, tier, job, i, region)))
+                    if len(early) > _EARLY_AHEAD:
+                        finish_oldest()
                     continue
-                written.add(cid)
-            futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
+                cid = ready.result()  # raises the hashing error, failing this level
+                with self._lock:
+                    if cid in have or cid in written or (mine is not None and cid not in mine):
+                        continue
+                    written.add(cid)
+                futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
+        except BaseException:
+            while early:
+                finish_oldest()  # gives the lent regions back and removes the tmp files
+            futures_wait(futs)
+            raise
+        while early:
+            finish_oldest()
         spans = self._await_puts(name, job, futs)
         if isinstance(tier, DiskTier):
             tier.sync_dirs(chunk_key(c) for c in written)  # the chunks' names, before the manifest
@@ -614,38 +637,53 @@ class Engine(PolicyBridge):
             job.region_users[i] += 1
             return region
 
-    def _spec_put(
-        self, tier: DiskTier, job: _Job, i: int, region: Region, have: Collection[str], written: set[str]
-    ) -> tuple[int, float, float]:
-        """Write chunk ``i``'s payload, then, once it is hashed, its header, and commit it by name.
+    def _write_payload(
+        self, tier: DiskTier, job: _Job, i: int, region: Region
+    ) -> tuple[PendingPut, float, float]:
+        """Write chunk ``i``'s payload from its lent region to a tmp file, before it is hashed.
 
-        Returns the bytes written and a span as long as the disk was busy with them (the wait
-        for the hash left out). A chunk that proves to be stored already is dropped: its tmp
-        file is removed.
+        Returns the pending object and the write's start and duration.
         """
         assert self.arena is not None
         hdr = codecs.HEADER_BYTES
         n = job.layout.chunks[i].nbytes
-        buf = self.arena.buffer(region)
+        t0 = time.perf_counter()
+        pending = tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_dir=False)
         try:
-            t0 = time.perf_counter()
-            pending = tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_dir=False)
+            pending.write(hdr, self.arena.buffer(region)[hdr : hdr + n])
+        except BaseException:
+            pending.abort()
+            raise
+        return pending, t0, time.perf_counter() - t0
+
+    def _finish_early(
+        self, job: _Job, i: int, region: Region, payload: Future[tuple[PendingPut, float, float]],
+        have: Collection[str], written: set[str],
+    ) -> tuple[int, float, float]:
+        """Name chunk ``i`` once hashed: write its header and commit it, then give its region back.
+
+        Returns the bytes written and a span as long as the disk was busy with them (the waits
+        for the payload and the hash left out). A chunk that proves to be stored already is
+        dropped: its tmp file is removed.
+        """
+        assert self.arena is not None
+        hdr = codecs.HEADER_BYTES
+        try:
+            pending, t0, busy = payload.result()
             try:
-                pending.write(hdr, buf[hdr : hdr + n])
-                busy = time.perf_counter() - t0
-                cid = job.ready[i].result()  # the hasher wrote the header into buf[:hdr] before this
+                cid = job.ready[i].result()  # the hasher wrote the header into the region before this
                 with self._lock:
                     if cid in have or cid in written:
-                        return n, t0, t0 + busy
+                        return job.layout.chunks[i].nbytes, t0, t0 + busy
                     written.add(cid)
-                t2 = time.perf_counter()
-                pending.write(0, buf[:hdr])
+                t1 = time.perf_counter()
+                pending.write(0, self.arena.buffer(region)[:hdr])
                 pending.commit(chunk_key(cid))
-                busy += time.perf_counter() - t2
+                busy += time.perf_counter() - t1
             finally:
                 pending.abort()
             failpoint("engine.after_chunk_write")
-            return hdr + n, t0, t0 + busy
+            return hdr + job.layout.chunks[i].nbytes, t0, t0 + busy
         finally:
             with self._lock:
                 job.region_users[i] -= 1
