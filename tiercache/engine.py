@@ -68,8 +68,8 @@ log = logging.getLogger("tiercache.engine")
 
 _FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
-#: Most chunks of one version whose payload is written before they are named; each holds an open
-#: tmp file until then, so this bounds the file descriptors a version holds.
+#: Most chunks of one version written ahead of being named; each holds an open tmp file until
+#: then, so this bounds the file descriptors a version holds.
 _EARLY_AHEAD = 64
 
 
@@ -193,6 +193,11 @@ class Engine(PolicyBridge):
         nice = config.background_nice
         self._hasher = ThreadPoolExecutor(
             1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
+        )
+        # Names chunks written before their hash (see _finish_early): these tasks wait for hashes,
+        # so they get threads of their own rather than holding up the writers.
+        self._finisher = ThreadPoolExecutor(
+            2, thread_name_prefix="tiercache-name", initializer=lower_thread_priority, initargs=(nice,)
         )
         self._queues: dict[str, queue.Queue[_Job | None]] = {}
         self._writers: dict[str, threading.Thread] = {}
@@ -510,22 +515,18 @@ class Engine(PolicyBridge):
         written: set[str] = set()
         futs = []
         hint = self._speculation_hint(job, tier, plan.codec)
-        # Chunks whose payload is being written before they are hashed: each is finished (named)
-        # by a task queued after the payload writes, so no writer thread sits waiting for a hash
-        # while there are copied chunks to write.
-        early: deque[tuple[int, Region, Future[tuple[PendingPut, float, float]]]] = deque()
-
-        def finish_oldest() -> None:
-            i, region, payload = early.popleft()
-            futs.append(self._io[name].submit(self._finish_early, job, i, region, payload, have, written))
-
+        # Chunks written before they are hashed and not yet named: each holds an open tmp file.
+        early: deque[Future[tuple[int, float, float]]] = deque()
         try:
             for i, ready in enumerate(job.ready):
                 region = self._lend_region(job, i) if hint[i] and not ready.done() else None
                 if region is not None:
-                    early.append((i, region, self._io[name].submit(self._write_payload, tier, job, i, region)))
-                    if len(early) > _EARLY_AHEAD:
-                        finish_oldest()
+                    payload = self._io[name].submit(self._write_payload, tier, job, i, region)
+                    named = self._finisher.submit(self._finish_early, job, i, region, payload, have, written)
+                    futs.append(named)
+                    early.append(named)
+                    while len(early) > _EARLY_AHEAD or (early and early[0].done()):
+                        futures_wait([early.popleft()])
                     continue
                 cid = ready.result()  # raises the hashing error, failing this level
                 with self._lock:
@@ -534,12 +535,8 @@ class Engine(PolicyBridge):
                     written.add(cid)
                 futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
         except BaseException:
-            while early:
-                finish_oldest()  # gives the lent regions back and removes the tmp files
-            futures_wait(futs)
+            futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
             raise
-        while early:
-            finish_oldest()
         spans = self._await_puts(name, job, futs)
         if isinstance(tier, DiskTier):
             tier.sync_dirs(chunk_key(c) for c in written)  # the chunks' names, before the manifest
@@ -662,9 +659,10 @@ class Engine(PolicyBridge):
     ) -> tuple[int, float, float]:
         """Name chunk ``i`` once hashed: write its header and commit it, then give its region back.
 
-        Returns the bytes written and a span as long as the disk was busy with them (the waits
-        for the payload and the hash left out). A chunk that proves to be stored already is
-        dropped: its tmp file is removed.
+        Runs on the finisher threads while the writers go on with later payloads. Returns the
+        bytes written and a span as long as the disk was busy with them (the waits for the
+        payload and the hash left out). A chunk that proves to be stored already is dropped: its
+        tmp file is removed.
         """
         assert self.arena is not None
         hdr = codecs.HEADER_BYTES
@@ -885,6 +883,7 @@ class Engine(PolicyBridge):
             t.join()
         for pool in self._io.values():
             pool.shutdown()
+        self._finisher.shutdown()
         self._hasher.shutdown()
         self._stager.close()
         if self.ram is not None:
