@@ -345,10 +345,10 @@ def test_an_arena_closed_while_prefaulting_gives_its_memory_back() -> None:
 
 
 def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Hold the hashing of each chunk until the disk writer has begun writing it speculatively.
+    """Hold the hashing of each chunk until the disk writer has begun writing it early.
 
     Without this a small chunk is hashed before the writer gets to it and is written the plain
-    way. Returns the sizes of the speculative writes begun.
+    way. Returns the sizes of the early writes begun.
     """
     from tiercache import codecs
 
@@ -365,7 +365,7 @@ def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def content_id(data: object, algo: str) -> str:
         with begun:
-            assert begun.wait_for(lambda: len(sizes) > hashed[0], timeout=30), "no speculative write began"
+            assert begun.wait_for(lambda: len(sizes) > hashed[0], timeout=30), "no early write began"
             hashed[0] += 1
         return real_id(data, algo)  # type: ignore[arg-type]
 
@@ -374,7 +374,7 @@ def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
-def test_speculative_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
+def test_early_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = _state(4, 1 << 20)
@@ -391,7 +391,7 @@ def test_speculative_disk_writes_of_stored_chunks_are_dropped_and_free_their_sta
         arena = cache.engine.arena
         held = arena.capacity - arena.free_bytes
         # Identical: every chunk is in RAM already, so the hasher hands each staged copy to the
-        # speculative write still reading it, which frees it.
+        # early write still reading it, which frees it.
         v2 = cache.save(state, step=2)
         v2.wait("local")
         cache.flush()
@@ -418,18 +418,18 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(tmp_pa
         disk = engine.tiers["disk"]
         layout = engine._last_hashed[0]
         job = SimpleNamespace(layout=layout, ready=[None] * 5, committer=None)
-        assert engine._speculation_hint(job, disk, "raw/1") == [False, False, False, True, True]
-        assert engine._speculation_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown
+        assert engine._early_hint(job, disk, "raw/1") == [False, False, False, True, True]
+        assert engine._early_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown
         other = SimpleNamespace(layout=object(), ready=[None] * 2, committer=None)
-        assert engine._speculation_hint(other, disk, "raw/1") == [True, True]  # no history: all
+        assert engine._early_hint(other, disk, "raw/1") == [True, True]  # no history: all
         assert len(_chunk_files(tmp_path)) == 3 + 2 * 3
         got = cache.restore("main")
     assert torch.equal(got["trained"], state["trained"]) and torch.equal(got["frozen"], state["frozen"])
 
 
-@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize("early", [True, False])
 def test_a_version_syncs_each_chunk_directory_once_after_its_chunks_and_before_its_manifest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculate: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: bool
 ) -> None:
     import tiercache.tiers.disk as diskmod
 
@@ -446,11 +446,13 @@ def test_a_version_syncs_each_chunk_directory_once_after_its_chunks_and_before_i
 
     monkeypatch.setattr(diskmod, "_fsync_dir", fsync_dir)
     monkeypatch.setattr(diskmod.PendingPut, "commit_path", commit_path)
+    begun = _hash_after_begun(monkeypatch) if early else []  # every chunk goes the early way
     cfg = {"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB", "policy": {"name": "write-through"}}
     with tiercache.open(cfg) as cache:
-        cache.engine.speculate = speculate
+        cache.engine.early_writes = early
         v = cache.save(_state(4, 1 << 20), step=1)
         v.wait("local")
+        assert len(begun) == (16 if early else 0)
         chunk_dirs = sorted({f"chunks/{c.id[:2]}" for c in cache.manifest(v.version).chunks})
     first_manifest = events.index(("put", f"versions/{v.version}.json"))
     before = events[:first_manifest]

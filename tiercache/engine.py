@@ -124,7 +124,7 @@ class _Job:
     committer: Committer | None = None
     #: Per chunk: early disk writes still reading its arena region (see Engine._finish_early).
     region_users: list[int] = field(default_factory=list)
-    #: Per chunk: a duplicate region the hasher left for the last speculative write to free.
+    #: Per chunk: a duplicate region the hasher left for the last early write to free.
     dup_regions: list[Region | None] = field(default_factory=list)
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
@@ -185,10 +185,10 @@ class Engine(PolicyBridge):
         self._arena_cv = threading.Condition()
         self._last_remote: float | None = None
         #: The last hashed version's layout, chunk ids, and which chunks differed from the one
-        #: before it: where a chunk changed last time, the disk writer speculates it changed again.
+        #: before it: where a chunk changed last time, the disk writer writes it early again.
         self._last_hashed: tuple[Layout, list[str], list[bool]] | None = None
         #: Whether the disk tier writes chunk payloads before their hash is known (off only in A/Bs).
-        self.speculate = True
+        self.early_writes = True
         self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
         nice = config.background_nice
         self._hasher = ThreadPoolExecutor(
@@ -433,7 +433,7 @@ class Engine(PolicyBridge):
             key = chunk_key(cid)
             with self._lock:
                 # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
-                # A speculative disk write still reading our copy frees it when it is done.
+                # An early disk write still reading our copy frees it when it is done.
                 busy = job.region_users[i] > 0
                 if not self.ram.adopt(key, region, hdr + c.nbytes, free_duplicate=not busy) and busy:
                     job.dup_regions[i] = region
@@ -514,7 +514,7 @@ class Engine(PolicyBridge):
         mine = job.committer.owned(name) if job.committer is not None else None
         written: set[str] = set()
         futs = []
-        hint = self._speculation_hint(job, tier, plan.codec)
+        hint = self._early_hint(job, tier, plan.codec)
         # Chunks written before they are hashed and not yet named: each holds an open tmp file.
         early: deque[Future[tuple[int, float, float]]] = deque()
         try:
@@ -529,10 +529,8 @@ class Engine(PolicyBridge):
                         futures_wait([early.popleft()])
                     continue
                 cid = ready.result()  # raises the hashing error, failing this level
-                with self._lock:
-                    if cid in have or cid in written or (mine is not None and cid not in mine):
-                        continue
-                    written.add(cid)
+                if (mine is not None and cid not in mine) or not self._claim(cid, have, written):
+                    continue
                 futs.append(self._io[name].submit(self._put_chunk, name, tier, chunk_key(cid), plan.codec))
         except BaseException:
             futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
@@ -608,7 +606,7 @@ class Engine(PolicyBridge):
             job.futures["durable"].set_result(job.version_id)
         self._done_with(job, name)
 
-    def _speculation_hint(self, job: _Job, tier: Tier, codec: str) -> list[bool]:
+    def _early_hint(self, job: _Job, tier: Tier, codec: str) -> list[bool]:
         """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.
 
         The disk then starts on the first copied chunk instead of after the whole copy and its
@@ -616,13 +614,24 @@ class Engine(PolicyBridge):
         those that changed between the last two versions: a chunk that turns out to be stored
         already was written for nothing.
         """
-        if not (self.speculate and isinstance(tier, DiskTier) and codec == "raw/1" and job.committer is None):
+        if not (self.early_writes and isinstance(tier, DiskTier) and codec == "raw/1" and job.committer is None):
             return [False] * len(job.ready)
         with self._lock:
             last = self._last_hashed
         if last is not None and last[0] is job.layout:
             return last[2]
         return [True] * len(job.ready)
+
+    def _claim(self, cid: str, have: Collection[str], written: set[str]) -> bool:
+        """Claim chunk ``cid`` for this version's writes unless it is stored or claimed already.
+
+        The version's chunk writes run in parallel, so the check and the claim are one step.
+        """
+        with self._lock:
+            if cid in have or cid in written:
+                return False
+            written.add(cid)
+            return True
 
     def _lend_region(self, job: _Job, i: int) -> Region | None:
         """Wait until chunk ``i`` is copied; return its region, counted as in use, if not yet hashed."""
@@ -670,10 +679,8 @@ class Engine(PolicyBridge):
             pending, t0, busy = payload.result()
             try:
                 cid = job.ready[i].result()  # the hasher wrote the header into the region before this
-                with self._lock:
-                    if cid in have or cid in written:
-                        return job.layout.chunks[i].nbytes, t0, t0 + busy
-                    written.add(cid)
+                if not self._claim(cid, have, written):
+                    return job.layout.chunks[i].nbytes, t0, t0 + busy
                 t1 = time.perf_counter()
                 pending.write(0, self.arena.buffer(region)[:hdr])
                 pending.commit(chunk_key(cid))
