@@ -49,3 +49,49 @@ def test_uploads_past_the_deadline_fail_remote_only(
         assert torch.equal(s3_only.restore("main")["w"], state["w"] + 1)
     finally:
         s3_only.close()
+
+
+def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
+    tmp_path: Path, s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version's arena regions stay until its running uploads end, though the level failed.
+
+    Freed at the deadline, a region could take the next save's bytes while an upload still read
+    it: the store would hold them under this chunk's name, and a later save of the same bytes
+    would find the chunk stored and keep only a reference to the wrong bytes.
+    """
+    release = threading.Event()
+    real = S3Tier.put
+
+    def stalled(tier: S3Tier, key: str, data: object) -> None:
+        if key.startswith("chunks/") and not release.is_set():
+            release.wait(30)  # still sending when the deadline passes
+        real(tier, key, data)  # type: ignore[arg-type]
+
+    s3 = s3_config.model_dump() | {"deadline_s": 0.5}
+    cfg = {"ram": {"capacity": "4MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}, "s3": s3,
+           "policy": {"name": "write-through"}}
+    first = {"w": torch.arange(300_000, dtype=torch.float32)}
+    monkeypatch.setattr(S3Tier, "put", stalled)
+    cache = tiercache.open(cfg)
+    try:
+        h1 = cache.save(first, step=1)
+        with pytest.raises(DeadlineExceededError):
+            h1.wait("remote", timeout=20)
+        with pytest.raises(DeadlineExceededError):
+            cache.save(first, step=2)  # the background error, reported once
+        h3 = cache.save({"w": torch.full((300_000,), 7.0)}, step=3)
+        assert h3.wait("local", timeout=20) == h3.version  # staged while step 1's upload still runs
+        release.set()
+        assert h3.wait("remote", timeout=60) == h3.version
+    finally:
+        release.set()
+        cache.close()
+    monkeypatch.undo()
+    fresh = tiercache.open({"ram": {"serve_reads": False}, "s3": s3, "policy": {"name": "write-through"}})
+    try:
+        h = fresh.save(first, step=4)  # finds step 1's chunk on the store: a reference only
+        assert h.wait("remote", timeout=60) == h.version
+        assert torch.equal(fresh.restore(h.version)["w"], first["w"])
+    finally:
+        fresh.close()

@@ -536,6 +536,8 @@ class Engine(PolicyBridge):
             futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
             raise
         spans = self._await_puts(name, job, futs)
+        if spans is None:
+            return  # failed at the deadline, and settled
         if isinstance(tier, DiskTier):
             tier.sync_dirs(chunk_key(c) for c in written)  # the chunks' names, before the manifest
         if spans:
@@ -567,16 +569,17 @@ class Engine(PolicyBridge):
 
     def _await_puts(
         self, name: str, job: _Job, futs: list[Future[tuple[int, float, float]]]
-    ) -> list[tuple[int, float, float]]:
+    ) -> list[tuple[int, float, float]] | None:
         """Wait for a version's chunk puts on ``name``, within the tier's per-version deadline.
 
         Retries of throttled or failed requests happen inside each put; the deadline bounds them
-        all together, so a store that keeps answering 503 fails the version cleanly instead of
-        holding its RAM forever.
+        all together, so a store that keeps answering 503 fails the version's level (and is
+        reported on the next ``save()``) at the deadline instead of after every retry.
 
-        Raises:
-            DeadlineExceededError: If the puts are not all done in time (those not yet started
-                are cancelled; running ones finish harmlessly, as puts are idempotent).
+        Returns:
+            Each put's stored size and start and end times; ``None`` if the deadline passed: the
+            level has failed then, puts not yet started are cancelled, and this returns once the
+            running ones end, as they read the version's arena regions, which are freed next.
         """
         limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
         if limit is None:
@@ -590,10 +593,17 @@ class Engine(PolicyBridge):
         except FuturesTimeout:
             for f in futs:
                 f.cancel()
-            raise DeadlineExceededError(
+            err = DeadlineExceededError(
                 f"writing version {job.version_id} to {name} took longer than its deadline of {limit:g}s "
                 "(s3.deadline_s): the store is throttling or failing; the next save retries"
-            ) from None
+            )
+            lvl = TIER_LEVEL.get(name)
+            self._fail_job(job, err, [lvl] if lvl else [])
+            # A region freed under a running upload could take the next save's bytes, which the
+            # store would then hold under this chunk's name.
+            futures_wait(futs)
+            self._done_with(job, name)
+            return None
 
     def _tier_done(self, name: str, job: _Job) -> None:
         """Complete ``job``'s level for tier ``name`` once its manifest and ref are committed there."""
