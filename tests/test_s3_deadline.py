@@ -20,10 +20,10 @@ def test_uploads_past_the_deadline_fail_remote_only(
     release = threading.Event()
     real = S3Tier.put
 
-    def stalled(tier: S3Tier, key: str, data: object) -> None:
+    def stalled(tier: S3Tier, key: str, data: object, **kw: bool) -> None:
         if key.startswith("chunks/"):
             release.wait(30)  # a store that keeps answering SlowDown, as seen from the engine
-        real(tier, key, data)  # type: ignore[arg-type]
+        real(tier, key, data, **kw)  # type: ignore[arg-type]
 
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
     cfg = {"disk": {"path": str(tmp_path)}, "s3": s3, "policy": {"name": "write-through"}}
@@ -63,10 +63,10 @@ def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
     release = threading.Event()
     real = S3Tier.put
 
-    def stalled(tier: S3Tier, key: str, data: object) -> None:
+    def stalled(tier: S3Tier, key: str, data: object, **kw: bool) -> None:
         if key.startswith("chunks/") and not release.is_set():
             release.wait(30)  # still sending when the deadline passes
-        real(tier, key, data)  # type: ignore[arg-type]
+        real(tier, key, data, **kw)  # type: ignore[arg-type]
 
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
     cfg = {"ram": {"capacity": "4MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}, "s3": s3,

@@ -332,7 +332,7 @@ def test_an_aborted_pending_put_leaves_nothing_and_gives_its_room_back(tmp_path:
     assert disk.list() == ["chunks/bb/b"]
 
 
-def test_puts_without_dir_sync_leave_every_directory_to_one_sync_dirs(
+def test_puts_without_dir_sync_leave_every_directory_to_one_sync_names(
     disk: DiskTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import tiercache.tiers.disk as diskmod
@@ -342,12 +342,12 @@ def test_puts_without_dir_sync_leave_every_directory_to_one_sync_dirs(
     monkeypatch.setattr(diskmod, "_fsync_dir", lambda p: (synced.append(os.path.relpath(p, disk.root)), real(p)))
     keys = ["chunks/aa/a1", "chunks/aa/a2", "chunks/bb/b1"]
     for k in keys[:2]:
-        disk.put(k, payload(5000), sync_dir=False)  # new directories, created without fsyncs
-    pending = disk.begin_put(5000, "chunks", sync_dir=False)
+        disk.put(k, payload(5000), sync_name=False)  # new directories, created without fsyncs
+    pending = disk.begin_put(5000, "chunks", sync_name=False)
     pending.write(0, payload(5000))
     pending.commit(keys[2])
     assert synced == []
-    disk.sync_dirs(keys)
+    disk.sync_names(keys)
     assert synced == ["chunks/aa", "chunks/bb", "chunks", "."]  # deepest first, each once
     disk.put("versions/v1", b"{}")  # the default syncs at once: the new directory's parent, then itself
     assert synced[4:] == [".", "versions"]

@@ -89,6 +89,14 @@ class TierConformance:
         assert tier.read_into(KEY, out) == size
         assert bytes(out) == data
 
+    def test_put_with_name_sync_deferred(self, tier: Tier) -> None:
+        keys = [f"chunks/{i:02x}/{i:02x}ee" for i in range(3)]
+        for i, key in enumerate(keys):
+            tier.put(key, payload(5000 + i, seed=i), sync_name=False)
+        tier.sync_names(keys)
+        assert [tier.get(k) for k in keys] == [payload(5000 + i, seed=i) for i in range(3)]
+        assert tier.list("chunks/") == keys
+
     def test_overwrite(self, tier: Tier) -> None:
         big, small = payload(MIB + 5, seed=1), payload(100, seed=2)
         tier.put(KEY, big)

@@ -538,8 +538,7 @@ class Engine(PolicyBridge):
         spans = self._await_puts(name, job, futs)
         if spans is None:
             return  # failed at the deadline, and settled
-        if isinstance(tier, DiskTier):
-            tier.sync_dirs(chunk_key(c) for c in written)  # the chunks' names, before the manifest
+        tier.sync_names(chunk_key(c) for c in written)  # the chunks' names, before the manifest
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
             # rates would read a shared link as its speed divided by the puts in parallel.
@@ -664,7 +663,7 @@ class Engine(PolicyBridge):
         hdr = codecs.HEADER_BYTES
         n = job.layout.chunks[i].nbytes
         t0 = time.perf_counter()
-        pending = tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_dir=False)
+        pending = tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_name=False)
         try:
             pending.write(hdr, self.arena.buffer(region)[hdr : hdr + n])
         except BaseException:
@@ -717,10 +716,7 @@ class Engine(PolicyBridge):
         if codec != "raw/1":
             data = self._encode(view, codec)
         t0 = time.perf_counter()
-        if isinstance(tier, DiskTier):
-            tier.put(key, data, sync_dir=False)  # _write_version syncs the directories once
-        else:
-            tier.put(key, data)
+        tier.put(key, data, sync_name=False)  # _write_version syncs the names once per version
         t1 = time.perf_counter()
         failpoint("engine.after_chunk_write")
         return len(data), t0, t1

@@ -13,7 +13,8 @@ of a version, then ``put`` its manifest, then ``write_ref``. GC runs the other w
 Semantics every implementation must honour (checked by ``tests/tier_conformance.py``):
 
 * ``put`` is atomic: a reader sees the whole new object or nothing (never a torn object), and on a
-  durable tier the object is durable when ``put`` returns. Re-putting a key overwrites it; for
+  durable tier the object is durable when ``put`` returns (its name too, unless put with
+  ``sync_name=False``: then once ``sync_names`` returns). Re-putting a key overwrites it; for
   content-addressed chunks that is idempotent.
 * ``get``/``read_into``/``size`` return ``None`` on a missing key; they never raise for a miss.
 * ``delete`` of a missing key is a no-op.
@@ -33,7 +34,7 @@ Semantics every implementation must honour (checked by ``tests/tier_conformance.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 #: Anything exposing the buffer protocol that ``put`` accepts.
@@ -87,12 +88,27 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def put(self, key: str, data: Buffer) -> None:
+    def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Store ``data`` at ``key`` atomically (and durably, on a durable tier).
+
+        Args:
+            key: The object's key.
+            data: Its bytes.
+            sync_name: If ``False``, the tier may leave making the new name durable to a later
+                :meth:`sync_names` (a tier whose names are durable as the put returns ignores it).
 
         Raises:
             TierFullError: If the tier has no room; nothing partial is left behind.
         """
+
+    def sync_names(self, keys: Iterable[str]) -> None:
+        """Make durable the names of objects put with ``sync_name=False``.
+
+        The engine calls it once per version, after the chunks and before the manifest, so a
+        directory-based tier syncs each directory once instead of once per chunk. Tiers whose
+        puts name objects durably do nothing.
+        """
+        del keys  # nothing to do: this tier's names are durable when put returns
 
     @abstractmethod
     def size(self, key: str) -> int | None:

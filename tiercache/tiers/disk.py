@@ -184,7 +184,7 @@ class DiskTier(Tier):
     def _ensure_dir(self, path: str, *, sync: bool = True) -> None:
         """Create ``path`` (0700) and missing parents, fsyncing each new one's parent if ``sync``.
 
-        With ``sync=False``, :meth:`sync_dirs` does it later.
+        With ``sync=False``, :meth:`sync_names` does it later.
         """
         if os.path.isdir(path):
             return
@@ -266,18 +266,18 @@ class DiskTier(Tier):
             self._reserved += delta
             return delta
 
-    def begin_put(self, nbytes: int, under: str, *, sync_dir: bool = True) -> PendingPut:
+    def begin_put(self, nbytes: int, under: str, *, sync_name: bool = True) -> PendingPut:
         """Start writing an object of ``nbytes`` bytes whose key is chosen at commit.
 
         The engine writes a chunk's payload while its hash (its name) is still being computed;
         the tmp file lives in directory ``under`` (a key prefix such as ``"chunks"``) and is
-        renamed onto its key by :meth:`PendingPut.commit`. ``sync_dir`` is as in :meth:`put`.
+        renamed onto its key by :meth:`PendingPut.commit`. ``sync_name`` is as in :meth:`put`.
 
         Raises:
             TierFullError: If the capacity budget would be exceeded, or on ENOSPC.
             StorageError: On any other I/O error.
         """
-        return PendingPut(self, self._path(under), nbytes, sync_dir=sync_dir)
+        return PendingPut(self, self._path(under), nbytes, sync_dir=sync_name)
 
     def _atomic_write(self, key: str, path: str, src: memoryview, *, sync_dir: bool = True) -> None:
         """Write ``src`` to ``path`` via tmp + fsync + rename (+ directory fsync)."""
@@ -288,14 +288,14 @@ class DiskTier(Tier):
         finally:
             pending.abort()
 
-    def put(self, key: str, data: Buffer, *, sync_dir: bool = True) -> None:
+    def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Store ``data`` at ``key`` atomically and durably.
 
         Args:
             key: The object's key.
             data: Its bytes.
-            sync_dir: If ``False``, the fsyncs of the directories that name the object are left
-                to a later :meth:`sync_dirs` (until then a crash may lose the new name, never
+            sync_name: If ``False``, the fsyncs of the directories that name the object are left
+                to a later :meth:`sync_names` (until then a crash may lose the new name, never
                 the old one).
 
         Raises:
@@ -304,10 +304,10 @@ class DiskTier(Tier):
             StorageError: On any other I/O error (the OSError is the ``__cause__``).
         """
         path = self._path(key)
-        self._atomic_write(key, path, memoryview(data).cast("B"), sync_dir=sync_dir)
+        self._atomic_write(key, path, memoryview(data).cast("B"), sync_dir=sync_name)
 
-    def sync_dirs(self, keys: Iterable[str]) -> None:
-        """Make durable the names of objects put with ``sync_dir=False``.
+    def sync_names(self, keys: Iterable[str]) -> None:
+        """Make durable the names of objects put with ``sync_name=False``.
 
         Each directory from the root down to them is fsynced once. The engine syncs a version's
         chunk directories here, after all its chunks and before its manifest. A directory fsync
@@ -669,7 +669,7 @@ class PendingPut:
     def commit(self, key: str) -> None:
         """Make the object durable under ``key``: fsync, rename onto it, fsync its directory.
 
-        The directory fsync is left out for an object begun with ``sync_dir=False``.
+        The directory fsync is left out for an object begun with ``sync_name=False``.
 
         Raises:
             InvalidNameError: If ``key`` is not a valid key.

@@ -506,8 +506,10 @@ class RamTier(Tier):
             entry = self._entries.get(key)
             return None if entry is None else self._bytes_of(entry).toreadonly()
 
-    def put(self, key: str, data: Buffer) -> None:
+    def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Copy ``data`` into the tier (an arena region for 4096 bytes and more).
+
+        ``sync_name`` is ignored: nothing here outlives the process.
 
         Raises:
             TierFullError: If the arena has no contiguous room for it.

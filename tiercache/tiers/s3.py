@@ -419,8 +419,11 @@ class S3Tier(Tier):
             if resp is not None:
                 resp["Body"].close()
 
-    def put(self, key: str, data: Buffer) -> None:
-        """Store ``data``: one PutObject, or a parallel multipart upload above the part size."""
+    def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
+        """Store ``data``: one PutObject, or a parallel multipart upload above the part size.
+
+        ``sync_name`` is ignored: an object is durable under its key once the store answers.
+        """
         full = self._full(key)
         view = byte_view(data)
         if len(view) <= self._part_size:
