@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -344,11 +345,13 @@ def test_an_arena_closed_while_prefaulting_gives_its_memory_back() -> None:
         arena.alloc(4096)
 
 
-def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _hash_after_begun(monkeypatch: pytest.MonkeyPatch, early: list[bool] | None = None) -> list[int]:
     """Hold the hashing of each chunk until the disk writer has begun writing it early.
 
     Without this a small chunk is hashed before the writer gets to it and is written the plain
-    way. Returns the sizes of the early writes begun.
+    way. ``early`` says which chunks (in order) are to be written early, if not all; the others
+    are hashed once the early writes before them began. Returns the sizes of the early writes
+    begun.
     """
     from tiercache import codecs
 
@@ -365,7 +368,8 @@ def _hash_after_begun(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def content_id(data: object, algo: str) -> str:
         with begun:
-            assert begun.wait_for(lambda: len(sizes) > hashed[0], timeout=30), "no early write began"
+            need = hashed[0] + 1 if early is None else sum(early[: hashed[0] + 1])
+            assert begun.wait_for(lambda: len(sizes) >= need, timeout=30), "no early write began"
             hashed[0] += 1
         return real_id(data, algo)  # type: ignore[arg-type]
 
@@ -406,7 +410,9 @@ def test_early_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
         assert torch.equal(got[k], v)
 
 
-def test_only_chunks_that_changed_last_time_are_written_before_their_hash(tmp_path: Path) -> None:
+def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from types import SimpleNamespace
 
     state = {"frozen": torch.randn(3 << 18), "trained": torch.randn(2 << 18)}  # 3 and 2 chunks of 1 MiB
@@ -423,6 +429,40 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(tmp_pa
         other = SimpleNamespace(layout=object(), ready=[None] * 2, committer=None)
         assert engine._early_hint(other, disk, "raw/1") == [True, True]  # no history: all
         assert len(_chunk_files(tmp_path)) == 3 + 2 * 3
+        # The writer follows the hint: the trained chunks go early (their hashing waits for
+        # that), the frozen ones are hashed first, found stored, and never written.
+        begun = _hash_after_begun(monkeypatch, early=[False, False, False, True, True])
+        from tiercache import codecs
+
+        lent: list[int] = []
+        hinted = threading.Event()
+        real_lend, real_hint, gated_id = type(engine)._lend_region, type(engine)._early_hint, codecs.content_id
+
+        def lend(self: object, job: object, i: int) -> object:
+            lent.append(i)
+            return real_lend(self, job, i)  # type: ignore[arg-type]
+
+        def hint(self: object, *args: object) -> list[bool]:
+            out = real_hint(self, *args)  # type: ignore[arg-type]
+            hinted.set()
+            return out
+
+        def content_id(data: object, algo: str) -> str:
+            if not hinted.is_set():
+                # A writer that lent every unhashed chunk would have lent the frozen ones by now.
+                assert hinted.wait(30)
+                time.sleep(0.2)
+            return gated_id(data, algo)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(engine), "_lend_region", lend)
+        monkeypatch.setattr(type(engine), "_early_hint", hint)
+        monkeypatch.setattr(codecs, "content_id", content_id)
+        state["trained"].add_(1)
+        cache.save(state, step=4).wait("local")
+        assert lent == [3, 4]
+        assert begun == [4096 + (1 << 20)] * 2
+        assert len(_chunk_files(tmp_path)) == 3 + 2 * 4
+        assert list(tmp_path.rglob(".tmp-*")) == []
         got = cache.restore("main")
     assert torch.equal(got["trained"], state["trained"]) and torch.equal(got["frozen"], state["frozen"])
 
