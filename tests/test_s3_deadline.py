@@ -54,11 +54,11 @@ def test_uploads_past_the_deadline_fail_remote_only(
 def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
     tmp_path: Path, s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The version's arena regions stay until its running uploads end, though the level failed.
+    """A chunk whose upload still runs when the deadline fails the version keeps its bytes.
 
-    Freed at the deadline, a region could take the next save's bytes while an upload still read
-    it: the store would hold them under this chunk's name, and a later save of the same bytes
-    would find the chunk stored and keep only a reference to the wrong bytes.
+    Freed with the version, its region could take the next save's bytes while the upload still
+    read it: the store would hold them under this chunk's name, and a later save of the same
+    bytes would find the chunk stored and keep only a reference to the wrong bytes.
     """
     release = threading.Event()
     real = S3Tier.put

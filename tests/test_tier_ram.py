@@ -180,13 +180,27 @@ def test_large_objects_live_in_the_arena_small_ones_do_not(ram: RamTier) -> None
     assert ram.arena.used_bytes == 0
     ram.put(KEY, payload(5000))
     assert ram.arena.used_bytes == 8192
-    view = ram.view(KEY)
-    assert view is not None and view.readonly
-    assert buffer_address(view) % 4096 == 0
-    assert bytes(view) == payload(5000)
+    with ram.borrow(KEY) as view:
+        assert view is not None and view.readonly
+        assert buffer_address(view) % 4096 == 0
+        assert bytes(view) == payload(5000)
     ram.delete(KEY)
     assert ram.arena.used_bytes == 0
-    assert ram.view(KEY) is None
+    with ram.borrow(KEY) as view:
+        assert view is None
+
+
+def test_a_borrowed_object_keeps_its_bytes_until_returned(ram: RamTier) -> None:
+    ram.put(KEY, payload(300 * 1024, seed=1))
+    with ram.borrow(KEY) as view:
+        assert view is not None
+        ram.delete(KEY)  # the version is released while another tier's write still reads it
+        assert ram.get(KEY) is None and ram.arena.used_bytes == 300 * 1024
+        assert ram.arena.alloc(800 * 1024) is None  # its region is not handed out again ...
+        ram.put(KEY, payload(300 * 1024, seed=2))  # ... nor overwritten by the next save's bytes
+        assert bytes(view) == payload(300 * 1024, seed=1)
+    assert ram.arena.used_bytes == 300 * 1024  # returned: only the new object's region is left
+    assert ram.get(KEY) == payload(300 * 1024, seed=2)
 
 
 def test_put_raises_tier_full_when_the_arena_is_full(ram: RamTier) -> None:
@@ -202,8 +216,8 @@ def test_adopt_is_zero_copy_and_dedups(ram: RamTier) -> None:
     assert first is not None
     ram.arena.buffer(first)[:10_000] = payload(10_000, seed=1)
     assert ram.adopt(KEY, first, 10_000) is True
-    view = ram.view(KEY)
-    assert view is not None and buffer_address(view) == buffer_address(ram.arena.buffer(first))
+    with ram.borrow(KEY) as view:
+        assert view is not None and buffer_address(view) == buffer_address(ram.arena.buffer(first))
     second = ram.arena.alloc(10_000)
     assert second is not None
     ram.arena.buffer(second)[:10_000] = payload(10_000, seed=2)

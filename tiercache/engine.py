@@ -577,13 +577,15 @@ class Engine(PolicyBridge):
 
         Returns:
             Each put's stored size and start and end times; ``None`` if the deadline passed: the
-            level has failed then, puts not yet started are cancelled, and this returns once the
-            running ones end, as they read the version's arena regions, which are freed next.
+            level has failed and the version is settled on this tier, puts not yet started are
+            cancelled, and running ones end on their own (each keeps its chunk's bytes borrowed
+            from the RAM tier until then, see :meth:`_put_chunk`).
         """
         limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
         if limit is None:
             # Every put ends before the first error is raised: a failed version's regions are
-            # freed next, and a put still reading one would write the next save's bytes.
+            # freed next, and an early disk write reads its chunk's region unborrowed (lent by
+            # _lend_region), so it would write the next save's bytes.
             futures_wait(futs)
             return [f.result() for f in futs]
         end = time.monotonic() + limit
@@ -598,9 +600,6 @@ class Engine(PolicyBridge):
             )
             lvl = TIER_LEVEL.get(name)
             self._fail_job(job, err, [lvl] if lvl else [])
-            # A region freed under a running upload could take the next save's bytes, which the
-            # store would then hold under this chunk's name.
-            futures_wait(futs)
             self._done_with(job, name)
             return None
 
@@ -709,15 +708,18 @@ class Engine(PolicyBridge):
 
     def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> tuple[int, float, float]:
         """Write one chunk object; return its stored size and the put's start and end times."""
-        view = self.ram.view(key)
-        if view is None:
-            raise TierCacheError(f"chunk {key} vanished from the RAM arena before it was written to {name}")
-        data: memoryview | bytes = view
-        if codec != "raw/1":
-            data = self._encode(view, codec)
-        t0 = time.perf_counter()
-        tier.put(key, data, sync_name=False)  # _write_version syncs the names once per version
-        t1 = time.perf_counter()
+        # Borrowed, not viewed: if the version is released while this put still reads (a
+        # deadline passed), the region must not take the next save's bytes, which the tier
+        # would then store under this chunk's name.
+        with self.ram.borrow(key) as view:
+            if view is None:
+                raise TierCacheError(f"chunk {key} vanished from the RAM arena before it was written to {name}")
+            data: memoryview | bytes = view
+            if codec != "raw/1":
+                data = self._encode(view, codec)
+            t0 = time.perf_counter()
+            tier.put(key, data, sync_name=False)  # _write_version syncs the names once per version
+            t1 = time.perf_counter()
         failpoint("engine.after_chunk_write")
         return len(data), t0, t1
 

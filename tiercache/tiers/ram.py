@@ -21,7 +21,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -495,16 +495,22 @@ class RamTier(Tier):
         finally:
             self._done(entry)
 
-    def view(self, key: str) -> memoryview | None:
-        """Return a read-only, zero-copy view of the object at ``key``, or ``None``.
+    @contextlib.contextmanager
+    def borrow(self, key: str) -> Iterator[memoryview | None]:
+        """Lend a read-only, zero-copy view of the object at ``key`` (``None`` if there is none).
 
-        The view is valid until the key is deleted or overwritten; chunks are immutable, so
-        for them that is until eviction.
+        The object's bytes stay where they are until the block ends, even if the key is deleted
+        or overwritten meanwhile: a write to another tier still reading them never sees their
+        region reused by the next save. Do not keep the view past the block.
         """
-        check_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
-            return None if entry is None else self._bytes_of(entry).toreadonly()
+        entry = self._acquire(key)
+        if entry is None:
+            yield None
+            return
+        try:
+            yield self._bytes_of(entry).toreadonly()
+        finally:
+            self._done(entry)
 
     def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Copy ``data`` into the tier (an arena region for 4096 bytes and more).
