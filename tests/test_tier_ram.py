@@ -99,6 +99,24 @@ def test_bad_alloc_and_free_are_refused() -> None:
     assert arena.used_bytes == 0
 
 
+def test_a_retained_region_goes_back_at_its_last_free() -> None:
+    arena = Arena(MIB)
+    region = arena.alloc(600 * 1024)
+    assert region is not None
+    arena.buffer(region)[:5] = b"early"
+    arena.retain(region)  # an early disk write still reads it
+    arena.free(region)  # its owner lets go (a duplicate, or the version was released)
+    assert arena.used_bytes == 600 * 1024 and arena.alloc(600 * 1024) is None
+    assert bytes(arena.buffer(region)[:5]) == b"early"
+    arena.free(region)  # the reader is done
+    assert arena.used_bytes == 0
+    with pytest.raises(ValueError, match="already freed"):
+        arena.free(region)
+    with pytest.raises(ValueError, match="not a live region"):
+        arena.retain(region)
+    arena.close()
+
+
 def test_alloc_wait_wakes_on_free() -> None:
     arena = Arena(8 * 4096)
     held = arena.alloc(8 * 4096)

@@ -122,10 +122,6 @@ class _Job:
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None
-    #: Per chunk: early disk writes still reading its arena region (see Engine._finish_early).
-    region_users: list[int] = field(default_factory=list)
-    #: Per chunk: a duplicate region the hasher left for the last early write to free.
-    dup_regions: list[Region | None] = field(default_factory=list)
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
         float_bytes = sum(m.nbytes for m in self.flat.metas if m.dtype in FLOAT_DTYPE_NAMES)
@@ -261,8 +257,6 @@ class Engine(PolicyBridge):
         job.regions = list(regions)
         job.ready = [Future() for _ in regions]
         job.copied = [threading.Event() for _ in regions]
-        job.region_users = [0] * len(regions)
-        job.dup_regions = [None] * len(regions)
         for lvl, tier in (("local", "disk"), ("remote", "s3")):
             if tier not in self.tiers:
                 futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
@@ -433,10 +427,8 @@ class Engine(PolicyBridge):
             key = chunk_key(cid)
             with self._lock:
                 # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
-                # An early disk write still reading our copy frees it when it is done.
-                busy = job.region_users[i] > 0
-                if not self.ram.adopt(key, region, hdr + c.nbytes, free_duplicate=not busy) and busy:
-                    job.dup_regions[i] = region
+                # (An early disk write still reading our copy retained it: it goes back after.)
+                self.ram.adopt(key, region, hdr + c.nbytes)
                 job.regions[i] = None
                 self._pins[key] = self._pins.get(key, 0) + 1
                 self._ram_lru.pop(key, None)
@@ -583,9 +575,8 @@ class Engine(PolicyBridge):
         """
         limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
         if limit is None:
-            # Every put ends before the first error is raised: a failed version's regions are
-            # freed next, and an early disk write reads its chunk's region unborrowed (lent by
-            # _lend_region), so it would write the next save's bytes.
+            # Every put ends before the first error is raised, so a failed level leaves no write
+            # of this version running (each keeps its chunk's bytes anyway: borrowed or retained).
             futures_wait(futs)
             return [f.result() for f in futs]
         end = time.monotonic() + limit
@@ -642,13 +633,18 @@ class Engine(PolicyBridge):
             return True
 
     def _lend_region(self, job: _Job, i: int) -> Region | None:
-        """Wait until chunk ``i`` is copied; return its region, counted as in use, if not yet hashed."""
+        """Wait until chunk ``i`` is copied; return its region, retained, if not yet hashed.
+
+        The caller frees it once done reading: whoever else frees it meanwhile (the hasher for a
+        duplicate, the RAM tier on release, a failed save) leaves the bytes in place until then.
+        """
+        assert self.arena is not None
         job.copied[i].wait()
-        with self._lock:
+        with self._lock:  # the hasher adopts the region (and clears job.regions[i]) under it
             region = job.regions[i]  # None once the hasher has adopted it (or the save failed)
             if region is None or job.copy_error is not None:
                 return None
-            job.region_users[i] += 1
+            self.arena.retain(region)
             return region
 
     def _write_payload(
@@ -698,13 +694,8 @@ class Engine(PolicyBridge):
             failpoint("engine.after_chunk_write")
             return hdr + job.layout.chunks[i].nbytes, t0, t0 + busy
         finally:
-            with self._lock:
-                job.region_users[i] -= 1
-                dup = job.dup_regions[i] if job.region_users[i] == 0 else None
-                job.dup_regions[i] = None if dup is not None else job.dup_regions[i]
-            if dup is not None:
-                self.arena.free(dup)
-                self._notify_arena()
+            self.arena.free(region)  # the lent reference
+            self._notify_arena()
 
     def _put_chunk(self, name: str, tier: Tier, key: str, codec: str) -> tuple[int, float, float]:
         """Write one chunk object; return its stored size and the put's start and end times."""
@@ -751,11 +742,11 @@ class Engine(PolicyBridge):
                 self._error = err
         # Only the hasher (the owner of not-yet-adopted regions) may free them.
         if staging_failed and self.arena is not None:
-            for i, r in enumerate(job.regions):
-                if r is not None:
-                    self.arena.free(r)
-                    job.regions[i] = None
-            with self._lock:
+            with self._lock:  # as the hasher's adoptions: _lend_region sees a region or None
+                for i, r in enumerate(job.regions):
+                    if r is not None:
+                        self.arena.free(r)  # an early write that retained it frees it last
+                        job.regions[i] = None
                 self._jobs.pop(job.version_id, None)
             self._notify_arena()
 

@@ -148,6 +148,8 @@ class Arena:
         self._cond = threading.Condition()
         self._free: list[Region] = [Region(0, self._capacity)] if self._capacity else []
         self._allocated: dict[int, int] = {}
+        #: Offset -> references taken with retain(), each dropped by one free().
+        self._retained: dict[int, int] = {}
         self._used = 0
         self._closed = False
         self._mapping: mmap.mmap | None = None
@@ -312,8 +314,23 @@ class Arena:
                     return None
                 self._cond.wait(remaining)
 
+    def retain(self, region: Region) -> None:
+        """Take one more reference to a live region.
+
+        The region goes back to the arena only once :meth:`free` has been called for every
+        reference (the allocation's and each retain's), so a reader (an early disk write) keeps
+        a region's bytes while its owner frees it.
+
+        Raises:
+            ValueError: If the region is not live in this arena.
+        """
+        with self._cond:
+            if self._allocated.get(region.offset) != region.nbytes:
+                raise ValueError(f"{region} is not a live region of this arena")
+            self._retained[region.offset] = self._retained.get(region.offset, 0) + 1
+
     def free(self, region: Region) -> None:
-        """Return a region to the arena and wake threads waiting in :meth:`alloc_wait`.
+        """Drop a reference to a region; the last returns it and wakes :meth:`alloc_wait`.
 
         Freeing after :meth:`close` is a no-op, so owners can tear down in any order.
 
@@ -325,6 +342,11 @@ class Arena:
                 return
             if self._allocated.get(region.offset) != region.nbytes:
                 raise ValueError(f"{region} was not allocated from this arena or was already freed")
+            extra = self._retained.pop(region.offset, 0)
+            if extra:
+                if extra > 1:
+                    self._retained[region.offset] = extra - 1
+                return
             del self._allocated[region.offset]
             self._used -= region.nbytes
             i = bisect.bisect_left(self._free, region)
@@ -360,7 +382,7 @@ class Arena:
             mapping, self._mapping = self._mapping, None
             pinned, self._pinned_address = self._pinned_address, None
             self._view = self._tensor = None
-            self._free, self._allocated, self._used = [], {}, 0
+            self._free, self._allocated, self._retained, self._used = [], {}, {}, 0
             self._cond.notify_all()
         if pinned is not None:
             torch.cuda.cudart().cudaHostUnregister(pinned)
@@ -523,7 +545,7 @@ class RamTier(Tier):
         check_key(key)
         self._install(key, self._make_entry(data, key), None)
 
-    def adopt(self, key: str, region: Region, length: int, *, free_duplicate: bool = True) -> bool:
+    def adopt(self, key: str, region: Region, length: int) -> bool:
         """Register an arena region the caller already filled as the object ``key`` (no copy).
 
         The tier owns the region from now on. If ``key`` is already stored, its existing copy
@@ -533,8 +555,6 @@ class RamTier(Tier):
             key: The object's key.
             region: A live region of this tier's arena.
             length: The object's length (at most ``region.nbytes``).
-            free_duplicate: If ``False``, a duplicate region stays the caller's to free (while
-                something still reads it).
 
         Returns:
             ``True`` if the region now holds ``key``, ``False`` if it was a duplicate.
@@ -544,8 +564,7 @@ class RamTier(Tier):
             raise ValueError(f"length {length} does not fit in {region}")
         with self._lock:
             if key in self._entries:
-                if free_duplicate:
-                    self.arena.free(region)
+                self.arena.free(region)
                 return False
             self._entries[key] = _Entry(None, region, length, next(self._gens))
             return True
