@@ -217,7 +217,7 @@ def test_full_arena_with_evict_policy_drops_the_oldest_unstarted_version(
 
 
 def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(flat: object, layout: object, views: list, copied: list) -> None:
+    def broken(flat: object, layout: object, views: list, copied: list, **kw: object) -> None:
         copied[0].set()  # the hasher may already be working on the first chunk
         raise RuntimeError("device lost mid-copy")
 

@@ -152,3 +152,50 @@ def test_copy_threads_config_is_checked() -> None:
         tiercache.open({"ram": {"copy_threads": 0}})
     with pytest.raises(ValueError, match="at least 1 thread"):
         Stager(0)
+
+
+def test_a_deferred_copy_completes_the_chunks_it_shares_with_the_copy_before_return() -> None:
+    state = _odd_state()
+    flat = flatten(state)
+    plan = plan_copy(_layout(flat))
+    layout = plan.layout
+    paths = [m.path for m in flat.metas]
+    later = frozenset(i for i, p in enumerate(paths) if p in {"big", "small/3", "small/20", "step"})
+    pieces = layout.tensor_pieces
+    deferred_chunks = {ci for ti in later for ci, _ in pieces[ti]}
+    mixed = {ci for ti, ps in enumerate(pieces) if ti not in later for ci, _ in ps} & deferred_chunks
+    assert mixed  # a pack holds deferred and immediate tensors: its event waits for both parts
+    views = [torch.full((c.staged_bytes,), 0xAB, dtype=torch.uint8) for c in layout.chunks]
+    reference, _ = _stage(1, state)
+    early: list[int] = []
+
+    class Checked(threading.Event):
+        """Records a chunk announced before its bytes are all in place."""
+
+        def __init__(self, ci: int) -> None:
+            super().__init__()
+            self.ci = ci
+
+        def set(self) -> None:
+            c = layout.chunks[self.ci]
+            if not torch.equal(views[self.ci][HEADER_BYTES : HEADER_BYTES + c.nbytes], reference[self.ci]):
+                early.append(self.ci)
+            super().set()
+
+    copied: list[threading.Event] = [Checked(ci) for ci in range(len(layout.chunks))]
+    stager = Stager(2)
+    gate = threading.Event()
+    try:
+        stager._later.submit(gate.wait)  # hold the deferred copy until the checks below
+        pending = stager.copy_in(flat, plan, views, copied, later=later)
+        assert pending is not None and not pending.done()
+        assert [e.is_set() for e in copied] == [ci not in deferred_chunks for ci in range(len(layout.chunks))]
+        gate.set()
+        pending.result(timeout=30)
+    finally:
+        gate.set()
+        stager.close()
+    assert all(e.is_set() for e in copied)
+    assert early == []
+    for v, c, want in zip(views, layout.chunks, reference, strict=True):
+        assert torch.equal(v[HEADER_BYTES : HEADER_BYTES + c.nbytes], want)

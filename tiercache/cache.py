@@ -23,6 +23,7 @@ import torch
 from tiercache import maintenance
 from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig, load_config
+from tiercache.deferred import StepGuards, owned_by
 from tiercache.engine import Engine
 from tiercache.errors import (
     CacheClosedError,
@@ -120,6 +121,7 @@ class TierCache:
             self.engine.ensure_arena()
         self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads)
         self._save_lock = threading.Lock()
+        self._step_guards = StepGuards(self.engine.wait_deferred)
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
         # A trainer that exits without close() must not lose the versions it was told are
@@ -153,11 +155,14 @@ class TierCache:
         branch: str = "main",
         meta: Mapping[str, Any] | None = None,
         group: ProcessGroup | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` into RAM and write it to the durable tiers in the background.
 
         Training may change the tensors as soon as this returns: the version holds their values
-        at the call.
+        at the call. With ``optimizer``, the tensors that ``optimizer.step()`` updates are copied
+        after this returns, while the next forward and backward run, and ``optimizer.step()``
+        waits until they are (see :mod:`tiercache.deferred`).
 
         Args:
             state: A state dict (nested dicts/lists/tuples of tensors and plain values).
@@ -167,6 +172,10 @@ class TierCache:
             group: A torch.distributed process group (``dist.group.WORLD`` for all ranks): every
                 rank of it calls ``save`` with its own part and the group commits one version;
                 see :mod:`tiercache.distributed`. ``None`` saves this process's state alone.
+            optimizer: The optimizer whose ``step()`` is the only thing that changes its
+                parameters and state until its next call: their copy is deferred to overlap the
+                next forward and backward. Anything else that changes them in between (in-place
+                edits, EMA swaps, loading weights) must call ``handle.wait("staged")`` first.
 
         Returns:
             A :class:`SaveHandle` with the version id and one future per durability level.
@@ -176,18 +185,28 @@ class TierCache:
             TierCacheError: An earlier background write's error that was not yet reported.
         """
         if group is not None:
+            if optimizer is not None:
+                raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
+                                           "before returning; leave optimizer out")
             return self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta))
         self._check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
         meta = _json_meta(meta)
+        owned = None
+        if optimizer is not None:
+            owned = owned_by(optimizer)
+            self._step_guards.add(optimizer)
         with self._save_lock:
             cur = self.catalog.ref("branch", branch)
             parent = cur.version if cur else None
             seq = cur.seq + 1 if cur else 0
-            handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq)
-            if handle.future("staged").exception() is None:
+            handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq,
+                                       defer=owned)
+            staged = handle.future("staged")
+            # Only a skipped version is already failed here; a deferred copy is still running.
+            if not (staged.done() and staged.exception() is not None):
                 self.catalog.note_move(RefRecord(kind="branch", name=branch, version=handle.version, seq=seq), cur)
         return handle
 
@@ -258,6 +277,7 @@ class TierCache:
         A version saved by several ranks restores as the list of the ranks' states.
         """
         self._check_open()
+        self.engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
         targets = _into_map(into)
         dests: list[torch.Tensor] = []
         finals: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -538,6 +558,7 @@ class TierCache:
         try:
             self.engine.close()
         finally:
+            self._step_guards.close()
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()

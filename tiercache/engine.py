@@ -40,6 +40,7 @@ import torch
 from tiercache import codecs
 from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig, RamConfig
+from tiercache.deferred import Owned, deferrable
 from tiercache.engine_policy import FLOAT_DTYPE_NAMES, PolicyBridge
 from tiercache.errors import (
     CacheClosedError,
@@ -172,6 +173,8 @@ class Engine(PolicyBridge):
         self.meter = meter
         self._lock = threading.RLock()
         self._plans: dict[object, CopyPlan] = {}
+        #: Copies that save() deferred (see tiercache.deferred), until each is done.
+        self._deferred: set[Future[None]] = set()
         self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         self._pins: dict[str, int] = {}
         self._ram_lru: OrderedDict[str, None] = OrderedDict()
@@ -224,13 +227,16 @@ class Engine(PolicyBridge):
         version_id: str | None = None,
         chunk_bytes: int | None = None,
         committer: Committer | None = None,
+        defer: Owned | None = None,
     ) -> SaveHandle:
         """Copy ``state`` into the arena and start writing it; return the handle.
 
         ``version_id``, ``chunk_bytes`` and ``committer`` serve multi-rank saves
         (:mod:`tiercache.distributed`): the group's agreed version id, a chunk size that splits
         replicated tensors among the ranks, and the committer that writes the manifest and ref
-        for the whole group in place of this engine.
+        for the whole group in place of this engine. ``defer``: the address ranges of an
+        optimizer's tensors, whose copy may finish after this returns (see
+        :mod:`tiercache.deferred`); the ``staged`` future completes when it has.
 
         Raises:
             CacheClosedError: If the cache is closed.
@@ -268,15 +274,44 @@ class Engine(PolicyBridge):
         # busy while the training thread is still copying the rest (unless the copy uses every
         # core: see Stager.saturates).
         self._hasher.submit(self._after_stage, job)
+        later = deferrable(flat.tensors, defer) if defer else frozenset()
         try:
-            self._stager.copy_in(flat, plan, [self.arena.tensor(r) for r in regions], job.copied)
+            pending = self._stager.copy_in(flat, plan, [self.arena.tensor(r) for r in regions], job.copied,
+                                           later=later)
         except BaseException as e:
             job.copy_error = e
             for ev in job.copied:
                 ev.set()
             raise
-        futures["staged"].set_result(vid)
+        if pending is None:
+            futures["staged"].set_result(vid)
+        else:
+            with self._lock:
+                self._deferred.add(pending)
+            pending.add_done_callback(lambda f: self._copied_later(job, f))
         return SaveHandle(vid, futures)
+
+    def _copied_later(self, job: _Job, done: Future[None]) -> None:
+        with self._lock:
+            self._deferred.discard(done)
+        err = done.exception()
+        if err is None:
+            job.futures["staged"].set_result(job.version_id)
+            return
+        with self._lock:
+            # Unlike a copy in save(), nobody has seen this one fail: the next save()/close() raises it.
+            if self._error is None:
+                self._error = err
+        job.copy_error = err  # before the events: the hasher checks it when one is set
+        for ev in job.copied:
+            ev.set()
+
+    def wait_deferred(self) -> None:
+        """Block until every deferred copy started so far is done (its outcome is on its handle)."""
+        with self._lock:
+            pending = list(self._deferred)
+        for f in pending:
+            f.exception()
 
     def _plan(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
         """The chunk layout and copy plan of ``flat``'s structure, computed once per structure."""

@@ -8,14 +8,19 @@ conjugate/negative bits) with ``Tensor.copy_``. Pack gaps are zeroed so a pack's
 only on its content, and each chunk is announced as soon as its last byte is in place, so
 hashing and writing start while later chunks are still being copied. CUDA sources are copied
 with non-blocking copies on a side stream into the (pinned) arena and synchronised once.
+
+A save may also defer part of its copy (``later``): those tensors are copied on the helper
+threads after ``copy_in`` returns, while training goes on with work that does not change them
+(see :mod:`tiercache.deferred`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from itertools import count
 
 import torch
@@ -31,6 +36,8 @@ _SLICE = 4 << 20
 
 # One run of bytes to copy: (tensor index, offset in the chunk's region, offset in the tensor, bytes).
 _Slice = tuple[int, int, int, int]
+# Units of copy work, each ``(chunk index, slices)`` (see CopyPlan.units).
+_Units = tuple[tuple[int, tuple[_Slice, ...]], ...]
 
 # The memcpy used for contiguous sources; ctypes releases the GIL for the call.
 _memmove = ctypes.memmove
@@ -41,6 +48,8 @@ class Stager:
 
     Args:
         threads: Threads that copy at once, the caller included (1 copies on the caller alone).
+            A deferred copy runs on ``threads - 1`` helpers (at least one), leaving the caller's
+            core to training.
 
     Attributes:
         saturates: Whether the copy keeps every usable core busy. Work started on copied chunks
@@ -53,45 +62,84 @@ class Stager:
             raise ValueError(f"staging needs at least 1 thread, got {threads}: set ram.copy_threads")
         self.threads = threads
         self.saturates = threads >= usable_cores()
-        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="tiercache-copy") if threads > 1 else None
+        self._pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="tiercache-copy")
+        # Runs deferred copies one at a time; it only hands out work to the pool and waits.
+        self._later = ThreadPoolExecutor(1, thread_name_prefix="tiercache-defer")
 
-    def copy_in(self, flat: Flat, plan: CopyPlan, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
+    def copy_in(
+        self,
+        flat: Flat,
+        plan: CopyPlan,
+        views: list[torch.Tensor],
+        copied: list[threading.Event],
+        *,
+        later: frozenset[int] = frozenset(),
+    ) -> Future[None] | None:
         """Copy every tensor of ``flat`` into its chunk regions; set ``copied[i]`` once chunk ``i`` is complete.
 
         Args:
             flat: The flattened state (its tensors are the sources; CPU or CUDA).
             plan: The copy plan of that state's layout (see :func:`plan_copy`).
             views: One uint8 tensor per chunk: its arena region (header slot first).
-            copied: One event per chunk, set when the chunk's payload is complete (all of them
-                are set when this returns, and none is set early for CUDA sources).
+            copied: One event per chunk, set when the chunk's payload is complete (none is set
+                early for CUDA sources).
+            later: Indices of tensors to copy on the helper threads after this returns (CPU
+                states only: a state with a CUDA tensor is copied whole before returning).
+
+        Returns:
+            ``None`` when everything is copied (every event is set); else the future of the
+            deferred copy, which sets the events of the chunks it completes and, if it fails,
+            none of the others'.
 
         Raises:
-            BaseException: Whatever a copy raised; no helper touches ``views`` after this returns.
+            BaseException: Whatever a copy before returning raised; no helper touches ``views``
+                after that.
         """
+        cuda = any(t.is_cuda for t in flat.tensors)
         with torch.no_grad():
             for ci, at, nbytes in plan.gaps:
                 ctypes.memset(views[ci].data_ptr() + at, 0, nbytes)
-            if any(t.is_cuda for t in flat.tensors):
+            if cuda:
                 _copy_cuda(flat, plan.layout, views)
+            elif not later:
+                everything = range(len(flat.tensors))
+                self._copy_cpu(flat, plan.layout, plan.units, everything, list(plan.units_per_chunk), views, copied,
+                               caller=True)
             else:
-                self._copy_cpu(flat, plan, views, copied)
+                now, deferred, counts = plan.split(later)
+                remaining = list(counts)  # shared: a chunk may have units in both parts
+                rest = [i for i in range(len(flat.tensors)) if i not in later]
+                self._copy_cpu(flat, plan.layout, now, rest, remaining, views, copied, caller=True)
+                return self._later.submit(self._copy_later, flat, plan.layout, deferred, later, remaining, views,
+                                          copied)
         for e in copied:
             e.set()
+        return None
+
+    def _copy_later(self, flat: Flat, layout: Layout, units: _Units, tensors: frozenset[int], remaining: list[int],
+                    views: list[torch.Tensor], copied: list[threading.Event]) -> None:
+        with torch.no_grad():
+            self._copy_cpu(flat, layout, units, sorted(tensors), remaining, views, copied, caller=False)
 
     def close(self) -> None:
-        """Stop the helper threads."""
-        if self._pool is not None:
-            self._pool.shutdown()
+        """Stop the helper threads (after any deferred copy)."""
+        self._later.shutdown()
+        self._pool.shutdown()
 
-    def _copy_cpu(self, flat: Flat, plan: CopyPlan, views: list[torch.Tensor], copied: list[threading.Event]) -> None:
-        src, fallback, keep = _sources(flat, plan.layout)
+    def _copy_cpu(self, flat: Flat, layout: Layout, units: _Units, tensors: Iterable[int], remaining: list[int],
+                  views: list[torch.Tensor], copied: list[threading.Event], *, caller: bool) -> None:
+        """Copy ``units`` (the slices of ``tensors``); ``remaining`` counts each chunk's units not yet copied.
+
+        A chunk's event is set when its count reaches zero (here, or already at the start).
+        ``caller``: whether the calling thread copies too (else only the helpers do, and this
+        call waits for them).
+        """
+        src, fallback, keep = _sources(flat, layout, tensors)
         base = [v.data_ptr() for v in views]
-        remaining = list(plan.units_per_chunk)
+        lock = threading.Lock()
         for ci, n in enumerate(remaining):
             if n == 0:
                 copied[ci].set()
-        units = plan.units
-        lock = threading.Lock()
         ticket = count()
         failed: list[BaseException] = []
 
@@ -126,11 +174,13 @@ class Stager:
                 if done:
                     copied[ci].set()
 
-        helpers = []
-        if self._pool is not None and len(units) > 1:
-            helpers = [self._pool.submit(work) for _ in range(min(self.threads - 1, len(units) - 1))]
+        # Helpers never wait for anything, so a deferred copy waiting for them cannot deadlock
+        # the pool, whatever else is queued there.
+        n = min(self.threads - 1, len(units) - 1) if caller else min(max(1, self.threads - 1), len(units))
+        helpers = [self._pool.submit(work) for _ in range(max(0, n))]
         try:
-            work()
+            if caller:
+                work()
         finally:
             for h in helpers:
                 h.exception()  # wait: no helper may write into the regions after we return
@@ -153,9 +203,38 @@ class CopyPlan:
     """
 
     layout: Layout
-    units: tuple[tuple[int, tuple[_Slice, ...]], ...]
+    units: _Units
     units_per_chunk: tuple[int, ...]
     gaps: tuple[tuple[int, int, int], ...]
+    _splits: dict[frozenset[int], tuple[_Units, _Units, tuple[int, ...]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def split(self, later: frozenset[int]) -> tuple[_Units, _Units, tuple[int, ...]]:
+        """The units without and with the tensors in ``later``, and how many units each chunk now has.
+
+        A unit mixing both (a pack) is cut in two, so a chunk may have units in both parts, and
+        more than ``units_per_chunk`` says. Computed once per set.
+        """
+        cached = self._splits.get(later)
+        if cached is not None:
+            return cached
+        now: list[tuple[int, tuple[_Slice, ...]]] = []
+        deferred: list[tuple[int, tuple[_Slice, ...]]] = []
+        for ci, slices in self.units:
+            a = tuple(sl for sl in slices if sl[0] not in later)
+            b = tuple(sl for sl in slices if sl[0] in later)
+            if a:
+                now.append((ci, a))
+            if b:
+                deferred.append((ci, b))
+        counts = [0] * len(self.units_per_chunk)
+        for ci, _ in (*now, *deferred):
+            counts[ci] += 1
+        if len(self._splits) > 4:
+            self._splits.clear()
+        result = self._splits[later] = (tuple(now), tuple(deferred), tuple(counts))
+        return result
 
 
 def plan_copy(layout: Layout) -> CopyPlan:
@@ -194,8 +273,10 @@ def plan_copy(layout: Layout) -> CopyPlan:
     return CopyPlan(layout, tuple(units), tuple(per_chunk), tuple(gaps))
 
 
-def _sources(flat: Flat, layout: Layout) -> tuple[list[int], dict[int, torch.Tensor], list[torch.Tensor]]:
-    """Where each tensor's bytes are read from for this save.
+def _sources(
+    flat: Flat, layout: Layout, tensors: Iterable[int]
+) -> tuple[list[int], dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Where the bytes of each of ``tensors`` (indices into ``flat``) are read from for this copy.
 
     Returns:
         The source address per tensor (for memcpy), the strided one-piece tensors that
@@ -205,7 +286,8 @@ def _sources(flat: Flat, layout: Layout) -> tuple[list[int], dict[int, torch.Ten
     src = [0] * len(flat.tensors)
     fallback: dict[int, torch.Tensor] = {}
     keep: list[torch.Tensor] = []
-    for ti, t in enumerate(flat.tensors):
+    for ti in tensors:
+        t = flat.tensors[ti]
         # flatten() has already resolved conjugate/negative bits and refused non-strided
         # layouts, so a contiguous tensor's bytes are exactly its values, in order.
         if t.is_contiguous():
