@@ -106,6 +106,7 @@ TARGETS: tuple[Target, ...] = (
     Target("tc.restore_s3", ("s3.download",), ("s3torch.load",), None, None, ""),
     Target("tc.rss_peak", ("tc.rss_budget",), (), 1.0, None, "<= RAM capacity x1.05 + state"),
     Target("tc.loop_slowdown", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
+    Target("tc.loop_slowdown_deferred", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
 )
 
 

@@ -255,13 +255,17 @@ class _Loop:
         self.step = 0
         self.state: dict[str, Any] = {}
 
-    def run(self, steps: int, cache: Any | None) -> tuple[float, float]:
+    def run(self, steps: int, cache: Any | None, *, defer: bool = False) -> tuple[float, float]:
         """Run ``steps`` steps (saving each one to ``cache`` if given).
+
+        ``defer``: save with ``optimizer=`` (the optimizer's tensors are copied during the next
+        forward and backward; ``step()`` waits for that copy, which is charged to the step).
 
         Returns:
             (seconds per step, seconds per step spent inside ``save()``).
         """
         in_save = 0.0
+        optimizer = self.opt if defer else None
         t0 = time.perf_counter()
         for _ in range(steps):
             self.opt.zero_grad(set_to_none=True)
@@ -271,7 +275,7 @@ class _Loop:
             self.state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step}
             if cache is not None:
                 t1 = time.perf_counter()
-                cache.save(self.state, step=self.step)
+                cache.save(self.state, step=self.step, optimizer=optimizer)
                 in_save += time.perf_counter() - t1
         return (time.perf_counter() - t0) / steps, in_save / steps
 
@@ -281,38 +285,47 @@ def _run_loop(config: dict[str, Any], repeat: int) -> list[Row]:
 
     The step time of this loop drifts by more than the effect measured (page faults, a shared
     host), so plain and checkpointing steps are timed in alternating blocks of the same run and
-    the slowdown is the median of the block-to-block differences. Each checkpointing block starts
-    after one untimed save (so it carries the background work of a save before it, as in steady
-    state) and each plain block after a flush and one untimed step (so none of it spills over).
+    the slowdown is the median of the block-to-block differences: each checkpointing block (plain
+    ``save()``, then ``save(optimizer=)``) is compared with the plain block before it. Each
+    checkpointing block starts after one untimed save (so it carries the background work of a
+    save before it, as in steady state) and each plain block after a flush and one untimed step
+    (so none of it spills over).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         plain = Row("loop.plain", "MLP loop step, no checkpoint", "baseline")
         ckpt = Row("loop.ckpt", "MLP loop step, tiercache save every step", "tiercache")
-        in_save: list[float] = []
+        deferred = Row("loop.ckpt_deferred", "MLP loop step, tiercache save(optimizer=) every step", "tiercache")
+        in_save: dict[bool, list[float]] = {False: [], True: []}
+        slowdowns: dict[bool, list[float]] = {False: [], True: []}
         loop = _Loop()
         blocks = max(8, 4 * repeat)
         with tiercache.open(config) as cache:
             loop.run(1, cache)  # Adam creates its moments lazily, and the arena is allocated once
-            for _ in range(blocks):
+            for b in range(2 * blocks):
+                defer = b % 2 == 1
                 cache.flush()
                 loop.run(1, None)
-                plain.runs.append(loop.run(_LOOP_STEPS, None)[0])
-                loop.run(1, cache)
-                per_step, waited = loop.run(_LOOP_STEPS, cache)
-                ckpt.runs.append(per_step)
-                in_save.append(waited)
+                base = loop.run(_LOOP_STEPS, None)[0]
+                plain.runs.append(base)
+                loop.run(1, cache, defer=defer)
+                per_step, waited = loop.run(_LOOP_STEPS, cache, defer=defer)
+                (deferred if defer else ckpt).runs.append(per_step)
+                in_save[defer].append(waited)
+                slowdowns[defer].append(per_step - base)
         nbytes = state_nbytes(loop.state)
         copy = Row("loop.memcpy", "memcpy of the loop's state", "limit", nbytes=nbytes, note="1 thread, libc memcpy")
         copy.runs = [memcpy(loop.state) for _ in range(max(5, repeat))]
     finally:
         torch.set_num_threads(threads)
-    slow = Row("tc.loop_slowdown", "loop slowdown per step from checkpointing", "tiercache",
-               runs=[c - p for c, p in zip(ckpt.runs, plain.runs, strict=True)],
-               note=f"state {nbytes / 1e6:.0f} MB, {blocks} x 2 blocks of {_LOOP_STEPS} steps, 1 torch thread, "
-                    f"RAM + disk only; inside save(): {statistics.median(in_save):.3f} s/step")
-    return [plain, ckpt, copy, slow]
+    note = f"state {nbytes / 1e6:.0f} MB, {blocks} x 2 blocks of {_LOOP_STEPS} steps, 1 torch thread, RAM + disk only"
+    slow = Row("tc.loop_slowdown", "loop slowdown per step from checkpointing", "tiercache", runs=slowdowns[False],
+               note=f"{note}; inside save(): {statistics.median(in_save[False]):.3f} s/step")
+    slow_deferred = Row("tc.loop_slowdown_deferred", "... with save(optimizer=): copy overlaps forward/backward",
+                        "tiercache", runs=slowdowns[True],
+                        note=f"{note}; inside save(): {statistics.median(in_save[True]):.3f} s/step")
+    return [plain, ckpt, deferred, copy, slow, slow_deferred]
 
 
 def run_tiercache(state: dict[str, Any], work: Path, *, repeat: int, groups: Sequence[str],
