@@ -16,7 +16,7 @@ side stream before ``save()`` returns.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -49,8 +49,9 @@ def owned_by(optimizer: torch.optim.Optimizer) -> Owned:
         for p in group["params"]:
             add(p)
     for per_param in optimizer.state.values():
-        for v in per_param.values():
-            add(v)
+        if isinstance(per_param, Mapping):  # torch's optimizers keep a dict per parameter
+            for v in per_param.values():
+                add(v)
     return owned
 
 
