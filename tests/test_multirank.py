@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,9 +21,9 @@ from _multirank_worker import ddp_state, forked, full_tensors
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.distributed import assign_owners, merge_parts
-from tiercache.errors import InvalidArgumentError
-from tiercache.manifest import ChunkRef, Piece, TensorEntry, Version, utcnow
+from tiercache.distributed import _Round, assign_owners, merge_parts
+from tiercache.errors import GroupSaveError, InvalidArgumentError
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, utcnow
 
 
 def free_port() -> int:
@@ -221,3 +222,15 @@ def test_merge_refuses_mixed_hash_algorithms() -> None:
     p1 = _part(1, [("b" * 32, 4)]).model_copy(update={"hash_algo": "blake2b"})
     with pytest.raises(InvalidArgumentError):
         merge_parts([p0, p1])
+
+
+def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles_first() -> None:
+    # Each rank settles its tiers in the order their coordinators finish, which differs between
+    # ranks; the durable error must not, or the ranks report different errors for one version.
+    owner = SimpleNamespace(cache=SimpleNamespace(engine=SimpleNamespace(tiers={"disk": None, "s3": None})))
+    rnd = _Round(owner, "v", RefRecord(kind="branch", name="main", version="v", seq=0))  # type: ignore[arg-type]
+    on_disk, on_s3 = GroupSaveError("failed on disk"), GroupSaveError("failed on s3")
+    rnd.settle("s3", on_s3)
+    rnd.settle("disk", on_disk)
+    assert rnd.futures["durable"].exception() is on_disk
+    assert rnd.futures["remote"].exception() is on_s3 and rnd.futures["local"].exception() is on_disk

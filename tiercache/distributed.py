@@ -319,7 +319,9 @@ class _Round:
             if err is None:
                 durable.set_result(self.vid)
             elif done:
-                durable.set_exception(next(e for e in self._settled.values() if e is not None))
+                # The first failed tier in tier order, not in the order they settled here, so
+                # every rank reports the same error.
+                durable.set_exception(next(e for t in self.outcome if (e := self._settled[t]) is not None))
 
 
 class _Coordinator:
