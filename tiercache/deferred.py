@@ -41,9 +41,9 @@ def owned_by(optimizer: torch.optim.Optimizer) -> Owned:
     owned: Owned = {}
 
     def add(t: object) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
-            start = t.data_ptr()
-            owned[start] = max(owned.get(start, 0), start + t.numel() * t.element_size())
+        span = _span(t)
+        if span is not None:
+            owned[span[0]] = max(owned.get(span[0], 0), span[1])
 
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -59,13 +59,18 @@ def deferrable(tensors: Sequence[torch.Tensor], owned: Owned) -> frozenset[int]:
     """Indices of ``tensors`` whose bytes lie inside one of the ``owned`` ranges."""
     out = []
     for i, t in enumerate(tensors):
-        if t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
-            continue
-        start = t.data_ptr()
-        end = owned.get(start)
-        if end is not None and start + t.numel() * t.element_size() <= end:
+        span = _span(t)
+        if span is not None and span[1] <= owned.get(span[0], 0):
             out.append(i)
     return frozenset(out)
+
+
+def _span(t: object) -> tuple[int, int] | None:
+    """The byte range of a non-empty contiguous CPU tensor (``None`` for anything else)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
+        return None
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
 
 
 class StepGuards:

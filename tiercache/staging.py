@@ -106,9 +106,8 @@ class Stager:
                 self._copy_cpu(flat, plan.layout, plan.units, everything, list(plan.units_per_chunk), views, copied,
                                caller=True)
             else:
-                now, deferred, counts = plan.split(later)
+                now, deferred, counts, rest = plan.split(later)
                 remaining = list(counts)  # shared: a chunk may have units in both parts
-                rest = [i for i in range(len(flat.tensors)) if i not in later]
                 self._copy_cpu(flat, plan.layout, now, rest, remaining, views, copied, caller=True)
                 return self._later.submit(self._copy_later, flat, plan.layout, deferred, later, remaining, views,
                                           copied)
@@ -206,15 +205,17 @@ class CopyPlan:
     units: _Units
     units_per_chunk: tuple[int, ...]
     gaps: tuple[tuple[int, int, int], ...]
-    _splits: dict[frozenset[int], tuple[_Units, _Units, tuple[int, ...]]] = field(
+    _splits: dict[frozenset[int], tuple[_Units, _Units, tuple[int, ...], tuple[int, ...]]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
-    def split(self, later: frozenset[int]) -> tuple[_Units, _Units, tuple[int, ...]]:
-        """The units without and with the tensors in ``later``, and how many units each chunk now has.
+    def split(self, later: frozenset[int]) -> tuple[_Units, _Units, tuple[int, ...], tuple[int, ...]]:
+        """Split the copy for a save that defers the tensors in ``later``; computed once per set.
 
-        A unit mixing both (a pack) is cut in two, so a chunk may have units in both parts, and
-        more than ``units_per_chunk`` says. Computed once per set.
+        Returns:
+            The units without those tensors, the units with them, how many units each chunk
+            now has (a unit mixing both, a pack, is cut in two, so a chunk may have units in
+            both parts and more than ``units_per_chunk`` says), and the other tensors' indices.
         """
         cached = self._splits.get(later)
         if cached is not None:
@@ -233,7 +234,8 @@ class CopyPlan:
             counts[ci] += 1
         if len(self._splits) > 4:
             self._splits.clear()
-        result = self._splits[later] = (tuple(now), tuple(deferred), tuple(counts))
+        rest = tuple(i for i in range(len(self.layout.tensor_pieces)) if i not in later)
+        result = self._splits[later] = (tuple(now), tuple(deferred), tuple(counts), rest)
         return result
 
 
