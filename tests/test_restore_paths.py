@@ -24,6 +24,7 @@ from tiercache.errors import IntegrityError
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.ram import RamTier
 
 MIB = 1 << 20
 
@@ -192,3 +193,49 @@ def test_damage_on_the_only_tier_raises_integrity_error_naming_the_chunk(
         assert f"disk: damaged (chunk {cid} on disk: content does not match its id)" in str(exc.value)
         report = cache.verify("main")
     assert [(d.tier, d.key) for d in report.damage] == [("disk", chunk_key(cid))]
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["new-tensors", "into"])
+def test_restore_from_ram_verifies_in_place_and_copies_each_byte_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool
+) -> None:
+    state = _mixed_state()
+    copied: list[int] = []
+    real_copy = restore_module.copy_bytes
+
+    def counting_copy(dst: memoryview, src: Any) -> None:
+        copied.append(memoryview(src).nbytes)
+        real_copy(dst, src)
+
+    def no_chunk_reads(self: RamTier, key: str, *args: Any, **kw: Any) -> Any:
+        raise AssertionError(f"{key} copied out of the RAM tier instead of lent")
+
+    with tiercache.open(_config(tmp_path, chunk_bytes="1MiB", pack_below="64KiB", ram={"capacity": "64MiB"})) as cache:
+        cache.save(state, step=1).wait("local")
+        version = cache.manifest("main")
+        assert cache.catalog.residency(version)[0] == "ram"
+        monkeypatch.setattr(restore_module, "copy_bytes", counting_copy)
+        monkeypatch.setattr(RamTier, "read_into", no_chunk_reads)
+        monkeypatch.setattr(RamTier, "get", no_chunk_reads)
+        out = cache.restore("main", into={k: torch.zeros_like(v) for k, v in state.items()} if into else None)
+
+    _assert_same(out, state)
+    # Straight from the arena into the tensors: every piece once, no bounce or window copy.
+    assert sorted(copied) == sorted(p.nbytes for e in version.tensors for p in e.pieces)
+
+
+def test_a_damaged_ram_copy_is_skipped_for_the_disk_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = _mixed_state()
+    with tiercache.open(_config(tmp_path, chunk_bytes="1MiB", pack_below="64KiB", ram={"capacity": "64MiB"})) as cache:
+        cache.save(state, step=1).wait("local")
+        version = cache.manifest("main")
+        cid = version.chunks[0].id
+        ram = cache.engine.ram
+        region = ram._entries[chunk_key(cid)].region  # flip a bit of the RAM copy only
+        assert region is not None
+        ram.arena.buffer(region)[HEADER_BYTES + 100] ^= 0x10
+        with caplog.at_level("WARNING", logger="tiercache.restore"):
+            out = cache.restore("main")
+    _assert_same(out, state)
+    assert f"chunk {cid} restored from disk after ram: damaged (chunk {cid} on ram: content does not match its id)" \
+        in caplog.text

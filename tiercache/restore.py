@@ -32,7 +32,7 @@ from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.tiers.base import Tier
-from tiercache.tiers.ram import ALIGN, aligned_buffer, copy_bytes
+from tiercache.tiers.ram import ALIGN, RamTier, aligned_buffer, copy_bytes
 
 log = logging.getLogger("tiercache.restore")
 
@@ -213,13 +213,13 @@ class Reader:
         self, tier: Tier, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
     ) -> bool:
         key = chunk_key(chunk_id)
-        lend = getattr(tier, "view", None)
-        if lend is not None:
-            # The RAM tier lends its memory: verify the payload in place and copy each piece once.
-            obj: memoryview | None = lend(key)
-            if obj is None:
-                return False
-            return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)
+        if isinstance(tier, RamTier):
+            # The RAM tier lends its memory: verify the payload in place and copy each piece once
+            # (reading it like a file would copy it whole and then hash the copy from memory).
+            with tier.borrow(key) as obj:
+                if obj is None:
+                    return False
+                return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)
         head = bytearray(codecs.HEADER_BYTES)
         got = tier.read_into(key, memoryview(head), 0)
         if got is None:
