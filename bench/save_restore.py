@@ -7,7 +7,7 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -142,24 +142,37 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
                  with_s3: bool) -> list[Row]:
     """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone.
 
-    Every cold restore is preceded by a cold ``torch.load`` of the same state: on a VM the cost
-    of first touching memory swings with what ran just before, so the pair sees the same machine.
+    Every restore from RAM is preceded by a memcpy of the state and every cold restore by a cold
+    ``torch.load`` of it: on a VM both the memory bandwidth and the cost of first touching memory
+    swing with what ran just before (the RAM restore measured 1.0-1.5x the memcpy row of the same
+    run, taken minutes earlier), so each pair sees the same machine.
     """
     nbytes = state_nbytes(state)
     torch_file = disk_root.parent / "torch-paired.pt"  # beside the disk tier's directory, not in it
     torch_save(state, torch_file)
-    paired = Row("torch.load_cold_paired", "torch.load (page cache cold), alternating with tiercache",
-                 "baseline", nbytes=nbytes)
+    load_paired = Row("torch.load_cold_paired", "torch.load (page cache cold), alternating with tiercache",
+                      "baseline", nbytes=nbytes)
+    memcpy_paired = Row("memcpy_paired", "memcpy into pre-faulted buffers, alternating with RAM restores",
+                        "limit", nbytes=nbytes)
 
-    def timed(row: Row, what: str, evict: Sequence[str], into: Any, cold: bool) -> Row:
-        # Each run drops the version from ``evict`` (a restore may promote it back) and, for a
-        # cold read, the page cache; the first run's result is checked bit-exact.
-        for i in range(repeat):
+    def paired_memcpy() -> None:
+        memcpy_paired.runs.append(memcpy(state))
+
+    def paired_load() -> None:
+        load_paired.note = drop_page_cache(torch_file)
+        load_paired.runs.append(torch_load(torch_file))
+        gc.collect()
+
+    def timed(row: Row, what: str, evict: Sequence[str], into: Any, pair: Callable[[], None] | None,
+              cold: bool, runs: int = repeat) -> Row:
+        # Each run drops the version from ``evict`` (a restore may promote it back), times its
+        # paired baseline and, for a cold read, drops the page cache; the first run's result is
+        # checked bit-exact.
+        for i in range(runs):
             _evict(cache, version, evict)
+            if pair is not None:
+                pair()
             if cold:
-                paired.note = drop_page_cache(torch_file)
-                paired.runs.append(torch_load(torch_file))
-                gc.collect()
                 row.note = drop_page_cache(disk_root)
             t0 = time.perf_counter()
             out = cache.restore(version, into=into)
@@ -174,20 +187,22 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
     if "ram" not in _tiers_of(cache, version):
         ram.note = f"not held in RAM (tiers: {', '.join(_tiers_of(cache, version))})"
     rows = [
-        timed(ram, "restore from RAM", [], _prefaulted_like(state), False),
+        # A 2 GB restore from RAM takes ~0.2 s: at least as many pairs as the time to local.
+        timed(ram, "restore from RAM", [], _prefaulted_like(state), paired_memcpy, False,
+              max(repeat, _LOCAL_PAIRS)),
         timed(Row("tc.restore_disk", "tiercache restore from disk (cold)", "tiercache", nbytes=nbytes),
-              "restore from disk", ["ram"], None, True),
+              "restore from disk", ["ram"], None, paired_load, True),
         # The usual resume: the model and optimizer exist, so their tensors are already touched
         # and the bytes land in them in place (no allocation, no page faults).
         timed(Row("tc.restore_disk_into", "tiercache restore from disk (cold) into existing tensors",
                   "tiercache", nbytes=nbytes),
-              "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), True),
+              "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), paired_load, True),
     ]
     torch_file.unlink()
     if with_s3:
         rows.append(timed(Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes),
-                          "restore from S3", ["ram", "disk"], None, False))
-    return [paired, *rows]
+                          "restore from S3", ["ram", "disk"], None, None, False))
+    return [memcpy_paired, load_paired, *rows]
 
 
 @contextmanager

@@ -34,6 +34,21 @@ def test_time_to_local_falls_back_to_the_raw_write_group() -> None:
     assert v.met is False
 
 
+def test_ram_restore_uses_the_paired_memcpy_when_measured() -> None:
+    rows = [
+        Row("memcpy", "memcpy", "limit", runs=[0.18, 0.19, 0.20]),
+        Row("memcpy_paired", "memcpy paired", "limit", runs=[0.25, 0.24, 0.26, 0.30, 0.23]),
+        Row("tc.restore_ram", "ram", "tiercache", runs=[0.27, 0.26, 0.28, 0.25, 0.30]),
+    ]
+    v = _verdict(rows, "tc.restore_ram")
+    assert v.limit_key == "memcpy_paired"
+    assert v.limit_ratio == pytest.approx(0.27 / 0.25)
+    assert v.met is True
+    alone = _verdict([rows[0], rows[2]], "tc.restore_ram")
+    assert (alone.limit_key, alone.met) == ("memcpy", False)
+    assert alone.limit_ratio == pytest.approx(0.27 / 0.19)
+
+
 def test_a_target_without_its_limit_has_no_verdict() -> None:
     v = _verdict([Row("tc.save_wait", "wait", "tiercache", runs=[0.2])], "tc.save_wait")
     assert (v.limit_key, v.limit_ratio, v.met) == (None, None, None)
