@@ -10,6 +10,7 @@ endpoint's speed). Baselines: what a trainer uses today -- ``torch.save``/``torc
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import mmap
 import os
@@ -73,10 +74,19 @@ def fault_in(state: Any) -> float:
     return elapsed
 
 
-def _aligned_block() -> mmap.mmap:
-    """A page-aligned, pre-faulted buffer for O_DIRECT (anonymous mmaps start on a page)."""
-    buf = mmap.mmap(-1, _DIRECT_BLOCK)
-    buf.write(b"\xa5" * _DIRECT_BLOCK)
+@functools.lru_cache(maxsize=1)
+def _aligned_source(nbytes: int) -> mmap.mmap:
+    """A page-aligned, pre-faulted buffer of ``nbytes`` for O_DIRECT, made once per size.
+
+    Every request reads or writes its own part of it, as a checkpoint's bytes would: on this
+    VM, O_DIRECT through one 64 MiB buffer reused for every request measured 1.5x slower than
+    through distinct memory (2 GB, alternating: writes 0.95 s against 0.65 s, reads 0.62 s
+    against 0.38 s), which made the disk limits look lower than they are.
+    """
+    buf = mmap.mmap(-1, nbytes)
+    for off in range(0, nbytes, _DIRECT_BLOCK):
+        n = min(_DIRECT_BLOCK, nbytes - off)
+        buf[off : off + n] = b"\xa5" * n  # anonymous mmaps start on a page; writing faults every page in
     return buf
 
 
@@ -86,15 +96,16 @@ def _round_up(n: int) -> int:
 
 def odirect_write(path: Path, nbytes: int) -> float:
     """Write ``nbytes`` (rounded up to 4 KiB) to a new file with O_DIRECT, then fsync it."""
-    buf = _aligned_block()
+    total = _round_up(nbytes)
+    buf = _aligned_source(total)
     path.unlink(missing_ok=True)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     try:
-        left = _round_up(nbytes)
         with memoryview(buf) as view:
-            while left:
-                left -= os.write(fd, view[: min(left, _DIRECT_BLOCK)])
+            done = 0
+            while done < total:
+                done += os.pwrite(fd, view[done : min(total, done + _DIRECT_BLOCK)], done)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -102,13 +113,19 @@ def odirect_write(path: Path, nbytes: int) -> float:
 
 
 def odirect_read(path: Path) -> float:
-    """Read a whole file with O_DIRECT into an aligned buffer: the cold sequential read limit."""
-    buf = _aligned_block()
+    """Read a whole file with O_DIRECT into aligned memory: the cold sequential read limit."""
+    total = _round_up(path.stat().st_size)
+    buf = _aligned_source(total)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        while os.readv(fd, [buf]) > 0:
-            pass
+        with memoryview(buf) as view:
+            done = 0
+            while done < total:
+                got = os.preadv(fd, [view[done : min(total, done + _DIRECT_BLOCK)]], done)
+                if got <= 0:
+                    break
+                done += got
     finally:
         os.close(fd)
     return time.perf_counter() - t0
