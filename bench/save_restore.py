@@ -17,7 +17,16 @@ import torch
 from torch import nn
 
 import tiercache
-from bench.baselines import S3Endpoint, drop_page_cache, memcpy, odirect_write, torch_load, torch_save
+from bench.baselines import (
+    S3Endpoint,
+    drop_page_cache,
+    memcpy,
+    odirect_read,
+    odirect_write,
+    settle_memory,
+    torch_load,
+    torch_save,
+)
 from bench.report import Row, progress
 from bench.state import advance, iter_tensors, state_nbytes
 
@@ -142,38 +151,52 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
                  with_s3: bool) -> list[Row]:
     """Restore ``version`` from RAM (into existing tensors), from a cold disk, and from S3 alone.
 
-    Every restore from RAM is preceded by a memcpy of the state and every cold restore by a cold
-    ``torch.load`` of it: on a VM both the memory bandwidth and the cost of first touching memory
-    swing with what ran just before (the RAM restore measured 1.0-1.5x the memcpy row of the same
-    run, taken minutes earlier), so each pair sees the same machine.
+    Every restore is paired with its baseline, run just before it on the same machine state:
+    a memcpy of the state before each restore from RAM (the memory bandwidth drifts: the RAM
+    restore measured 1.0-1.5x the memcpy row of the same run, taken minutes earlier), a cold
+    ``torch.load`` before each cold restore into new tensors, and a raw O_DIRECT read of the same
+    bytes before each cold restore into existing tensors. Every cold read, baseline or not, starts
+    with the page cache dropped and freed memory back with the host (see ``settle_memory``).
     """
     nbytes = state_nbytes(state)
     torch_file = disk_root.parent / "torch-paired.pt"  # beside the disk tier's directory, not in it
+    raw_file = disk_root.parent / "raw-paired.bin"
     torch_save(state, torch_file)
-    load_paired = Row("torch.load_cold_paired", "torch.load (page cache cold), alternating with tiercache",
+    odirect_write(raw_file, nbytes)
+    load_paired = Row("torch.load_cold_paired", "torch.load, cold, freed memory back with the host",
                       "baseline", nbytes=nbytes)
+    read_paired = Row("odirect.read_paired", "O_DIRECT read, cold, freed memory back with the host",
+                      "limit", nbytes=nbytes)
     memcpy_paired = Row("memcpy_paired", "memcpy into pre-faulted buffers, alternating with RAM restores",
                         "limit", nbytes=nbytes)
+    settled: list[float] = []
+
+    def cold_start(row: Row, path: Path) -> None:
+        row.note = drop_page_cache(path)
+        settled.append(settle_memory())
 
     def paired_memcpy() -> None:
         memcpy_paired.runs.append(memcpy(state))
 
     def paired_load() -> None:
-        load_paired.note = drop_page_cache(torch_file)
+        cold_start(load_paired, torch_file)
         load_paired.runs.append(torch_load(torch_file))
-        gc.collect()
+
+    def paired_read() -> None:
+        cold_start(read_paired, raw_file)
+        read_paired.runs.append(odirect_read(raw_file))
 
     def timed(row: Row, what: str, evict: Sequence[str], into: Any, pair: Callable[[], None] | None,
               cold: bool, runs: int = repeat) -> Row:
         # Each run drops the version from ``evict`` (a restore may promote it back), times its
-        # paired baseline and, for a cold read, drops the page cache; the first run's result is
-        # checked bit-exact.
+        # paired baseline and, for a cold read, starts cold; the first run's result is checked
+        # bit-exact.
         for i in range(runs):
             _evict(cache, version, evict)
             if pair is not None:
                 pair()
             if cold:
-                row.note = drop_page_cache(disk_root)
+                cold_start(row, disk_root)
             t0 = time.perf_counter()
             out = cache.restore(version, into=into)
             row.runs.append(time.perf_counter() - t0)
@@ -196,13 +219,18 @@ def _run_restore(cache: Any, state: dict[str, Any], version: str, repeat: int, d
         # and the bytes land in them in place (no allocation, no page faults).
         timed(Row("tc.restore_disk_into", "tiercache restore from disk (cold) into existing tensors",
                   "tiercache", nbytes=nbytes),
-              "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), paired_load, True),
+              "restore from disk into existing tensors", ["ram"], _prefaulted_like(state), paired_read, True),
     ]
     torch_file.unlink()
+    raw_file.unlink()
+    if settled:
+        waited = f"waited {min(settled):.0f}-{max(settled):.0f} s for freed memory to go back"
+        for row in (load_paired, read_paired, *rows[1:]):
+            row.note = f"{row.note}; {waited}" if row.note else waited
     if with_s3:
         rows.append(timed(Row("tc.restore_s3", "tiercache restore from S3 only", "tiercache", nbytes=nbytes),
                           "restore from S3", ["ram", "disk"], None, None, False))
-    return [memcpy_paired, load_paired, *rows]
+    return [memcpy_paired, load_paired, read_paired, *rows]
 
 
 @contextmanager

@@ -1,7 +1,10 @@
-"""The bench's raw disk limits write and read the bytes they claim to, from distinct memory."""
+"""The bench's raw disk limits read and write what they claim to; cold rows wait for freed memory to settle."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,3 +24,42 @@ def test_raw_write_and_read_cover_every_byte_from_their_own_memory(
     source[:] = b"\x00" * pages
     assert baselines.odirect_read(path) > 0
     assert source[:] == b"\xa5" * pages  # the read filled all of it, not one block over and over
+
+
+def test_settle_memory_returns_at_once_without_a_reporting_counter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(baselines, "_REPORTED_KIB", tmp_path / "absent")
+    assert baselines.settle_memory() == 0.0
+
+
+def test_settle_memory_waits_until_the_counter_stays_still(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = tmp_path / "reported_kib"
+    counter.write_text("0\n")
+    monkeypatch.setattr(baselines, "_REPORTED_KIB", counter)
+    changes: list[float] = []
+
+    def report() -> None:  # the host taking memory back in a few bursts
+        for kib in range(1, 5):
+            time.sleep(0.3)
+            counter.write_text(f"{kib}\n")
+            changes.append(time.monotonic())
+
+    burst = threading.Thread(target=report)
+    burst.start()
+    baselines.settle_memory(quiet_s=0.5, cap_s=30.0)
+    returned = time.monotonic()
+    burst.join()
+    assert len(changes) == 4
+    assert returned - changes[-1] >= 0.5  # not before the last burst had been still for quiet_s
+
+
+def test_settle_memory_gives_up_at_its_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = tmp_path / "reported_kib"
+    counter.write_text("0\n")
+    monkeypatch.setattr(baselines, "_REPORTED_KIB", counter)
+    reads = itertools.count()
+    monkeypatch.setattr(type(counter), "read_text", lambda self: str(next(reads)))  # never still
+    waited = baselines.settle_memory(quiet_s=0.5, cap_s=1.0)
+    assert waited >= 1.0
+    assert next(reads) >= 4  # it kept polling a counter that kept moving
