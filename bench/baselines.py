@@ -174,9 +174,9 @@ def settle_memory(*, quiet_s: float = 3.0, cap_s: float = 30.0) -> float:
         quiet_s: How long the counter must stay still.
         cap_s: The longest wait.
     """
+    gc.collect()  # what is garbage now is freed now, not in the middle of the timed call
     if not _REPORTED_KIB.exists():
         return 0.0
-    gc.collect()  # what is garbage now is freed now, not in the middle of the timed call
     t0 = time.monotonic()
     seen, still_since = _REPORTED_KIB.read_text(), t0
     while True:
