@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from pathlib import Path
@@ -42,8 +41,8 @@ def test_settle_memory_waits_until_the_counter_stays_still(tmp_path: Path, monke
     def report() -> None:  # the host taking memory back in a few bursts
         for kib in range(1, 5):
             time.sleep(0.3)
+            changes.append(time.monotonic())  # before the write: settle cannot have seen it earlier
             counter.write_text(f"{kib}\n")
-            changes.append(time.monotonic())
 
     burst = threading.Thread(target=report)
     burst.start()
@@ -54,12 +53,24 @@ def test_settle_memory_waits_until_the_counter_stays_still(tmp_path: Path, monke
     assert returned - changes[-1] >= 0.5  # not before the last burst had been still for quiet_s
 
 
-def test_settle_memory_gives_up_at_its_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    counter = tmp_path / "reported_kib"
-    counter.write_text("0\n")
+class _MovingCounter:
+    """A reporting counter that changes on every read: the host never stops taking memory back."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def exists(self) -> bool:
+        return True
+
+    def read_text(self) -> str:
+        self.reads += 1
+        return f"{self.reads}\n"
+
+
+@pytest.mark.timeout(10)  # a settle that ignores its cap would poll forever
+def test_settle_memory_gives_up_at_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = _MovingCounter()
     monkeypatch.setattr(baselines, "_REPORTED_KIB", counter)
-    reads = itertools.count()
-    monkeypatch.setattr(type(counter), "read_text", lambda self: str(next(reads)))  # never still
     waited = baselines.settle_memory(quiet_s=0.5, cap_s=1.0)
     assert waited >= 1.0
-    assert next(reads) >= 4  # it kept polling a counter that kept moving
+    assert counter.reads >= 4  # it kept polling a counter that kept moving
