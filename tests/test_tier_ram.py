@@ -245,6 +245,26 @@ def test_adopt_is_zero_copy_and_dedups(ram: RamTier) -> None:
     assert ram.size(KEY) == 10_000
 
 
+def test_an_adopted_region_goes_back_after_its_last_reader_of_any_kind(ram: RamTier) -> None:
+    # The engine's early disk write retains a chunk's region, the hasher hands it to the tier,
+    # a restore borrows it, then the version is released: one count covers all three holders.
+    region = ram.arena.alloc(10_000)
+    assert region is not None
+    ram.arena.buffer(region)[:10_000] = payload(10_000, seed=3)
+    ram.arena.retain(region)  # the early write's reference
+    assert ram.adopt(KEY, region, 10_000) is True
+    with ram.borrow(KEY) as view, ram.borrow(KEY) as again:
+        assert view is not None and again is not None
+        ram.delete(KEY)
+        ram.arena.free(region)  # the early write is done
+        assert ram.arena.used_bytes == region.nbytes
+        assert ram.arena.alloc(ram.arena.capacity) is None  # still held by the two borrows
+        assert bytes(view) == bytes(again) == payload(10_000, seed=3)
+    assert ram.arena.used_bytes == 0
+    with pytest.raises(ValueError, match="not allocated from this arena or was already freed"):
+        ram.arena.free(region)
+
+
 def test_adopt_refuses_a_length_past_the_region(ram: RamTier) -> None:
     region = ram.arena.alloc(4096)
     assert region is not None

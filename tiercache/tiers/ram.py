@@ -318,8 +318,8 @@ class Arena:
         """Take one more reference to a live region.
 
         The region goes back to the arena only once :meth:`free` has been called for every
-        reference (the allocation's and each retain's), so a reader (an early disk write) keeps
-        a region's bytes while its owner frees it.
+        reference (the allocation's and each retain's), so a reader (an early disk write, a read
+        of the RAM tier) keeps a region's bytes while its owner frees it.
 
         Raises:
             ValueError: If the region is not live in this arena.
@@ -400,8 +400,6 @@ class _Entry:
     region: Region | None
     length: int
     gen: int
-    readers: int = 0
-    dead: bool = False
 
 
 class RamTier(Tier):
@@ -427,9 +425,9 @@ class RamTier(Tier):
         self._gens = itertools.count(1)
 
     def _release(self, entry: _Entry) -> None:
-        # Called with the lock held, once the entry is no longer reachable by key.
-        entry.dead = True
-        if entry.readers == 0 and entry.region is not None:
+        # Called with the lock held, once the entry is no longer reachable by key: drops the
+        # tier's reference to its region; readers still holding theirs keep the bytes.
+        if entry.region is not None:
             self.arena.free(entry.region)
 
     def _install(self, key: str, entry: _Entry, check: Callable[[_Entry | None], None] | None) -> None:
@@ -468,15 +466,15 @@ class RamTier(Tier):
         check_key(key)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:
-                entry.readers += 1
+            if entry is not None and entry.region is not None:
+                # The arena counts the references: a reader's keeps the region's bytes in place
+                # after a delete or overwrite drops the tier's own.
+                self.arena.retain(entry.region)
             return entry
 
     def _done(self, entry: _Entry) -> None:
-        with self._lock:
-            entry.readers -= 1
-            if entry.dead:
-                self._release(entry)
+        if entry.region is not None:
+            self.arena.free(entry.region)
 
     def _bytes_of(self, entry: _Entry) -> memoryview:
         if entry.data is not None:
