@@ -424,9 +424,10 @@ class RamTier(Tier):
         self._entries: dict[str, _Entry] = {}
         self._gens = itertools.count(1)
 
-    def _release(self, entry: _Entry) -> None:
-        # Called with the lock held, once the entry is no longer reachable by key: drops the
-        # tier's reference to its region; readers still holding theirs keep the bytes.
+    def _unref(self, entry: _Entry) -> None:
+        # Drops one reference to the entry's region: the tier's own (with the lock held, once
+        # the key no longer reaches the entry) or a reader's (see _acquire). The arena returns
+        # the region at the last one, so a delete or overwrite never frees bytes being read.
         if entry.region is not None:
             self.arena.free(entry.region)
 
@@ -437,12 +438,12 @@ class RamTier(Tier):
                 if check is not None:
                     check(old)
             except BaseException:
-                self._release(entry)
+                self._unref(entry)
                 raise
             entry.gen = next(self._gens)
             self._entries[key] = entry
             if old is not None:
-                self._release(old)
+                self._unref(old)
 
     def _make_entry(self, data: Buffer, key: str) -> _Entry:
         src = memoryview(data).cast("B")
@@ -467,14 +468,8 @@ class RamTier(Tier):
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.region is not None:
-                # The arena counts the references: a reader's keeps the region's bytes in place
-                # after a delete or overwrite drops the tier's own.
-                self.arena.retain(entry.region)
+                self.arena.retain(entry.region)  # the reader's reference, dropped by _unref
             return entry
-
-    def _done(self, entry: _Entry) -> None:
-        if entry.region is not None:
-            self.arena.free(entry.region)
 
     def _bytes_of(self, entry: _Entry) -> memoryview:
         if entry.data is not None:
@@ -490,7 +485,7 @@ class RamTier(Tier):
         try:
             return bytes(self._bytes_of(entry))
         finally:
-            self._done(entry)
+            self._unref(entry)
 
     def read_into(
         self, key: str, out: memoryview, offset: int = 0, *, observe: Observer | None = None
@@ -513,7 +508,7 @@ class RamTier(Tier):
                 observe(dst[: src.nbytes])
             return src.nbytes
         finally:
-            self._done(entry)
+            self._unref(entry)
 
     @contextlib.contextmanager
     def borrow(self, key: str) -> Iterator[memoryview | None]:
@@ -530,7 +525,7 @@ class RamTier(Tier):
         try:
             yield self._bytes_of(entry).toreadonly()
         finally:
-            self._done(entry)
+            self._unref(entry)
 
     def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Copy ``data`` into the tier (an arena region for 4096 bytes and more).
@@ -580,7 +575,7 @@ class RamTier(Tier):
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
-                self._release(entry)
+                self._unref(entry)
 
     def list(self, prefix: str = "") -> list[str]:
         """Return the stored keys starting with ``prefix``, sorted."""
@@ -622,7 +617,7 @@ class RamTier(Tier):
             if entry is None or str(entry.gen) != expect:
                 raise ConflictError(f"ref {key} was moved or deleted since it was read")
             del self._entries[key]
-            self._release(entry)
+            self._unref(entry)
 
     def used_bytes(self) -> int:
         """Bytes held: whole regions for large objects, lengths for small ones."""
@@ -634,4 +629,4 @@ class RamTier(Tier):
         with self._lock:
             entries, self._entries = self._entries, {}
             for entry in entries.values():
-                self._release(entry)
+                self._unref(entry)
