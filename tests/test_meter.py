@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tiercache.policy.meter import DEFAULT_HALF_LIFE, CodecStats, ThroughputMeter
+from tiercache.policy.meter import DEFAULT_HALF_LIFE, CodecStats, LinkModel, ThroughputMeter
 
 MIB = 1 << 20
 
@@ -156,8 +156,10 @@ def test_snapshot_is_json_and_complete() -> None:
     assert snap == {
         "half_life": 2.0,
         "tiers": {
-            "disk": {"write": {"bps": 2048.0, "total_bytes": 2048, "total_seconds": 1.0, "transfers": 2}},
-            "s3": {"write": {"bps": 1024.0, "total_bytes": 2048, "total_seconds": 2.0, "transfers": 1}},
+            "disk": {"write": {"bps": 2048.0, "latency_s": 0.0, "bandwidth_bps": 2048.0, "total_bytes": 2048,
+                               "total_seconds": 1.0, "transfers": 2}},
+            "s3": {"write": {"bps": 1024.0, "latency_s": 0.0, "bandwidth_bps": 1024.0, "total_bytes": 2048,
+                             "total_seconds": 2.0, "transfers": 1}},
         },
         "codecs": {
             "zstd/1": {
@@ -247,3 +249,55 @@ def test_record_codec_rejects_bad_input() -> None:
 def test_half_life_must_be_positive(half_life: float) -> None:
     with pytest.raises(ValueError, match="half_life"):
         ThroughputMeter(half_life=half_life)
+
+
+# ---------------------------------------------------------------------- latency plus bandwidth
+
+
+def test_small_fsynced_writes_fit_as_latency_not_as_a_slow_disk() -> None:
+    # A disk of 5 ms per request and 2 GB/s: a 1 MiB version's bulk write (one round of puts)
+    # and its commit (manifest + ref: 2 requests of a few KB).
+    meter = ThroughputMeter()
+    for _ in range(6):
+        meter.record("disk", "write", MIB, 0.005 + MIB / 2e9)
+        meter.record("disk", "write", 2000, 2 * 0.005 + 2000 / 2e9, requests=2)
+    model = meter.model("disk", "write")
+    assert model is not None
+    assert model.latency_s == pytest.approx(0.005, rel=1e-9)
+    assert model.bps == pytest.approx(2e9, rel=1e-6)
+    # Its plain rate reads like a slow tier (~60 MB/s), its prediction for 1 GiB does not.
+    assert meter.rate("disk", "write") < 100e6
+    assert meter.predict("disk", "write", 1 << 30) == pytest.approx(0.005 + (1 << 30) / 2e9, rel=1e-6)
+    assert meter.predict("disk", "write", MIB, requests=3) == pytest.approx(0.015 + MIB / 2e9, rel=1e-6)
+
+
+def test_one_shape_of_transfer_falls_back_to_the_plain_rate() -> None:
+    meter = ThroughputMeter()
+    for _ in range(4):
+        meter.record("s3", "write", 8 * MIB, 0.25)  # latency and bandwidth cannot be told apart
+    assert meter.model("s3", "write") == LinkModel(0.0, 32 * MIB)
+    assert meter.model("s3", "read") is None and meter.predict("s3", "read", 1) is None
+
+
+def test_a_latency_bound_tier_fits_as_latency_only() -> None:
+    meter = ThroughputMeter()
+    for n in (100, 200, 400):
+        meter.record("s3", "write", n, 0.02)  # time does not grow with bytes at all
+    model = meter.model("s3", "write")
+    assert model is not None and model.latency_s == pytest.approx(0.02) and model.bps == 1e12
+
+
+def test_the_fit_survives_a_snapshot_and_seed() -> None:
+    meter = ThroughputMeter()
+    for _ in range(5):
+        meter.record("disk", "write", 64 * MIB, 0.004 + 64 * MIB / 1e9)
+        meter.record("disk", "write", 4096, 0.008 + 4096 / 1e9, requests=2)
+    seeded = ThroughputMeter()
+    seeded.seed(json.loads(json.dumps(meter.snapshot())))
+    got, want = seeded.model("disk", "write"), meter.model("disk", "write")
+    assert got is not None and want is not None
+    assert got.latency_s == pytest.approx(want.latency_s, rel=1e-6) and got.bps == pytest.approx(want.bps, rel=1e-6)
+    # An older snapshot without the fit seeds the plain rate only.
+    old = ThroughputMeter()
+    old.seed({"tiers": {"disk": {"write": {"bps": 1e8}}}})
+    assert old.model("disk", "write") == LinkModel(0.0, 1e8)

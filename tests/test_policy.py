@@ -6,6 +6,7 @@ hand (tier speeds, pending versions, codec numbers) and checks the decision the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -41,8 +42,10 @@ T0 = 1000.0
 
 
 def tier(name: str, *, bps: float | None = None, cap: int | None = None, used: int = 0, remote: bool = False,
-         durable: bool = True) -> TierStats:
-    return TierStats(name, durable, cap, used, write_bps=bps, remote=remote)
+         durable: bool = True, latency: float | None = None, down: str = "", queue: int = 0,
+         backlog: int = 0) -> TierStats:
+    return TierStats(name, durable, cap, used, write_bps=bps, remote=remote, write_latency_s=latency,
+                     available=not down, unavailable=down, queue_depth=queue, backlog_bytes=backlog)
 
 
 def disk(bps: float | None = 1000 * MB, **kw: Any) -> TierStats:
@@ -342,7 +345,7 @@ def test_projected_lag_of_writing_every_pending_version_in_order() -> None:
     c = lag_ctx()
     assert p.ingest_bps(c) == 24 * MB / 30
     # V001 lands at +34 (34 s after V000 was saved), V002 at +38 (28 s after V001), V003 at +42.
-    assert p.projected_lag(c.tiers["s3"], c, 2 * MB) == 34.0
+    assert p.projected_lag(c.tiers["s3"], c, lambda x: x.nbytes / (2 * MB)) == 34.0
 
 
 def test_the_remote_lag_bound_turns_on_coalescing_even_when_the_rate_fits() -> None:
@@ -360,14 +363,23 @@ def test_the_remote_lag_bound_turns_on_coalescing_even_when_the_rate_fits() -> N
 
 def test_a_disk_slower_than_s3_is_bypassed_and_probed_now_and_then() -> None:
     p = ThroughputAdaptive(disk_probe_s=60, compression="off")
-    recent = ctx([disk(50 * MB), s3(100 * MB)], [ver(1, tiers={"disk", "s3"}), ver(2)], now=T0 + 10)
+    # Saves of 8 MB every 0.1 s (80 MB/s): the disk (50 MB/s) does not keep up, S3 (100 MB/s) does.
+    recent = ctx([disk(50 * MB), s3(100 * MB)], [ver(1, tiers={"disk", "s3"}, at=T0 + 9.9), ver(2, at=T0 + 10)],
+                 now=T0 + 10)
     got = p.place(ver(2), recent)
     assert plans(got) == {"s3": (RAW, False), "disk": (RAW, True)}
     assert [x.tier for x in got.plans] == ["s3", "disk"]  # fastest first
-    assert got.plan_for("disk").reason == "disk slower than s3 (50.0 < 100.0 MB/s): RAM -> s3 directly"
-    stale = ctx([disk(50 * MB), s3(100 * MB)], [ver(1, tiers={"disk", "s3"}), ver(2, at=T0 + 100)], now=T0 + 100)
+    assert got.plan_for("disk").reason == (
+        "disk slower than s3 for this version (50.0 < 100.0 MB/s, queues and per-request latency included): "
+        "RAM -> s3 directly"
+    )
+    stale = ctx([disk(50 * MB), s3(100 * MB)], [ver(0, at=T0 + 99.8, tiers={"s3"}), ver(1, tiers={"disk", "s3"}),
+                                                 ver(2, at=T0 + 100)], now=T0 + 100)
     assert plans(p.place(ver(2, at=T0 + 100), stale)) == {"s3": (RAW, False), "disk": (RAW, False)}
-    assert not ThroughputAdaptive(direct_to_remote=False).place(ver(2), recent).plan_for("disk").skip
+    # A disk that keeps up with the saves is never bypassed, however fast S3 is.
+    calm = ctx([disk(50 * MB), s3(100 * MB)], [ver(1, tiers={"disk", "s3"}), ver(2, at=T0 + 10)], now=T0 + 10)
+    assert not p.place(ver(2, at=T0 + 10), calm).plan_for("disk").skip
+    assert not ThroughputAdaptive(direct_to_remote=False).place(ver(2, at=T0 + 10), recent).plan_for("disk").skip
 
 
 def test_a_full_disk_is_bypassed_unless_eviction_makes_room() -> None:
@@ -514,3 +526,84 @@ def test_pinned_versions_are_never_evicted_nor_coalesced_away(c: PolicyContext, 
         newest = all(i <= v.id for i in c.pending["s3"])
         if v.pinned or newest:
             assert not placement.plan_for("s3").skip
+
+
+# ---------------------------------------------------------------------- every version reaches a durable tier
+
+
+def test_latency_plus_bandwidth_ranks_tiers_by_the_time_for_this_versions_bytes() -> None:
+    # A disk whose fsyncs cost 10 ms per request but that writes 2 GB/s, and an S3 of 1 ms and 100 MB/s.
+    p = ThroughputAdaptive(compression="off")
+    fsyncing, s3_link = disk(2000 * MB, latency=0.010), s3(100 * MB, latency=0.001)
+    small, large = ver(2, nbytes=1 * MB), ver(2, nbytes=512 * MB)
+    c = ctx([fsyncing, s3_link], [ver(1, tiers={"disk", "s3"}), small])
+    # 1 MB: the disk needs 30.5 ms, S3 13 ms; 512 MB: the disk 0.29 s, S3 5.1 s.
+    assert p.eta(small, fsyncing, c) == pytest.approx(0.030 + 1 / 2000)
+    assert p.eta(small, s3_link, c) == pytest.approx(0.003 + 1 / 100)
+    assert [x.tier for x in p.place(small, c).plans] == ["s3", "disk"]
+    assert not p.place(small, c).plan_for("disk").skip  # a version a second: the disk keeps up
+    busy = ctx([fsyncing, s3_link],
+               [ver(1, nbytes=1 * MB, at=T0 + 1.99, tiers={"disk"}), ver(2, nbytes=1 * MB, at=T0 + 2)])
+    assert p.place(ver(2, nbytes=1 * MB, at=T0 + 2), busy).plan_for("disk").skip  # 100 a second: it does not
+    assert [x.tier for x in p.place(large, c).plans] == ["disk", "s3"]
+    assert not p.place(large, c).plan_for("disk").skip
+
+
+def test_a_queue_counts_in_the_time_a_tier_needs() -> None:
+    p = ThroughputAdaptive(compression="off")
+    busy_s3 = s3(100 * MB, latency=0.001, queue=3, backlog=300 * MB)  # 3 s of work queued
+    c = ctx([disk(50 * MB), busy_s3], [ver(1, tiers={"disk", "s3"}), ver(2)])
+    assert p.eta(ver(2), busy_s3, c) == pytest.approx(3 + 4 * 0.003 + 8 / 100)
+    assert not p.place(ver(2), c).plan_for("disk").skip  # the disk (0.16 s) beats S3's queue
+
+
+def test_s3_never_coalesces_a_version_that_bypasses_the_disk() -> None:
+    # The disk is slower for small versions, so it is bypassed; S3 cannot keep up with every save,
+    # but it is then the only tier that takes the version: it must not coalesce it away.
+    p = ThroughputAdaptive(compression="off")
+    vs = [ver(0, tiers={"disk", "s3"}), *[ver(i, nbytes=1 * MB, pending={"s3"}) for i in (1, 2, 3)]]
+    c = ctx([disk(2000 * MB, latency=1.0), s3(MB // 2)], vs)  # 1 MB: the disk 3 s, S3 2 s
+    got = p.place(vs[2], c)
+    assert got.plan_for("disk").skip and "slower than s3" in got.plan_for("disk").reason
+    assert not got.plan_for("s3").skip
+    # Once the disk holds it, S3 may coalesce it again.
+    held = p.place(ver(2, nbytes=1 * MB, tiers={"disk"}, pending={"s3"}), c).plan_for("s3")
+    assert held.skip and held.reason.startswith("coalesced:")
+
+
+def test_an_unavailable_tier_is_skipped_with_its_reason_and_the_other_takes_every_version() -> None:
+    p = ThroughputAdaptive(compression="off")
+    vs = [ver(0, tiers={"disk", "s3"}), *[ver(i, nbytes=1 * MB, pending={"disk"}) for i in (1, 2, 3)]]
+    c = ctx([disk(1 * MB), s3(100 * MB, down="TierUnavailableError: connection refused")], vs)
+    got = p.place(vs[1], c)
+    assert got.plan_for("s3") == TierPlan("s3", RAW, skip=True,
+                                          reason="s3 unavailable (TierUnavailableError: connection refused)")
+    assert got.plan_for("disk") == TierPlan("disk", RAW)  # slow and behind, but the only tier left
+    both_down = ctx([disk(down="EIO"), s3(down="refused")], vs)
+    assert all(x.skip for x in p.place(vs[1], both_down).plans)
+
+
+@st.composite
+def troubled_contexts(draw: st.DrawFn) -> PolicyContext:
+    c = draw(contexts())
+    tiers = {}
+    for name, t in c.tiers.items():
+        tiers[name] = dataclasses.replace(
+            t, write_latency_s=draw(st.one_of(st.none(), st.floats(0, 0.2))),
+            available=draw(st.booleans()) or name == "disk", queue_depth=draw(st.integers(0, 5)),
+            backlog_bytes=draw(st.integers(0, 512)) * MB,
+        )
+    return dataclasses.replace(c, tiers=tiers)
+
+
+@settings(max_examples=300, deadline=None)
+@given(troubled_contexts(), st.floats(1, 600), st.booleans())
+def test_every_version_not_yet_held_goes_to_at_least_one_available_durable_tier(
+    c: PolicyContext, bound: float, direct: bool
+) -> None:
+    p = ThroughputAdaptive(max_remote_lag_s=bound, direct_to_remote=direct)
+    for v in c.versions:
+        v = dataclasses.replace(v, tiers=frozenset())
+        taken = [x.tier for x in p.place(v, c).plans if not x.skip]
+        assert taken, p.place(v, c)
+        assert all(c.tiers[name].available for name in taken)

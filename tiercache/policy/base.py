@@ -25,6 +25,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 OnFull = Literal["wait", "evict", "skip"]
 
+#: Round trips of a version's commit after its chunks: the manifest, then the ref.
+COMMIT_REQUESTS = 2
+
 
 @dataclass(frozen=True)
 class TierStats:
@@ -40,6 +43,12 @@ class TierStats:
         queue_depth: Versions waiting to be written to this tier.
         backlog_bytes: Bytes of those versions.
         remote: Whether a copy there counts as ``remote`` durability (off this machine: S3).
+        write_latency_s: Fitted seconds per write request on top of moving its bytes (``None``
+            before any write; then ``write_bps`` is the plain observed rate). With it,
+            ``write_bps`` is the fitted bandwidth; see :mod:`tiercache.policy.meter`.
+        available: Whether the tier answers now (``False`` during an outage, until a probe
+            succeeds); a policy should not place versions on an unavailable tier.
+        unavailable: Why it is unavailable (the last error), empty while available.
     """
 
     name: str
@@ -51,6 +60,26 @@ class TierStats:
     queue_depth: int = 0
     backlog_bytes: int = 0
     remote: bool = False
+    write_latency_s: float | None = None
+    available: bool = True
+    unavailable: str = ""
+
+    def write_seconds(self, nbytes: int) -> float | None:
+        """Predicted seconds to write a version of ``nbytes`` here, its commit included.
+
+        A version is one round of chunk writes plus :data:`COMMIT_REQUESTS` round trips for its
+        manifest and ref, each costing the tier's latency; ``None`` while the speed is unknown.
+        """
+        if self.write_bps is None:
+            return None
+        return (1 + COMMIT_REQUESTS) * (self.write_latency_s or 0.0) + nbytes / self.write_bps
+
+    def backlog_seconds(self) -> float | None:
+        """Predicted seconds until the versions queued here are written (``None`` if unmeasured)."""
+        if self.write_bps is None:
+            return None
+        latency = self.queue_depth * (1 + COMMIT_REQUESTS) * (self.write_latency_s or 0.0)
+        return latency + self.backlog_bytes / self.write_bps
 
 
 @dataclass(frozen=True)
@@ -75,6 +104,7 @@ class VersionView:
         created_at: Unix time of the save.
         tiers: Tiers holding every chunk of it.
         pending: Tiers it is still queued for.
+        skipped: Tiers it was already skipped for (they will not take it, unless nothing else does).
         pinned: Whether it is a branch head or tagged (never evicted).
         meta: User metadata (for best-N retention).
         float_fraction: Share of its bytes that are floating-point tensors (for codec choice).
@@ -88,6 +118,7 @@ class VersionView:
     tiers: frozenset[str] = frozenset()
     pending: frozenset[str] = frozenset()
     pinned: bool = False
+    skipped: frozenset[str] = frozenset()
     meta: Mapping[str, Any] = field(default_factory=dict)
     float_fraction: float = 0.0
 

@@ -101,6 +101,10 @@ class WriteThrough:
         return self._on_full
 
 
+def _mbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / _MB:.1f}" if seconds > 0 else "inf"
+
+
 def compression_wins(tier_bps: float, encode_bps: float, ratio: float) -> bool:
     """Whether writing a byte encoded beats writing it raw on a tier of ``tier_bps``.
 
@@ -212,47 +216,95 @@ class ThroughputAdaptive:
     # ------------------------------------------------------------------ placement
 
     def place(self, version: VersionView, ctx: PolicyContext) -> Placement:
-        """Plan every durable tier for ``version``: a codec each, or a skip with its reason."""
+        """Plan every durable tier for ``version``: a codec each, or a skip with its reason.
+
+        Whatever the measurements say, at least one available durable tier takes the version:
+        coalescing skips a tier only while another one takes (or holds) the version, and when
+        every tier would be skipped, the one that would hold it soonest takes it after all.
+        """
         durable = [t for t in ctx.tiers.values() if t.durable]
+        reasons: dict[str, str] = {}
+        for t in durable:
+            if not t.available:
+                reasons[t.name] = f"{t.name} unavailable ({t.unavailable or 'not answering'})"
+            elif self.direct_to_remote and not t.remote:
+                reasons[t.name] = self._bypass_reason(version, t, ctx)
+        if not version.pinned:
+            # The slowest tier for this version coalesces first, and only while another takes it.
+            for t in sorted(durable, key=lambda x: self._eta_key(version, x, ctx), reverse=True):
+                if reasons.get(t.name):
+                    continue
+                others = [o for o in durable if o is not t and (o.name in version.tiers or (
+                    not reasons.get(o.name) and o.name not in version.skipped))]
+                if others:
+                    reasons[t.name] = self._coalesce_reason(version, t, ctx)
+        # A tier the version was already skipped for does not take it, whatever it would say now.
+        takers = [t for t in durable if not reasons.get(t.name) and t.name not in version.skipped]
+        if not takers and not any(t.name in version.tiers for t in durable):
+            available = [t for t in durable if t.available]
+            candidates = [t for t in available if t.name not in version.skipped] or available
+            if candidates:
+                reasons[min(candidates, key=lambda x: self._eta_key(version, x, ctx)).name] = ""
         plans = []
         for t in durable:
-            reason = self._skip_reason(version, t, ctx)
+            reason = reasons.get(t.name, "")
             codec = RAW if reason else self._codec(version, t, ctx, durable)
             plans.append(TierPlan(t.name, codec, skip=bool(reason), reason=reason))
-        # Fastest measured tier first; unmeasured ones keep their configured order after them.
+        # Soonest done first; unmeasured tiers keep their configured order after them.
         order = {t.name: i for i, t in enumerate(durable)}
-        speed = {t.name: t.write_bps for t in durable}
-        plans.sort(key=lambda p: (speed[p.tier] is None, -(speed[p.tier] or 0.0), order[p.tier]))
+        key = {t.name: self._eta_key(version, t, ctx) for t in durable}
+        plans.sort(key=lambda p: (key[p.tier], order[p.tier]))
         return Placement(tuple(plans))
 
-    def _skip_reason(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> str:
-        if self.direct_to_remote and not t.remote:
-            reason = self._bypass_reason(v, t, ctx)
-            if reason:
-                return reason
-        if v.pinned:
-            return ""
-        return self._coalesce_reason(v, t, ctx)
+    def _eta_key(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> tuple[bool, float]:
+        """Sort key: measured tiers by when they would hold ``v`` (queue included), unmeasured last."""
+        eta = self.eta(v, t, ctx)
+        return (eta is None, eta or 0.0)
+
+    def eta(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> float | None:
+        """Predicted seconds until tier ``t`` holds ``v``: its queue, then ``v``'s own bytes and commit.
+
+        Both terms count per-request latency and bandwidth (see :meth:`TierStats.write_seconds`),
+        so a tier whose small fsynced writes make its bytes/s look low is not mistaken for a slow
+        one; ``None`` while the tier's speed is not measured.
+        """
+        own = t.write_seconds(int(v.nbytes / self._ratio(v, t, ctx)))
+        queued = t.backlog_seconds()
+        if own is None or queued is None:
+            return None
+        return queued + own
 
     def _bypass_reason(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> str:
-        remotes = [r for r in ctx.tiers.values() if r.durable and r.remote]
+        remotes = [r for r in ctx.tiers.values() if r.durable and r.remote and r.available]
         if not remotes or t.name in v.tiers:
             return ""
-        r = max(remotes, key=lambda x: x.write_bps or 0.0)
+        r = min(remotes, key=lambda x: self._eta_key(v, x, ctx))
         if t.capacity is not None:
             evictable = sum(x.nbytes for x in self._eviction_order(t.name, ctx))
             room = t.capacity - t.used_bytes + evictable
             if v.nbytes > room:
                 return (f"{t.name} full ({t.used_bytes} of {t.capacity} bytes used, {evictable} evictable): "
                         f"RAM -> {r.name} directly")
-        if t.write_bps is not None and r.write_bps is not None and t.write_bps < r.write_bps:
+        mine, theirs = self.eta(v, t, ctx), self.eta(v, r, ctx)
+        # Only a disk that is both slower for this version and not keeping up with the saves is
+        # bypassed: while it keeps up, every version gets a local copy at no cost to the others.
+        if mine is not None and theirs is not None and theirs < mine and not self._keeps_up(v, t, ctx):
             # Probe now and then so a disk that got fast again is noticed.
             recent = [x.created_at for x in ctx.versions
                       if x.id != v.id and (t.name in x.tiers or t.name in x.pending)]
             if recent and ctx.now - max(recent) < self.disk_probe_s:
-                speeds = f"{t.write_bps / _MB:.1f} < {r.write_bps / _MB:.1f} MB/s"
-                return f"{t.name} slower than {r.name} ({speeds}): RAM -> {r.name} directly"
+                speeds = f"{_mbps(v.nbytes, mine)} < {_mbps(v.nbytes, theirs)} MB/s"
+                return (f"{t.name} slower than {r.name} for this version ({speeds}, queues and per-request "
+                        f"latency included): RAM -> {r.name} directly")
         return ""
+
+    def _keeps_up(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> bool:
+        """Whether ``t`` absorbs saves as fast as they arrive (within ``headroom``), at ``v``'s size."""
+        raw = self._raw_seconds(v.nbytes, v, t, ctx)
+        ingest = self.ingest_bps(ctx)
+        if raw is None or ingest is None:
+            return True
+        return raw <= 0 or ingest <= self.headroom * v.nbytes / raw
 
     def _coalesce_reason(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> str:
         pending = list(ctx.pending.get(t.name, ()))
@@ -260,20 +312,25 @@ class ThroughputAdaptive:
         if not newer:
             return ""
         newest = max(newer)
-        bps = t.write_bps
-        if bps is None:
+        raw = self._raw_seconds(v.nbytes, v, t, ctx)
+        if raw is None:
             return f"coalesced: {t.name} speed not measured yet and newer version {newest} is pending"
-        ratio = self._ratio(v, t, ctx)
+        # The tier's speed at this version's size: bandwidth and per-request latency together.
+        absorbs = v.nbytes / raw if raw > 0 else math.inf
         ingest = self.ingest_bps(ctx)
-        if ingest is not None and ingest / ratio > self.headroom * bps:
-            return (f"coalesced: saves arrive at {ingest / ratio / _MB:.1f} MB/s, {t.name} absorbs "
-                    f"{bps / _MB:.1f} MB/s; newer version {newest} is pending")
+        if ingest is not None and ingest > self.headroom * absorbs:
+            return (f"coalesced: saves arrive at {ingest / _MB:.1f} MB/s, {t.name} absorbs "
+                    f"{absorbs / _MB:.1f} MB/s; newer version {newest} is pending")
         if t.remote:
-            lag = self.projected_lag(t, ctx, bps * ratio)
+            lag = self.projected_lag(t, ctx, lambda x: self._raw_seconds(x.nbytes, x, t, ctx) or 0.0)
             if lag > self.max_remote_lag_s:
                 return (f"coalesced: writing every pending version would leave {t.name} {lag:.0f}s behind "
                         f"(bound {self.max_remote_lag_s:.0f}s); newer version {newest} is pending")
         return ""
+
+    def _raw_seconds(self, nbytes: int, v: VersionView, t: TierStats, ctx: PolicyContext) -> float | None:
+        """Predicted seconds to write ``nbytes`` raw bytes of ``v`` to ``t`` (encoded as planned)."""
+        return t.write_seconds(int(nbytes / self._ratio(v, t, ctx)))
 
     def ingest_bps(self, ctx: PolicyContext) -> float | None:
         """Bytes per second at which recent saves arrive, or ``None`` with fewer than two saves.
@@ -289,7 +346,7 @@ class ThroughputAdaptive:
             return math.inf
         return sum(x.nbytes for x in recent[1:]) / span
 
-    def projected_lag(self, t: TierStats, ctx: PolicyContext, raw_bps: float) -> float:
+    def projected_lag(self, t: TierStats, ctx: PolicyContext, seconds: Callable[[VersionView], float]) -> float:
         """The longest ``t`` would lag behind if every pending version were written in order.
 
         The lag at an instant is the time since the newest version ``t`` holds was saved; it
@@ -298,7 +355,7 @@ class ThroughputAdaptive:
         Args:
             t: The tier.
             ctx: The context (pending versions, their sizes and save times).
-            raw_bps: Raw bytes per second the tier absorbs (write speed times codec ratio).
+            seconds: How long writing one version to ``t`` takes.
         """
         by_id = {x.id: x for x in ctx.versions}
         queue = [by_id[i] for i in sorted(ctx.pending.get(t.name, ())) if i in by_id]
@@ -306,7 +363,7 @@ class ThroughputAdaptive:
         prev = max(held) if held else min((x.created_at for x in queue), default=ctx.now)
         clock, worst = ctx.now, ctx.now - prev
         for x in queue:
-            clock += x.nbytes / raw_bps
+            clock += seconds(x)
             worst = max(worst, clock - prev)
             prev = x.created_at
         return worst

@@ -19,6 +19,17 @@ its own bytes and seconds, and the rate is ``B / S``. So:
   speed to the new one, never overshooting.
 
 Codec ratios are smoothed the same way (decayed raw bytes over decayed encoded bytes).
+
+**Latency plus bandwidth.** Bytes over seconds misranks tiers when transfers are small: a disk
+that fsyncs a 1 MiB version spends most of its time in the fsync, so its bytes/s look lower
+than an object store's that does not, although the disk is faster for anything large. So each
+series also fits ``seconds = requests * latency + bytes / bandwidth`` by least squares over the
+same decayed observations (a transfer of ``requests`` round trips moving ``bytes``). The engine
+records a version's bulk chunk writes and its commit (manifest and ref: small, latency-bound) as
+separate observations, so both terms are seen; :meth:`ThroughputMeter.predict` then says how long
+a given number of bytes would take, which is what decisions that compare tiers compare. While the
+observations cannot separate the terms (all of one shape), the model falls back to no latency
+and the plain rate.
 """
 
 from __future__ import annotations
@@ -78,13 +89,70 @@ class _Ewma:
         return self.num / self.den if self.den > 0 else None
 
 
-class _TransferSeries:
-    """One (tier, direction): the smoothed rate and the plain totals."""
+@dataclass(frozen=True)
+class LinkModel:
+    """A tier's speed in one direction as per-request latency plus bandwidth.
 
-    __slots__ = ("rate", "total_bytes", "total_seconds", "transfers")
+    Attributes:
+        latency_s: Seconds each request costs on top of moving its bytes (>= 0).
+        bps: Bytes per second once moving.
+    """
+
+    latency_s: float
+    bps: float
+
+    def seconds(self, nbytes: int, requests: int = 1) -> float:
+        """Predicted seconds to move ``nbytes`` in ``requests`` round trips."""
+        return requests * self.latency_s + nbytes / self.bps
+
+
+#: Relative size of the 2x2 determinant below which the observations cannot tell latency from
+#: bandwidth (they are all of one shape: same bytes per request).
+_DEGENERATE = 1e-9
+#: Fastest bandwidth a fit may report (1 TB/s): a fit whose byte term vanishes in the noise
+#: means "latency-bound", not "infinitely fast".
+_MAX_BPS = 1e12
+
+
+class _LeastSquares:
+    """Decayed least squares of ``seconds ~ requests * latency + bytes * (1 / bandwidth)``."""
+
+    __slots__ = ("nn", "nt", "rn", "rr", "rt")
+
+    def __init__(self) -> None:
+        self.rr = self.rn = self.nn = self.rt = self.nt = 0.0
+
+    def add(self, requests: float, nbytes: float, seconds: float, decay: float) -> None:
+        self.rr = self.rr * decay + requests * requests
+        self.rn = self.rn * decay + requests * nbytes
+        self.nn = self.nn * decay + nbytes * nbytes
+        self.rt = self.rt * decay + requests * seconds
+        self.nt = self.nt * decay + nbytes * seconds
+
+    def model(self, fallback_bps: float | None) -> LinkModel | None:
+        det = self.rr * self.nn - self.rn * self.rn
+        if self.nn > 0 and self.rr > 0 and det > _DEGENERATE * self.rr * self.nn:
+            latency = (self.rt * self.nn - self.nt * self.rn) / det
+            per_byte = (self.rr * self.nt - self.rn * self.rt) / det
+            if latency >= 0 and per_byte > 0:
+                return LinkModel(latency, min(1.0 / per_byte, _MAX_BPS))
+            if latency < 0 and self.nt > 0:  # no measurable latency: bandwidth alone
+                return LinkModel(0.0, min(self.nn / self.nt, _MAX_BPS))
+            if per_byte <= 0 and self.rt > 0:  # no measurable byte cost: latency alone
+                return LinkModel(self.rt / self.rr, _MAX_BPS)
+        if fallback_bps is None:
+            return None
+        return LinkModel(0.0, fallback_bps)
+
+
+class _TransferSeries:
+    """One (tier, direction): the smoothed rate, the latency/bandwidth fit and the plain totals."""
+
+    __slots__ = ("fit", "rate", "total_bytes", "total_seconds", "transfers")
 
     def __init__(self) -> None:
         self.rate = _Ewma()
+        self.fit = _LeastSquares()
         self.total_bytes = 0
         self.total_seconds = 0.0
         self.transfers = 0
@@ -158,7 +226,7 @@ class ThroughputMeter:
         """Observations after which an old measurement weighs half."""
         return self._half_life
 
-    def record(self, tier: str, direction: Direction, nbytes: int, seconds: float) -> None:
+    def record(self, tier: str, direction: Direction, nbytes: int, seconds: float, requests: int = 1) -> None:
         """Record one transfer of ``nbytes`` to or from ``tier`` that took ``seconds``.
 
         A transfer of zero measured seconds counts in the totals but cannot give a rate on its
@@ -169,6 +237,8 @@ class ThroughputMeter:
             direction: ``"read"`` or ``"write"``.
             nbytes: Bytes moved.
             seconds: Wall-clock duration of the transfer.
+            requests: Round trips the transfer waited for one after another (a commit of a
+                manifest and a ref is 2; many puts in parallel count as one).
 
         Raises:
             ValueError: If ``direction`` is unknown or a count or duration is negative or not finite.
@@ -177,11 +247,13 @@ class ThroughputMeter:
             raise ValueError(f"direction must be 'read' or 'write', got {direction!r}")
         _check_count("nbytes", nbytes)
         _check_seconds("seconds", seconds)
+        _check_count("requests", requests)
         with self._lock:
             series = self._transfers.get((tier, direction))
             if series is None:
                 series = self._transfers[(tier, direction)] = _TransferSeries()
             series.rate.add(nbytes, seconds, self._decay)
+            series.fit.add(requests, nbytes, seconds, self._decay)
             series.total_bytes += nbytes
             series.total_seconds += seconds
             series.transfers += 1
@@ -230,6 +302,21 @@ class ThroughputMeter:
             series = self._transfers.get((tier, direction))
             return None if series is None else series.rate.value()
 
+    def model(self, tier: str, direction: Direction) -> LinkModel | None:
+        """Return ``tier``'s fitted latency and bandwidth in ``direction``, or ``None`` until observed."""
+        with self._lock:
+            series = self._transfers.get((tier, direction))
+            return None if series is None else series.fit.model(series.rate.value())
+
+    def predict(self, tier: str, direction: Direction, nbytes: int, requests: int = 1) -> float | None:
+        """Predicted seconds to move ``nbytes`` to or from ``tier`` in ``requests`` round trips.
+
+        Returns:
+            The estimate, or ``None`` while ``tier`` has not been observed in that direction.
+        """
+        m = self.model(tier, direction)
+        return None if m is None else m.seconds(nbytes, requests)
+
     def codec_stats(self, codec: str) -> CodecStats | None:
         """Return what was observed for ``codec``, or ``None`` if it was never recorded."""
         with self._lock:
@@ -240,16 +327,22 @@ class ThroughputMeter:
         """Return everything observed as plain JSON-able data.
 
         Returns:
-            ``{"half_life": h, "tiers": {tier: {direction: {"bps", "total_bytes",
-            "total_seconds", "transfers"}}}, "codecs": {codec: {"encode_bps", "decode_bps",
-            "ratio", "chunks", "raw_bytes", "encoded_bytes"}}}``, sorted by name; speeds and
-            ratios are ``None`` where nothing measurable was seen.
+            ``{"half_life": h, "tiers": {tier: {direction: {"bps", "latency_s", "bandwidth_bps",
+            "total_bytes", "total_seconds", "transfers"}}}, "codecs": {codec: {"encode_bps",
+            "decode_bps", "ratio", "chunks", "raw_bytes", "encoded_bytes"}}}``, sorted by name;
+            ``bps`` is the plain smoothed rate, ``latency_s`` and ``bandwidth_bps`` the fitted
+            model (see the module docstring); speeds and ratios are ``None`` where nothing
+            measurable was seen.
         """
         with self._lock:
             tiers: dict[str, dict[str, dict[str, Any]]] = {}
             for (tier, direction), series in sorted(self._transfers.items()):
+                rate = series.rate.value()
+                fit = series.fit.model(rate)
                 tiers.setdefault(tier, {})[direction] = {
-                    "bps": series.rate.value(),
+                    "bps": rate,
+                    "latency_s": fit.latency_s if fit else None,
+                    "bandwidth_bps": fit.bps if fit else None,
                     "total_bytes": series.total_bytes,
                     "total_seconds": series.total_seconds,
                     "transfers": series.transfers,
@@ -261,16 +354,24 @@ class ThroughputMeter:
         """Start from the speeds and ratios of an earlier :meth:`snapshot` (another process's).
 
         Each known rate counts as one observation, so the first real transfers quickly take
-        over; the totals stay at zero, as they count only what this process moved. Entries that
-        are malformed are ignored: a seed is a hint, never a reason to fail.
+        over; the totals stay at zero, as they count only what this process moved. A fitted
+        latency and bandwidth are seeded as two observations that pin them (one request of no
+        bytes, one second of bytes with no request). Entries that are malformed are ignored: a
+        seed is a hint, never a reason to fail.
         """
         with self._lock:
             for tier, directions in dict(snapshot.get("tiers") or {}).items():
                 for direction, info in dict(directions or {}).items():
-                    bps = _positive(dict(info or {}).get("bps"))
+                    info = dict(info or {})
+                    bps = _positive(info.get("bps"))
                     if direction in _DIRECTIONS and bps is not None and isinstance(tier, str):
                         series = self._transfers.setdefault((tier, direction), _TransferSeries())
                         series.rate.add(bps, 1.0, self._decay)
+                        band = _positive(info.get("bandwidth_bps"))
+                        latency = info.get("latency_s")
+                        if band is not None and (latency == 0 or _positive(latency) is not None):
+                            series.fit.add(1.0, 0.0, float(latency), self._decay)
+                            series.fit.add(0.0, band, 1.0, self._decay)
             for codec, info in dict(snapshot.get("codecs") or {}).items():
                 info = dict(info or {})
                 enc, dec, ratio = (_positive(info.get(k)) for k in ("encode_bps", "decode_bps", "ratio"))
@@ -289,4 +390,4 @@ class ThroughputMeter:
             self._codecs.clear()
 
 
-__all__ = ["DEFAULT_HALF_LIFE", "CodecStats", "Direction", "ThroughputMeter"]
+__all__ = ["DEFAULT_HALF_LIFE", "CodecStats", "Direction", "LinkModel", "ThroughputMeter"]
