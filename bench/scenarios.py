@@ -246,7 +246,7 @@ def backlog(args: argparse.Namespace, server: LocalS3Server, root: Path, console
                 "max_s3_queue": observed.max_s3_depth,
                 "s3_slow_uploaded_skipped": trace.s3_outcomes("slow"),
                 "s3_fast_uploaded_skipped": trace.s3_outcomes("fast"),
-                "all_local": all(h.done("local") for h in trace.handles),
+                "all_local": all(h.succeeded("local") for h in trace.handles),
                 "max_remote_lag_s": trace.max_remote_lag(done) if trace.remote_at else None,
                 "bound_s": args.bound,
                 "s3_meter_slow_MBps": (bps_slow or 0) / _MB,

@@ -59,6 +59,8 @@ def config_for(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("s3"):
         cfg["s3"] = spec["s3"]
+    if "reflog_keep" in spec:
+        cfg["reflog_keep"] = spec["reflog_keep"]
     return cfg
 
 

@@ -200,7 +200,7 @@ def test_adaptive_coalesces_on_a_slow_link_and_uploads_everything_once_it_is_fas
     # Exactly the versions reported remote are in the bucket; the rest were skipped, for S3 only.
     assert set(in_bucket) == remote
     assert skipped == set(run.ids()) - remote
-    assert all(h.done("local") for h in run.handles)
+    assert all(h.succeeded("local") for h in run.handles)
     # Lineage is exact, on the disk's view and in the bucket, skipped versions included.
     assert [parents[v] for v in run.ids()] == [None, *run.ids()[:-1]]
     assert all(in_bucket[v]["parent"] == parents[v] for v in remote)
@@ -303,9 +303,9 @@ def test_a_disk_full_of_tags_sends_the_next_version_ram_to_s3_directly(
                 cache.tag(f"t{i}", h.version)
         local_error = handles[2].future("local").exception()
         back = cache.restore(handles[2].version)
-    assert [h.done("local") for h in handles] == [True, True, False]
+    assert [h.succeeded("local") for h in handles] == [True, True, False]
     assert isinstance(local_error, SkippedError)
     assert "disk full" in str(local_error) and "RAM -> s3 directly" in str(local_error)
-    assert all(h.done("remote") for h in handles)
+    assert all(h.succeeded("remote") for h in handles)
     assert set(_s3_manifests(s3_server, s3_config)) == {h.version for h in handles}
     assert all(torch.equal(back[k], states[2][k]) for k in states[2])

@@ -44,7 +44,7 @@ def test_a_stale_writer_gets_conflict_and_its_retry_lands_on_the_new_head(tmp_pa
             stale = b.save({"x": torch.full((4,), 2.0)}, step=1)
             with pytest.raises(ConflictError, match="moved by another writer"):
                 stale.wait("local")
-            assert not stale.done("local")
+            assert not stale.succeeded("local")
             assert b.manifest(stale.version).parent == base.version  # stored, but not on the branch
             assert b.resolve("main") == moved.version  # b follows the other writer's head
             retry = b.save({"x": torch.full((4,), 3.0)}, step=2)

@@ -43,7 +43,7 @@ def test_futures_per_level_disk_only(tmp_path: Path) -> None:
         assert h.wait("staged") == h.version
         assert h.wait("local") == h.version
         assert h.wait("durable") == h.version
-        assert h.done("local") and not h.done("remote")
+        assert h.succeeded("local") and not h.succeeded("remote")
         with pytest.raises(ConfigError, match="no s3 tier"):
             h.wait("remote")
 
@@ -114,7 +114,7 @@ def test_full_arena_with_skip_policy_skips_the_version(tmp_path: Path, monkeypat
         h3 = cache.save({k: v + 2 for k, v in state.items()}, step=3)
         with pytest.raises(SkippedError):
             h3.wait("staged")
-        assert not h3.done("local")
+        assert not h3.succeeded("local")
         gated.gate.set()
         assert h1.wait("local") == h1.version and h2.wait("local") == h2.version
         assert [v.step for v in cache.versions()] == [1, 2]
@@ -128,23 +128,50 @@ def test_version_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
         assert cache.versions() == []
 
 
-def test_background_failure_surfaces_on_handle_and_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_background_failure_never_costs_the_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
         raise StorageError(f"injected failure writing {key}")
 
     cache = tiercache.open({"disk": {"path": str(tmp_path)}})
     monkeypatch.setattr(DiskTier, "put", broken)
-    h = cache.save(_state(1), step=1)
+    h1 = cache.save(_state(1), step=1)
     with pytest.raises(StorageError, match="injected"):
-        h.wait("local")
-    assert not h.done("local") and not h.done("durable")
+        h1.wait("local")
+    assert h1.future("local").done() and not h1.succeeded("local") and not h1.succeeded("durable")
+    h2 = cache.save(_state(1), step=2)  # on_error="warn": the loss of step 1 does not stop training
     with pytest.raises(StorageError, match="injected"):
-        cache.save(_state(1), step=2)  # reported once, on the next save ...
+        h2.wait("durable")  # the disk is down, but the only tier: it was tried anyway
     monkeypatch.undo()
-    h3 = cache.save(_state(1, seed=3), step=3)  # ... then training goes on
+    h3 = cache.save(_state(1, seed=3), step=3)
     assert h3.wait("local") == h3.version
+    assert cache.stats()["errors"]["lost_versions"] == 2
+    with pytest.raises(StorageError, match="injected"):
+        cache.flush()  # the first lost version, reported once ...
+    cache.flush()  # ... and only once
     cache.close()
-    assert [v.step for v in tiercache.open({"disk": {"path": str(tmp_path)}}).versions()] == [3]
+    reopened = tiercache.open({"disk": {"path": str(tmp_path)}})
+    assert [(v.step, v.parent) for v in reopened.versions()] == [(3, None)]  # no lost version is a parent
+
+
+def test_on_error_raise_reports_a_lost_version_after_staging_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(tier: DiskTier, key: str, data: object, **kw: bool) -> None:
+        raise StorageError("injected")
+
+    cache = tiercache.open({"disk": {"path": str(tmp_path)}, "engine": {"on_error": "raise"}})
+    monkeypatch.setattr(DiskTier, "put", broken)
+    h1 = cache.save(_state(1), step=1)
+    with pytest.raises(StorageError):
+        h1.wait("durable")
+    monkeypatch.undo()
+    with pytest.raises(StorageError, match="injected") as raised:
+        cache.save(_state(1, seed=2), step=2)
+    h2 = raised.value.handle  # the new version was staged before the old loss was raised
+    assert h2.wait("local") == h2.version
+    cache.close()
+    restored = tiercache.open({"disk": {"path": str(tmp_path)}}).restore("main")
+    assert torch.equal(restored["w0"], _state(1, seed=2)["w0"])
 
 
 def test_background_failure_surfaces_on_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,9 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _cfg(root: Path, **extra: object) -> dict[str, object]:
-    return {"disk": {"path": str(root)}, "chunk_bytes": "64KiB", "pack_below": "4KiB", **extra}
+    # reflog_keep=0: the moves these tests make leave nothing protected by the reflog (its own
+    # test below keeps the default).
+    return {"disk": {"path": str(root)}, "chunk_bytes": "64KiB", "pack_below": "4KiB", "reflog_keep": 0, **extra}
 
 
 def _files(root: Path, sub: str) -> set[str]:
@@ -113,6 +115,34 @@ def test_tags_and_branch_heads_survive_with_their_lineage(cache: TierCache, tmp_
     assert cache.manifest("best").parent == v1  # lineage of a tag is kept
     assert cache.verify().ok
     assert cache.gc(grace=0).total_bytes == 0
+
+
+def test_the_reflog_keeps_what_a_rollback_left_behind_until_it_expires(tmp_path: Path) -> None:
+    with tiercache.open(_cfg(tmp_path, reflog_keep=3600)) as cache:
+        _, (v1, v2, v3), _ = _history(cache)
+        cache.rollback("main", v1)
+        moves = cache.reflog("main")
+        assert [(m.why, m.previous, m.version) for m in moves] == [
+            ("save", None, v1), ("save", v1, v2), ("save", v2, v3), ("rollback", v3, v1)]
+        kept = cache.gc(grace=0)
+        assert kept.versions == () and kept.total_bytes == 0
+        assert len(_files(tmp_path, "reflog")) == 1
+    # A later process with a shorter reflog_keep: the entry has expired; the versions go with it.
+    with tiercache.open(_cfg(tmp_path, reflog_keep=0)) as later:
+        assert [m.why for m in later.reflog("main")] == ["save", "save", "save", "rollback"]
+        report = later.gc(grace=0)
+        assert report.versions == (v2, v3)
+        assert _files(tmp_path, "reflog") == set()
+        assert [m.why for m in later.reflog("main")] == ["save"]
+
+
+def test_a_hole_in_the_lineage_keeps_every_older_version_of_the_branch(cache: TierCache, tmp_path: Path) -> None:
+    _, (v1, v2, v3), _ = _history(cache)
+    (tmp_path / version_key(v2)).unlink()  # v3 now names a parent that no tier holds
+    with tiercache.open(_cfg(tmp_path)) as fresh:
+        report = fresh.gc(grace=0)
+        assert report.versions == ()
+        assert [v.id for v in fresh.versions()] == [v1, v3]
 
 
 def test_default_grace_keeps_young_orphans(cache: TierCache) -> None:

@@ -1,8 +1,13 @@
-"""The per-version S3 deadline: a store that keeps a version's uploads busy fails that version cleanly."""
+"""The per-version S3 deadline: a store that keeps a version's uploads busy fails that version cleanly.
+
+The version stays local; S3 counts as down until a probe answers, and is then caught up with the
+newest version (see tests/test_outage.py for outages proper).
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,16 @@ import tiercache
 from tiercache.config import S3Config
 from tiercache.errors import DeadlineExceededError
 from tiercache.tiers.s3 import S3Tier
+
+
+def _caught_up(cache: tiercache.TierCache, version: str, timeout: float = 60.0) -> bool:
+    """Wait until S3 holds ``version`` (a liveness bound, not a speed figure)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "s3" in {v.id: v for v in cache.versions()}[version].tiers:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_uploads_past_the_deadline_fail_remote_only(
@@ -26,7 +41,8 @@ def test_uploads_past_the_deadline_fail_remote_only(
         real(tier, key, data, **kw)  # type: ignore[arg-type]
 
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
-    cfg = {"disk": {"path": str(tmp_path)}, "s3": s3, "policy": {"name": "write-through"}}
+    cfg = {"disk": {"path": str(tmp_path)}, "s3": s3, "policy": {"name": "write-through"},
+           "engine": {"probe_interval_s": 0.2}}
     state = {"w": torch.arange(300_000, dtype=torch.float32)}
     monkeypatch.setattr(S3Tier, "put", stalled)
     cache = tiercache.open(cfg)
@@ -37,10 +53,11 @@ def test_uploads_past_the_deadline_fail_remote_only(
             h.wait("remote", timeout=20)
         release.set()
         monkeypatch.undo()
-        with pytest.raises(DeadlineExceededError):
-            cache.save(state, step=2)  # reported once on the next save, like any background error
+        # Step 1 is local: only its remote level failed, which costs the next save nothing.
         h3 = cache.save({"w": state["w"] + 1}, step=3)
-        assert h3.wait("remote", timeout=60) == h3.version
+        assert h3.wait("local") == h3.version
+        assert _caught_up(cache, h3.version)  # S3 answers a probe again: the newest version goes up
+        cache.flush()  # no version was lost
     finally:
         release.set()
         cache.close()
@@ -70,7 +87,7 @@ def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
 
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
     cfg = {"ram": {"capacity": "4MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}, "s3": s3,
-           "policy": {"name": "write-through"}}
+           "policy": {"name": "write-through"}, "engine": {"probe_interval_s": 0.2}}
     first = {"w": torch.arange(300_000, dtype=torch.float32)}
     monkeypatch.setattr(S3Tier, "put", stalled)
     cache = tiercache.open(cfg)
@@ -78,12 +95,10 @@ def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
         h1 = cache.save(first, step=1)
         with pytest.raises(DeadlineExceededError):
             h1.wait("remote", timeout=20)
-        with pytest.raises(DeadlineExceededError):
-            cache.save(first, step=2)  # the background error, reported once
         h3 = cache.save({"w": torch.full((300_000,), 7.0)}, step=3)
         assert h3.wait("local", timeout=20) == h3.version  # staged while step 1's upload still runs
         release.set()
-        assert h3.wait("remote", timeout=60) == h3.version
+        assert _caught_up(cache, h3.version)
     finally:
         release.set()
         cache.close()

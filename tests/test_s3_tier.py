@@ -197,7 +197,7 @@ def test_connection_errors_map_to_unavailable(moto_tier: S3Tier) -> None:
 
 def test_missing_bucket_at_open(moto_tier: S3Tier) -> None:
     with pytest.raises(BucketNotFoundError) as info:
-        S3Tier(S3Config(url="s3://no-such-bucket-tc/x", region="us-east-1"))
+        S3Tier(S3Config(url="s3://no-such-bucket-tc/x", region="us-east-1")).probe()
     assert "no-such-bucket-tc" in str(info.value)
     assert isinstance(info.value.__cause__, ClientError)
 
@@ -490,7 +490,7 @@ def test_doctor_lists_and_aborts_stale_uploads(s3_tier: S3Tier, s3_server: Any) 
 def test_missing_bucket_is_bucket_not_found(s3_config: S3Config) -> None:
     cfg = s3_config.model_copy(update={"url": "s3://tiercache-no-such-bucket/x"})
     with pytest.raises(BucketNotFoundError) as info:
-        S3Tier(cfg)
+        S3Tier(cfg).probe()
     assert type(info.value) is BucketNotFoundError
     assert "tiercache-no-such-bucket" in str(info.value)
 
@@ -509,7 +509,7 @@ def test_unreachable_endpoint_fails_fast(s3_config: S3Config, monkeypatch: pytes
     monkeypatch.setattr(botocore.endpoint.Endpoint, "_send", counting)
     cfg = s3_config.model_copy(update={"endpoint_url": f"http://127.0.0.1:{port}"})
     with pytest.raises(TierUnavailableError) as info:
-        S3Tier(cfg)
+        S3Tier(cfg).probe()
     assert len(sent) == 1  # one attempt at open, no retry loop
     assert f"127.0.0.1:{port}" in str(info.value)
     assert isinstance(info.value.__cause__, EndpointConnectionError)
@@ -522,7 +522,7 @@ def test_bad_credentials_are_access_denied(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad)
     caplog.set_level(logging.DEBUG, logger="tiercache")
     with pytest.raises(AccessDeniedError) as info:
-        S3Tier(s3_config)
+        S3Tier(s3_config).probe()
     assert isinstance(info.value, PermissionError)
     assert bad not in str(info.value)
     assert bad not in caplog.text
@@ -537,7 +537,7 @@ def test_no_credentials_are_access_denied(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(AccessDeniedError, match="credentials"):
-        S3Tier(s3_config)
+        S3Tier(s3_config).probe()
 
 
 @pytest.mark.parametrize("key", ["../x", "a//b", "/abs", ".tmp-x", "a/", "", "a/b c"])

@@ -1,7 +1,8 @@
-"""A hypothesis state machine over save/branch/rollback/tag/evict/reopen/gc against an in-memory model.
+"""A hypothesis state machine over save/restore/branch/rollback/tag/evict/reopen/gc against an in-memory model.
 
 After every step the cache's refs, every version's parent and the restored bytes of every ref
-equal the model's.
+equal the model's. A restore is a resume: the next save on that version's branch continues from
+it; a save on a new branch starts from what the process last saved or restored.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ class CacheModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="tc-sm-")
-        self.cfg = {"ram": {"capacity": "8MiB"}, "disk": {"path": self.dir}, "policy": {"name": "write-through"}}
+        self.cfg = {"ram": {"capacity": "8MiB"}, "disk": {"path": self.dir}, "policy": {"name": "write-through"},
+                    "reflog_keep": 0}
         self.cache = tiercache.open(self.cfg)
         self.refs: dict[str, str] = {}
         self.parents: dict[str, str | None] = {}
         self.values: dict[str, int] = {}
+        self.branch_of: dict[str, str] = {}
+        self.resumed: dict[str, str] = {}  # per branch: what this process restored from it
+        self.last: str | None = None  # what this process last saved or restored
         self.step = 0
 
     def teardown(self) -> None:
@@ -48,9 +53,23 @@ class CacheModel(RuleBasedStateMachine):
     def save(self, branch: str, value: int) -> None:
         self.step += 1
         vid = self.cache.save(_state(value), step=self.step, branch=branch).wait("local")
-        self.parents[vid] = self.refs.get(f"branch/{branch}")
+        head = self.refs.get(f"branch/{branch}")
+        resumed = self.resumed.pop(branch, None)
+        self.parents[vid] = self.last if head is None else resumed if resumed not in (None, head) else head
         self.values[vid] = value
+        self.branch_of[vid] = branch
         self.refs[f"branch/{branch}"] = vid
+        self.last = vid
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        ref = data.draw(st.sampled_from(sorted([*self.values, *(k.split("/")[1] for k in self.refs)])))
+        vid = self.refs.get(f"branch/{ref}") or self.refs.get(f"tag/{ref}") or ref
+        assert self.cache.restore(ref)["value"] == self.values[vid]
+        branch = ref if f"branch/{ref}" in self.refs else self.branch_of[vid]
+        self.resumed[branch] = vid
+        self.last = vid
 
     @precondition(lambda self: self.values)
     @rule(name=st.sampled_from(BRANCHES), data=st.data())
@@ -70,6 +89,7 @@ class CacheModel(RuleBasedStateMachine):
         vid = data.draw(st.sampled_from(sorted(self.values)))
         assert self.cache.rollback(key.split("/")[1], vid) == vid
         self.refs[key] = vid
+        self.resumed.pop(key.split("/")[1], None)
 
     @precondition(lambda self: self.values)
     @rule(name=st.sampled_from(TAGS), data=st.data())
@@ -92,6 +112,7 @@ class CacheModel(RuleBasedStateMachine):
     def reopen(self) -> None:
         self.cache.close()
         self.cache = tiercache.open(self.cfg)
+        self.resumed, self.last = {}, None
 
     @rule()
     def gc(self) -> None:
@@ -103,14 +124,18 @@ class CacheModel(RuleBasedStateMachine):
                 live.add(cur)
                 cur = self.parents[cur]
         for vid in set(self.values) - live:
-            del self.values[vid], self.parents[vid]
+            del self.values[vid], self.parents[vid], self.branch_of[vid]
+            self.resumed = {b: v for b, v in self.resumed.items() if v != vid}
+            if self.last == vid:
+                self.last = None
 
     @invariant()
     def matches_the_model(self) -> None:
         assert self.cache.refs() == self.refs
         assert {v.id: v.parent for v in self.cache.versions()} == self.parents
         for key, vid in self.refs.items():
-            got = self.cache.restore(key.split("/")[1])  # branch and tag names never clash here
+            # Only reading (resume=False): checking every ref must not make this process resume.
+            got = self.cache.restore(key.split("/")[1], resume=False)  # branch and tag names never clash here
             want = _state(self.values[vid])
             assert got["value"] == want["value"]
             assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])

@@ -28,7 +28,8 @@ def setup(tmp_path: Path) -> tuple[Path, Path, list[str]]:
     """A disk cache with main: v1 <- v2 (w1 changed), 64 KiB chunks; returns (config, root, ids)."""
     root = tmp_path / "cache"
     cfg = tmp_path / "tiercache.toml"
-    cfg.write_text(f'chunk_bytes = "64KiB"\npack_below = "4KiB"\n[disk]\npath = "{root}"\n')
+    # reflog_keep = 0: what a rollback leaves behind is not kept by the reflog (see test_gc.py).
+    cfg.write_text(f'chunk_bytes = "64KiB"\npack_below = "4KiB"\nreflog_keep = 0\n[disk]\npath = "{root}"\n')
     g = torch.Generator().manual_seed(0)
     s1 = {f"w{i}": torch.randn(16 * 1024, generator=g) for i in range(3)}
     with tiercache.open(cfg) as cache:
@@ -41,9 +42,14 @@ def test_stats_in_process_counts_what_was_written(tmp_path: Path) -> None:
         cache.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, step=1).wait("local")
         stats = cache.stats()
         chunks = sum(p.stat().st_size for p in (tmp_path / "chunks").rglob("*") if p.is_file())
+        manifests = sum(p.stat().st_size for p in (tmp_path / "versions").rglob("*") if p.is_file())
         write = stats["meter"]["tiers"]["disk"]["write"]
-        assert write["total_bytes"] == chunks and write["transfers"] == 1 and write["bps"] > 0
-        assert stats["tiers"]["disk"] == {"capacity": None, "used_bytes": _stored(tmp_path)}
+        # Two observations: the chunks' bulk write, then the commit (manifest and ref).
+        assert write["total_bytes"] == chunks + manifests and write["transfers"] == 2 and write["bps"] > 0
+        assert write["latency_s"] >= 0 and write["bandwidth_bps"] > 0
+        assert stats["tiers"]["disk"] == {"capacity": None, "used_bytes": _stored(tmp_path), "available": True,
+                                          "unavailable": None}
+        assert stats["errors"] == {"lost_versions": 0, "recent": []}
 
 
 def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
@@ -54,7 +60,8 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     assert header.split() == ["tier", "used", "capacity", "read", "write"]
     assert row.split()[0] == "disk"
     data = json.loads(_cli(cfg, "stats", "--json").output)
-    assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root)}}
+    assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root), "available": True,
+                                      "unavailable": None}}
     assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
     # A fresh process shows the speed the saving process measured (left in stats/meter.json).
     assert data["meter"]["tiers"]["disk"]["write"]["bps"] > 0

@@ -7,6 +7,11 @@ run, which is how a test shows the policy noticing a link that got faster. Being
 relay it is transparent to HTTP and to SigV4 signatures (the Host header is the proxy's own
 address, which is what the client signed).
 
+It also stands in for an outage: :attr:`ThrottledProxy.mode` switches it between ``"up"``
+(relaying), ``"refuse"`` (nothing listens on the port: connections are refused, open ones cut)
+and ``"hang"`` (connections are accepted and nothing is ever answered, open ones freeze), and
+back, while clients keep the same endpoint URL.
+
 Only loopback targets are accepted: tests and benchmarks must never reach another machine.
 """
 
@@ -22,6 +27,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 Direction = Literal["up", "down"]
+Mode = Literal["up", "refuse", "hang"]
 
 _CHUNK = 16 * 1024
 # Smooths bursts: a bucket holds at most this many seconds' worth of unused allowance.
@@ -106,6 +112,12 @@ class ThrottledProxy:
         self._socks: set[socket.socket] = set()
         self._bytes = {"up": 0, "down": 0}
         self._listener: socket.socket | None = None
+        self._port = 0
+        self._mode: Mode = "up"
+        self._flowing = threading.Event()  # clear while hanging: the pumps wait on it
+        self._flowing.set()
+        self._held: list[socket.socket] = []  # connections accepted while hanging
+        self._connections = 0
 
     @staticmethod
     def _check(limit_bps: float | None) -> None:
@@ -118,29 +130,76 @@ class ThrottledProxy:
         """Bind a free loopback port and start accepting connections."""
         if self._listener is not None:
             return self
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        listener.settimeout(0.1)  # so the accept loop notices close() promptly
-        self._listener = listener
-        t = threading.Thread(target=self._accept_loop, name="tiercache-throttle-accept", daemon=True)
-        self._threads.append(t)
-        t.start()
+        self._listen()
         return self
 
-    def close(self) -> None:
-        """Stop accepting, cut every open connection and join the relay threads."""
-        self._stop.set()
-        for b in self._buckets.values():
-            b.set_rate(self._limit)  # wakes senders waiting on the bucket
+    def _listen(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self._port))  # the same port again after a refusal
+        listener.listen(64)
+        listener.settimeout(0.1)  # so the accept loop notices close() promptly
+        self._port = listener.getsockname()[1]
+        self._listener = listener
+        t = threading.Thread(target=self._accept_loop, args=(listener,), name="tiercache-throttle-accept",
+                             daemon=True)
         with self._lock:
-            socks = list(self._socks)
+            self._threads.append(t)
+        t.start()
+
+    @property
+    def mode(self) -> Mode:
+        """``"up"`` (relaying), ``"refuse"`` (connections refused) or ``"hang"`` (never answered); settable."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: Mode) -> None:
+        if value not in ("up", "refuse", "hang"):
+            raise ValueError(f"mode must be 'up', 'refuse' or 'hang', got {value!r}")
+        if value == self._mode:
+            return
+        if self._mode == "refuse":
+            self._listen()
+        if value == "refuse":
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()  # the accept loop ends; new connections are refused
+            self._cut_all()
+        if value == "hang":
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+            with self._lock:
+                held, self._held = self._held, []
+            for s in held:
+                s.close()
+        self._mode = value
+
+    def _cut_all(self) -> None:
+        with self._lock:
+            socks = list(self._socks) + self._held
+            self._held = []
         for s in socks:
             # Shut down only: it wakes the pumps blocked in recv, and they close the sockets.
             with contextlib.suppress(OSError):  # already shut by its peer
                 s.shutdown(socket.SHUT_RDWR)
-        for t in list(self._threads):
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far (relayed or held)."""
+        with self._lock:
+            return self._connections
+
+    def close(self) -> None:
+        """Stop accepting, cut every open connection and join the relay threads."""
+        self._stop.set()
+        self._flowing.set()  # wakes pumps held by a hang
+        for b in self._buckets.values():
+            b.set_rate(self._limit)  # wakes senders waiting on the bucket
+        self._cut_all()
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(timeout=5)
         if self._listener is not None:
             self._listener.close()
@@ -157,11 +216,10 @@ class ThrottledProxy:
 
     @property
     def address(self) -> tuple[str, int]:
-        """``(host, port)`` the proxy listens on."""
-        if self._listener is None:
+        """``(host, port)`` the proxy listens on (the same port while it refuses connections)."""
+        if not self._port:
             raise RuntimeError("the proxy is not started: call start() or use it as a context manager")
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        return "127.0.0.1", self._port
 
     @property
     def url(self) -> str:
@@ -188,15 +246,19 @@ class ThrottledProxy:
 
     # ------------------------------------------------------------------ relaying
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._stop.is_set():
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return  # listener closed
+            with self._lock:
+                self._connections += 1
+                if not self._flowing.is_set():
+                    self._held.append(client)  # accepted, never answered
+                    continue
             try:
                 upstream = socket.create_connection(self._target, timeout=10)
             except OSError:
@@ -225,6 +287,7 @@ class ThrottledProxy:
                 if not data:
                     dst.shutdown(socket.SHUT_WR)  # pass the half-close on, HTTP may still answer
                     return
+                self._flowing.wait()  # a hang freezes open connections too
                 bucket.take(len(data), self._stop)
                 dst.sendall(data)
                 with self._lock:

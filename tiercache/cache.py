@@ -31,17 +31,20 @@ from tiercache.errors import (
     ConflictError,
     InvalidArgumentError,
     LastCopyError,
-    StateMismatchError,
+    StorageError,
     TierCacheError,
+    TierFullError,
+    TierUnavailableError,
     VersionNotFoundError,
 )
 from tiercache.format import dtype_from_name, flatten, unflatten
 from tiercache.handle import SaveHandle
-from tiercache.manifest import RefRecord, Version, VersionInfo
+from tiercache.health import TierHealth
+from tiercache.manifest import MoveReason, RefMove, RefRecord, TierState, Version, VersionInfo, parse_ref
 from tiercache.names import check_name, chunk_key, version_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.restore import Progress, Reader, empty_aligned
+from tiercache.restore import Progress, Reader, empty_aligned, match_into
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -75,6 +78,30 @@ def open(config: ConfigLike = None) -> TierCache:
     return TierCache(load_config(config))
 
 
+def _probe_at_open(tiers: dict[str, Tier], health: TierHealth, *, has_ram: bool) -> None:
+    """Check each durable tier once; one that is down (unreachable, hanging, full) is left out.
+
+    The cache then opens in degraded mode: it serves what the other tiers hold, saves go to
+    them, and the tier is probed until it answers again. Configuration errors (a missing
+    bucket, refused credentials) still raise, as does an outage of the only tier.
+
+    Raises:
+        TierUnavailableError: If every durable tier is down and there is no RAM tier.
+        BucketNotFoundError, AccessDeniedError, StorageError: If a tier is misconfigured.
+    """
+    durable = {n: t for n, t in tiers.items() if t.durable}
+    down: dict[str, StorageError] = {}
+    for name, tier in durable.items():
+        try:
+            tier.probe()
+        except (TierUnavailableError, TierFullError) as e:
+            down[name] = e
+    if down and len(down) == len(durable) and not has_ram:
+        raise next(iter(down.values()))
+    for name, err in down.items():
+        health.mark_down(name, err, note="opening without it: serving what the other tiers hold")
+
+
 def _make_tiers(cfg: CacheConfig) -> dict[str, Tier]:
     tiers: dict[str, Tier] = {}
     if cfg.disk is not None:
@@ -104,9 +131,17 @@ class TierCache:
         self.policy = load_policy(config.policy)
         self.meter = ThroughputMeter()
         self._tiers = _make_tiers(config)
+        self.health = TierHealth(self._tiers, interval=config.engine.probe_interval_s)
+        try:
+            _probe_at_open(self._tiers, self.health, has_ram=config.ram is not None)
+        except BaseException:
+            for t in self._tiers.values():
+                t.close()
+            raise
         self._seed_meter()
         ram = config.ram
-        self.catalog = Catalog(self._tiers)
+        self.catalog = Catalog(self._tiers, self.health)
+        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads)
         self.engine = Engine(
             config,
             self._tiers,
@@ -116,11 +151,17 @@ class TierCache:
             catalog=self.catalog,
             policy=self.policy,
             meter=self.meter,
+            health=self.health,
+            copy_version=self._copy_version,
         )
         if ram is not None or not self.engine.tiers:
             self.engine.ensure_arena()
-        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads)
         self._save_lock = threading.Lock()
+        #: Per branch, the version this process last restored from it: the next save there names
+        #: it as parent (a resume), even if the branch's head is newer.
+        self._resumed: dict[str, str] = {}
+        #: The version this process last restored or saved: a save on a new branch starts there.
+        self._last: str | None = None
         self._step_guards = StepGuards(self.engine.wait_deferred)
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
@@ -200,15 +241,33 @@ class TierCache:
             self._step_guards.add(optimizer)
         with self._save_lock:
             cur = self.catalog.ref("branch", branch)
-            parent = cur.version if cur else None
+            parent, why = self._parent_for(branch, cur)
             seq = cur.seq + 1 if cur else 0
             handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq,
                                        defer=owned)
             staged = handle.future("staged")
             # Only a skipped version is already failed here; a deferred copy is still running.
             if not (staged.done() and staged.exception() is not None):
-                self.catalog.note_move(RefRecord(kind="branch", name=branch, version=handle.version, seq=seq), cur)
+                rec = RefRecord(kind="branch", name=branch, version=handle.version, seq=seq)
+                self.catalog.note_move(rec, cur, why)
+                self._resumed.pop(branch, None)
+                self._last = handle.version
         return handle
+
+    def _parent_for(self, branch: str, head: RefRecord | None) -> tuple[str | None, MoveReason]:
+        """The parent of the next version saved on ``branch``, and how the branch moves.
+
+        After ``restore()`` of an older version of the branch, the new version continues from
+        what was restored (a resume: the branch moves there, as rollback + save would, and the
+        versions it leaves behind stay in the reflog). A new branch starts from the version this
+        process last restored or saved. Otherwise the branch's head is the parent.
+        """
+        if head is None:
+            return self._last, ("branch" if self._last is not None else "save")
+        resumed = self._resumed.get(branch)
+        if resumed is not None and resumed != head.version:
+            return resumed, "resume"
+        return head.version, "save"
 
     def distributed(self, group: ProcessGroup | None = None, *, timeout: timedelta | None = None) -> DistributedCache:
         """The multi-rank view of this cache for ``group`` (the world by default), made once per group.
@@ -240,8 +299,15 @@ class TierCache:
         map_location: str | torch.device = "cpu",
         progress: Progress | None = None,
         group: ProcessGroup | None = None,
+        strict: bool = True,
+        resume: bool = True,
     ) -> Any:
         """Return the state saved as ``ref``, bit-exact.
+
+        Restoring a version other than its branch's head makes this process resume from it:
+        the next ``save()`` on that branch names it as parent and moves the branch there, as
+        ``rollback`` then ``save`` would (the versions left behind stay in the reflog, see
+        ``tiercache log --reflog``).
 
         Args:
             ref: A branch, a tag, a version id or unique prefix, ``NAME~N`` or ``NAME@STEP``.
@@ -251,18 +317,46 @@ class TierCache:
             progress: Called with the number of bytes of each chunk read.
             group: A process group: every rank calls ``restore`` and gets its own part of a
                 multi-rank version (see :meth:`tiercache.distributed.DistributedCache.restore`).
+            strict: With ``into``, refuse (before reading anything) tensors of ``into`` that
+                match no tensor of the version, or whose dtype or shape differ. With
+                ``strict=False`` the matching ones are filled and the call returns
+                ``(state, unmatched)``, ``unmatched`` listing each tensor of ``into`` that was
+                not filled and why.
+            resume: Whether this process continues from the restored version (the default);
+                ``False`` only reads it (evaluation, inspection) and leaves the next save alone.
+
+        Returns:
+            The state; with ``into`` and ``strict=False``, ``(state, unmatched)``.
 
         Raises:
             VersionNotFoundError: If the ref resolves to nothing.
             IntegrityError: If a chunk has no good copy on any tier (tensors in ``into`` may then
                 hold part of it; run ``tiercache verify`` to see which versions are whole).
-            StateMismatchError: If a tensor in ``into`` has another dtype or shape (raised before
-                anything is read).
+            StateMismatchError: With ``strict``, if a tensor of ``into`` matches nothing in the
+                version or has another dtype or shape (the message names the first few keys on
+                each side; nothing is read).
         """
         if group is not None:
-            return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress)
+            return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress,
+                                                   strict=strict, resume=resume)
         self._check_open()
-        return self.restore_version(self.manifest(ref), into=into, map_location=map_location, progress=progress)
+        version = self.manifest(ref)
+        out = self.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict)
+        if resume:
+            self.note_restored(ref, version)
+        return out
+
+    def note_restored(self, ref: str, version: Version) -> None:
+        """Remember that this process resumes from ``version`` (restored as ``ref``).
+
+        The next save on its branch names it as parent and moves the branch there (see
+        :meth:`save`); a save on a new branch starts from it.
+        """
+        base = parse_ref(ref).base
+        branch = base if self.catalog.ref("branch", base) is not None else version.branch
+        with self._save_lock:
+            self._resumed[branch] = version.id
+            self._last = version.id
 
     def restore_version(
         self,
@@ -271,6 +365,7 @@ class TierCache:
         into: Any = None,
         map_location: str | torch.device = "cpu",
         progress: Progress | None = None,
+        strict: bool = True,
     ) -> Any:
         """Return the state a manifest describes; :meth:`restore` with the version already resolved.
 
@@ -279,17 +374,15 @@ class TierCache:
         self._check_open()
         self.engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
         targets = _into_map(into)
+        unmatched = match_into(version, targets, strict=strict)
+        for key, _why in unmatched:
+            targets.pop(key, None)
         dests: list[torch.Tensor] = []
         finals: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry in version.tensors:
             dtype = dtype_from_name(entry.dtype)
             target = targets.get(entry.path)
             if target is not None:
-                if target.dtype != dtype or tuple(target.shape) != tuple(entry.shape):
-                    raise StateMismatchError(
-                        f"restore into: {entry.path!r} is {target.dtype}{list(target.shape)} but the saved "
-                        f"tensor is {dtype}{list(entry.shape)}"
-                    )
                 if target.device.type == "cpu" and target.is_contiguous():
                     dests.append(target)
                     continue
@@ -311,7 +404,10 @@ class TierCache:
                 tensors.append(d.to(map_location))
             else:
                 tensors.append(d)
-        return unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
+        state = unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
+        if into is not None and not strict:
+            return state, [f"{key}: {why}" for key, why in unmatched]
+        return state
 
     def manifest(self, ref: str) -> Version:
         """Return the manifest of the version ``ref`` resolves to."""
@@ -336,21 +432,64 @@ class TierCache:
         for v in self.catalog.all():
             if branch is not None and v.branch != branch:
                 continue
+            resid = self.catalog.residency(v)
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
-                                   self.catalog.residency(v)))
+                                   resid, self._states(v, resid)))
         return out
+
+    def _states(self, version: Version, resid: tuple[str, ...]) -> dict[str, TierState]:
+        """Where ``version`` stands on each configured tier, and why where it is not held."""
+        pending = self.engine.pending_tiers(version.id)
+        outcomes = self.catalog.outcomes(version.id) if len(resid) < len(self.tier_names) else {}
+        states: dict[str, TierState] = {}
+        for name in self.tier_names:
+            if name in resid:
+                states[name] = TierState("held")
+            elif name in pending:
+                states[name] = TierState("pending")
+            elif name in outcomes:
+                o = outcomes[name]
+                states[name] = TierState(o.state, o.reason, o.at)
+            elif (outage := self.health.outage(name)) is not None:
+                why = f"{name} is unavailable, so what it holds is unknown ({outage.reason})"
+                states[name] = TierState("absent", why)
+            else:
+                states[name] = TierState("absent")
+        return states
+
+    def reflog(self, branch: str | None = None) -> list[RefMove]:
+        """Every move of the branches (or of ``branch``) and tags, oldest first.
+
+        Saves that continue a branch are reported from the versions' parents (``why="save"``);
+        rollbacks, resumes from an older version, new branches and tags are recorded when they
+        happen, with the version they left behind (``previous``), which ``gc`` keeps for
+        ``reflog_keep`` seconds.
+        """
+        self._check_open()
+        self.engine.wait_published()
+        if branch is not None:
+            check_name(branch, "branch")
+        recorded = self.catalog.reflog("branch", branch) if branch is not None else self.catalog.reflog()
+        # A resume, or a save that started a branch, is that version's save move already.
+        targets = {(m.version, m.name) for m in recorded if m.kind == "branch" and m.why in ("resume", "branch")}
+        saves = [
+            RefMove(id=v.id, kind="branch", name=v.branch, version=v.id, previous=v.parent, seq=0, at=v.created_at,
+                    why="save")
+            for v in self.catalog.all() if (v.id, v.branch) not in targets and (branch is None or v.branch == branch)
+        ]
+        return sorted([*recorded, *saves], key=lambda m: (m.at, m.id))
 
     def refs(self) -> dict[str, str]:
         """Every ref: ``{"branch/main": version_id, "tag/best": version_id, ...}``."""
         self._check_open()
         return {k: r.version for k, r in self.catalog.refs().items()}
 
-    def _write_ref_everywhere(self, rec: RefRecord) -> None:
+    def _write_ref_everywhere(self, rec: RefRecord, base: RefRecord | None, why: MoveReason) -> None:
         self.engine.wait_job(rec.version)
+        self.catalog.note_move(rec, base, why)
         for name in self.engine.tiers:
-            if self.catalog.manifest_on(name, rec.version):
+            if self.catalog.manifest_on(name, rec.version) and self.catalog.available(name):
                 self.catalog.write_ref(name, rec)
-        self.catalog.set_ref(rec)
 
     def branch(self, name: str, from_ref: str) -> str:
         """Create branch ``name`` at the version ``from_ref`` resolves to; the next save on it has that parent.
@@ -362,7 +501,7 @@ class TierCache:
         vid = self.resolve(from_ref)
         if self.catalog.ref("branch", name) is not None:
             raise ConflictError(f"branch {name!r} already exists: use rollback to move it")
-        self._write_ref_everywhere(RefRecord(kind="branch", name=name, version=vid, seq=0))
+        self._write_ref_everywhere(RefRecord(kind="branch", name=name, version=vid, seq=0), None, "branch")
         return vid
 
     def rollback(self, branch: str, ref: str) -> str:
@@ -376,7 +515,10 @@ class TierCache:
         cur = self.catalog.ref("branch", branch)
         if cur is None:
             raise VersionNotFoundError(f"branch {branch!r} does not exist: create it with branch()")
-        self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1))
+        with self._save_lock:
+            self._resumed.pop(branch, None)  # the branch's head is where the next save continues
+        self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1), cur,
+                                   "rollback")
         return vid
 
     def tag(self, name: str, ref: str) -> str:
@@ -392,7 +534,7 @@ class TierCache:
             if cur.version == vid:
                 return vid
             raise ConflictError(f"tag {name!r} already points at {cur.version}: tags never move")
-        self._write_ref_everywhere(RefRecord(kind="tag", name=name, version=vid, seq=0))
+        self._write_ref_everywhere(RefRecord(kind="tag", name=name, version=vid, seq=0), None, "tag")
         return vid
 
     # ------------------------------------------------------------------ tier moves
@@ -402,30 +544,36 @@ class TierCache:
 
         Returns:
             Bytes copied.
+
+        Raises:
+            TierUnavailableError: If tier ``to`` is down.
         """
         self._check_open()
         version = self.manifest(ref)
-        if to == "ram":
-            target = self.engine.ensure_arena(sum(c.nbytes for c in version.chunks))
-        elif to in self._tiers:
-            target = self._tiers[to]
-        else:
+        if to != "ram" and to not in self._tiers:
             raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
+        if (outage := self.health.outage(to)) is not None:
+            raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
+        return self._copy_version(version, to, progress)
+
+    def _copy_version(self, version: Version, to: str, progress: Progress | None = None) -> int:
+        """Copy a stored version onto tier ``to``: missing chunks (from the fastest good copy), then the manifest."""
+        target = self.engine.ensure_arena(sum(c.nbytes for c in version.chunks)) if to == "ram" else self._tiers[to]
         copied = 0
         have = self.catalog.chunks_on(to)
+        written: list[str] = []
         for c in version.chunks:
-            if c.id in have:
-                if progress:
-                    progress(c.nbytes)
-                continue
-            data, _src = self.reader.read_object(c.id, c.nbytes, version.hash_algo)
-            target.put(chunk_key(c.id), data)
-            self.catalog.note_chunks(to, [c.id])
-            if to == "ram":
-                self.engine.cache_in_ram(chunk_key(c.id))
-            copied += len(data)
+            if c.id not in have and c.id not in written:
+                data, _src = self.reader.read_object(c.id, c.nbytes, version.hash_algo)
+                target.put(chunk_key(c.id), data, sync_name=False)
+                written.append(c.id)
+                if to == "ram":
+                    self.engine.cache_in_ram(chunk_key(c.id))
+                copied += len(data)
             if progress:
                 progress(c.nbytes)
+        target.sync_names(chunk_key(c) for c in written)  # the chunks' names, before the manifest
+        self.catalog.note_chunks(to, written)
         target.put(version_key(version.id), version.to_json())
         self.catalog.mark_on(to, version.id)
         return copied
@@ -518,8 +666,13 @@ class TierCache:
             t = self._tiers.get(name)
             if t is None:
                 continue
-            tiers[name] = {"capacity": t.capacity, "used_bytes": t.used_bytes()}
-        return {"meter": snap, "tiers": tiers}
+            outage = self.health.outage(name)
+            tiers[name] = {
+                "capacity": t.capacity, "used_bytes": t.used_bytes() if outage is None else None,
+                "available": outage is None, "unavailable": outage.reason if outage else None,
+            }
+        errors = {"lost_versions": self.engine.errors_total, "recent": list(self.engine.recent_errors)}
+        return {"meter": snap, "tiers": tiers, "errors": errors}
 
     def prepare(self, state: Any = None, *, wait: bool = False) -> None:
         """Allocate and pre-fault the RAM arena now, so that the first ``save()`` does not pay for it.
@@ -542,7 +695,16 @@ class TierCache:
         self.engine.prepare_arena(state, wait=wait)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pending save has finished on every tier."""
+        """Wait until every pending save has finished on every tier.
+
+        Args:
+            timeout: Seconds to wait at most (``None``: as long as it takes).
+
+        Raises:
+            TimeoutError: If versions are still pending after ``timeout``; the message names them.
+            TierCacheError: The error of the first version since the last report that reached no
+                durable tier (see ``engine.on_error``).
+        """
         self.engine.flush(timeout)
 
     def close(self) -> None:
@@ -559,6 +721,7 @@ class TierCache:
             self.engine.close()
         finally:
             self._step_guards.close()
+            self.health.close()
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()
@@ -566,7 +729,7 @@ class TierCache:
                 t.close()
 
     def _meter_tier(self) -> Tier | None:
-        return next((t for t in self._tiers.values() if t.durable), None)
+        return next((t for n, t in self._tiers.items() if t.durable and self.health.available(n)), None)
 
     def _seed_meter(self) -> None:
         """Start from the throughput the last process observed on these tiers (policy and ``stats``)."""
@@ -579,10 +742,13 @@ class TierCache:
             log.debug("no usable meter snapshot: %s", e)
 
     def _persist_meter(self) -> None:
-        """Leave what this process observed for the next one (``tiercache stats``, the policy)."""
+        """Leave what this process observed for the next one (``tiercache stats``, the policy).
+
+        Only a process that saved writes it: opening a cache to read never writes.
+        """
         tier = self._meter_tier()
         snap = self.meter.snapshot()
-        if tier is None or not snap["tiers"]:
+        if tier is None or not snap["tiers"] or not self.engine.has_saved:
             return
         try:
             tier.put(METER_KEY, json.dumps(snap).encode())

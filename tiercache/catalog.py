@@ -13,23 +13,47 @@ writer's version; this process then follows the new head.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, VersionNotFoundError
+from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, StorageError, VersionNotFoundError
 from tiercache.failpoints import failpoint
-from tiercache.manifest import RefRecord, Version, parse_ref
-from tiercache.names import CHUNKS, REFS, VERSIONS, ref_key, version_key
+from tiercache.manifest import (
+    MoveReason,
+    RefMove,
+    RefRecord,
+    TierOutcome,
+    Version,
+    VersionStatus,
+    new_version_id,
+    parse_ref,
+    utcnow,
+)
+from tiercache.names import CHUNKS, REFLOG, REFS, STATUS, VERSIONS, ref_key, reflog_key, status_key, version_key
 from tiercache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiercache.health import TierHealth
 
 log = logging.getLogger("tiercache.catalog")
 
 _MIN_PREFIX = 4
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
 _CAS_ATTEMPTS = 8
+
+
+@dataclass
+class _Listing:
+    """A chunk listing in progress: who waits for it, and the notes made while it runs."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    notes: list[tuple[list[str], bool]] = field(default_factory=list)
 
 
 class Catalog:
@@ -39,9 +63,10 @@ class Catalog:
         tiers: Every configured tier by name, fastest first (the RAM tier included).
     """
 
-    def __init__(self, tiers: dict[str, Tier]) -> None:
+    def __init__(self, tiers: dict[str, Tier], health: TierHealth | None = None) -> None:
         self._tiers = tiers
         self._durable = [n for n, t in tiers.items() if t.durable]
+        self._health = health
         self._lock = threading.RLock()
         self._versions: dict[str, Version] = {}
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
@@ -57,18 +82,55 @@ class Catalog:
         self._tokens: dict[tuple[str, str], tuple[str | None, RefRecord | None]] = {}
         # Every ref move this process made -> the record it replaced in this process's view.
         self._moves: dict[RefRecord, RefRecord | None] = {}
+        # Moves whose version reached no durable tier: never a base to build on.
+        self._retracted: set[RefRecord] = set()
+        # Reflog entries of moves this process made, until written to each tier (see write_ref).
+        self._move_logs: dict[RefRecord, RefMove] = {}
+        self._logged: set[tuple[str, str]] = set()  # (tier, entry id) written or seen
+        self._reflog: dict[str, RefMove] = {}
+        # A chunk listing in progress per tier: notes made meanwhile, replayed when it lands.
+        self._listing: dict[str, _Listing] = {}
+        # Why a version is not on some tier, per version (read lazily from status/ records).
+        self._outcomes: dict[str, dict[str, TierOutcome]] = {}
+        self._status_listed: set[str] | None = None
         self._loaded = False
 
     # ------------------------------------------------------------------ loading
 
     def load(self) -> None:
-        """Read every manifest and ref from the durable tiers (once; later calls are no-ops)."""
+        """Read every manifest and ref from the durable tiers (once; later calls are no-ops).
+
+        A tier that is down is left out (and one that fails while being read is marked down):
+        the catalog serves what the other tiers hold, and :meth:`reload` merges it in later.
+        """
         with self._lock:
             if self._loaded:
                 return
             for name in self._durable:
-                self._load_tier(name)
+                self._load_available(name)
             self._loaded = True
+
+    def reload(self, name: str) -> None:
+        """Merge in what tier ``name`` holds now (after it came back from an outage)."""
+        with self._lock:
+            self._chunks.pop(name, None)
+            self._residency.clear()
+            if self._loaded:
+                self._load_available(name)
+
+    def available(self, name: str) -> bool:
+        """Whether tier ``name`` answers now (always, without a health monitor)."""
+        return self._health is None or self._health.available(name)
+
+    def _load_available(self, name: str) -> None:
+        if not self.available(name):
+            return
+        try:
+            self._load_tier(name)
+        except StorageError as e:
+            if self._health is None:
+                raise
+            self._health.mark_down(name, e)
 
     def _load_tier(self, name: str) -> None:
         tier = self._tiers[name]
@@ -113,6 +175,20 @@ class Catalog:
             cur = self._refs.get((rec.kind, rec.name))
             if cur is None or rec.seq > cur.seq:
                 self._refs[(rec.kind, rec.name)] = rec
+        for key in tier.list(REFLOG):
+            entry_id = key.rsplit("/", 1)[-1][: -len(".json")]
+            if (name, entry_id) in self._logged or not key.endswith(".json"):
+                continue
+            data = tier.get(key)
+            if data is None:
+                continue
+            try:
+                move = RefMove.from_json(data, source=f"{name}:{key}")
+            except IntegrityError as e:
+                log.warning("ignoring damaged reflog entry: %s", e)
+                continue
+            self._logged.add((name, move.id))
+            self._reflog[move.id] = move
 
     # ------------------------------------------------------------------ versions
 
@@ -184,25 +260,54 @@ class Catalog:
     # ------------------------------------------------------------------ chunks
 
     def chunks_on(self, tier: str) -> set[str]:
-        """Ids of the chunks ``tier`` holds (listed once, then kept up to date by the caller)."""
-        with self._lock:
-            got = self._chunks.get(tier)
-            if got is None:
+        """Ids of the chunks ``tier`` holds (listed once, then kept up to date by the caller).
+
+        The listing runs without holding the catalog's lock, so saves never wait on it; notes
+        made while it runs are replayed onto it. A tier that is down holds nothing as far as
+        readers and writers are concerned (an empty set, not remembered).
+        """
+        while True:
+            with self._lock:
+                got = self._chunks.get(tier)
+                if got is not None:
+                    return got
+                if not self.available(tier):
+                    return set()
+                listing = self._listing.get(tier)
+                mine = listing is None
+                if mine:
+                    listing = self._listing[tier] = _Listing()
+            assert listing is not None
+            if not mine:
+                listing.done.wait()
+                continue
+            try:
                 keys = self._tiers[tier].list(CHUNKS)
+            except BaseException:
+                with self._lock:
+                    del self._listing[tier]
+                listing.done.set()
+                raise
+            with self._lock:
                 got = {k.rsplit("/", 1)[-1] for k in keys}
+                for ids, present in listing.notes:
+                    (got.update if present else got.difference_update)(ids)
                 self._chunks[tier] = got
+                del self._listing[tier]
                 self._residency.clear()
+            listing.done.set()
             return got
 
     def note_chunks(self, tier: str, ids: Iterable[str], present: bool = True) -> None:
         """Record chunks written to (or removed from) ``tier``."""
-        have = self.chunks_on(tier)
+        ids = list(ids)
         with self._lock:
-            ids = list(ids)
-            if present:
-                have.update(ids)
-            else:
-                have.difference_update(ids)
+            have = self._chunks.get(tier)
+            if have is not None:
+                (have.update if present else have.difference_update)(ids)
+            elif tier in self._listing:
+                self._listing[tier].notes.append((ids, present))
+            # else: never listed yet; the first listing will see these as they are
             for cid in ids:
                 for vid in self._chunk_users.get(cid, ()):
                     self._residency.pop(vid, None)
@@ -213,17 +318,88 @@ class Catalog:
             got = self._residency.get(version.id)
             if got is not None and self._versions.get(version.id) is version:
                 return got
-            ids = {c.id for c in version.chunks}
-            out = []
-            for name in self._tiers:
-                if not (self._tiers[name].durable or self._tiers[name].name == "ram"):
-                    continue
-                if ids <= self.chunks_on(name) and (self.manifest_on(name, version.id) or not ids):
-                    out.append(name)
-            got = tuple(out)
+        # Listings first, without the lock: a listing in progress on another thread needs it to land.
+        names = [n for n, t in list(self._tiers.items()) if t.durable or t.name == "ram"]
+        held = {n: self.chunks_on(n) for n in names}
+        ids = {c.id for c in version.chunks}
+        with self._lock:
+            got = tuple(n for n in names if ids <= held[n] and (self.manifest_on(n, version.id) or not ids))
             if self._versions.get(version.id) is version:
                 self._residency[version.id] = got
             return got
+
+    # ------------------------------------------------------------------ outcomes
+
+    def outcomes(self, version_id: str) -> dict[str, TierOutcome]:
+        """Why tiers do not hold ``version_id`` (skipped, failed, evicted), as recorded."""
+        with self._lock:
+            known = self._outcomes.get(version_id)
+            if known is not None:
+                return dict(known)
+            listed = self._status_listed
+        if listed is None:
+            listed = set()
+            for name in self._durable:
+                if self.available(name):
+                    with contextlib.suppress(StorageError):
+                        listed |= {k[len(STATUS) : -len(".json")] for k in self._tiers[name].list(STATUS)}
+            with self._lock:
+                self._status_listed = listed
+        found: dict[str, TierOutcome] = {}
+        if version_id in listed:
+            for name in self._holders(version_id):
+                with contextlib.suppress(StorageError):
+                    data = self._tiers[name].get(status_key(version_id))
+                    if data is not None:
+                        try:
+                            found = dict(VersionStatus.from_json(data, source=f"{name}:{status_key(version_id)}").tiers)
+                        except IntegrityError as e:
+                            log.warning("ignoring damaged status record: %s", e)
+                            continue
+                        break
+        with self._lock:
+            return dict(self._outcomes.setdefault(version_id, found))
+
+    def note_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
+        """Record in this process's view why tiers do not hold a version (:meth:`store_outcomes` persists it)."""
+        with self._lock:
+            self._outcomes[version_id] = {**self._outcomes.get(version_id, {}), **outcomes}
+            if self._status_listed is not None:
+                self._status_listed.add(version_id)
+
+    def store_outcomes(self, version_id: str) -> None:
+        """Write a version's outcomes (see :meth:`note_outcomes`) to every available tier holding its manifest."""
+        self._store_outcomes(version_id, self.outcomes(version_id))
+
+    def record_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
+        """Record why tiers do not hold a version, on every available tier that holds its manifest."""
+        merged = {**self.outcomes(version_id), **outcomes}
+        self._store_outcomes(version_id, merged)
+
+    def clear_outcome(self, version_id: str, tier: str) -> None:
+        """Forget why ``tier`` did not hold a version (it holds it now)."""
+        current = self.outcomes(version_id)
+        if tier in current:
+            del current[tier]
+            self._store_outcomes(version_id, current)
+
+    def _store_outcomes(self, version_id: str, outcomes: dict[str, TierOutcome]) -> None:
+        with self._lock:
+            self._outcomes[version_id] = dict(outcomes)
+            if self._status_listed is not None:
+                self._status_listed.add(version_id)
+        key = status_key(version_id)
+        body = VersionStatus(version=version_id, tiers=outcomes).to_json() if outcomes else None
+        for name in self._holders(version_id):
+            tier = self._tiers[name]
+            if body is None:
+                tier.delete(key)
+            else:
+                tier.put(key, body)
+
+    def _holders(self, version_id: str) -> list[str]:
+        with self._lock:
+            return [n for n in self._durable if version_id in self._on_tier[n] and self.available(n)]
 
     # ------------------------------------------------------------------ refs
 
@@ -246,16 +422,62 @@ class Catalog:
             if cur is None or record.seq >= cur.seq:
                 self._refs[(record.kind, record.name)] = record
 
-    def note_move(self, record: RefRecord, base: RefRecord | None) -> None:
+    def note_move(self, record: RefRecord, base: RefRecord | None, why: MoveReason = "save") -> None:
         """Record that this process moves a ref from ``base`` (the head it saw) to ``record``.
 
         ``TierCache.save`` calls this when it stages a version: the later commit of ``record``
         on each tier may then replace ``base`` (or one of this process's own moves since), and
-        nothing else.
+        nothing else. A move that does not simply continue the ref's history (``why`` other than
+        ``save``) is written to the reflog of each tier before the ref itself.
         """
         with self._lock:
+            while base is not None and base in self._retracted:
+                base = self._moves.get(base)
             self._moves[record] = base
+            if why != "save":
+                self._move_logs[record] = RefMove(
+                    id=new_version_id(), kind=record.kind, name=record.name, version=record.version,
+                    previous=base.version if base is not None else None, seq=record.seq, at=utcnow(), why=why,
+                )
         self.set_ref(record)
+
+    def retract(self, record: RefRecord) -> None:
+        """Undo this process's view of a move whose version reached no durable tier.
+
+        If ``record`` is still the head in this process's view, the head it replaced (skipping
+        other retracted moves) is the head again, so the next save builds on a durable version.
+        """
+        with self._lock:
+            self._retracted.add(record)
+            self._move_logs.pop(record, None)
+            key = (record.kind, record.name)
+            if self._refs.get(key) != record:
+                return
+            base = self._moves.get(record)
+            while base is not None and base in self._retracted:
+                base = self._moves.get(base)
+            if base is None:
+                del self._refs[key]
+            else:
+                self._refs[key] = base
+
+    def reflog(self, kind: str | None = None, name: str | None = None) -> list[RefMove]:
+        """The recorded moves (rollbacks, resumes, new branches, tags), oldest first."""
+        self.load()
+        with self._lock:
+            moves = [*self._reflog.values(), *self._move_logs.values()]
+        out = {m.id: m for m in moves if (kind is None or m.kind == kind) and (name is None or m.name == name)}
+        return sorted(out.values(), key=lambda m: m.id)
+
+    def forget_reflog(self, entries: Iterable[RefMove]) -> None:
+        """Delete reflog entries (expired ones, from ``gc``) from every durable tier."""
+        for move in entries:
+            key = reflog_key(move.kind, move.name, move.id)
+            for name in self._durable:
+                if self.available(name):
+                    self._tiers[name].delete(key)
+            with self._lock:
+                self._reflog.pop(move.id, None)
 
     def write_ref(self, tier: str, record: RefRecord) -> bool:
         """Commit ``record`` to ``tier`` with compare-and-swap, never losing another writer's move.
@@ -293,6 +515,7 @@ class Catalog:
                     return True
                 if not self._may_replace(lk, record, cur):
                     return False
+                self._log_move(tier, record)
                 failpoint("catalog.before_ref_write")
                 try:
                     new_token = t.write_ref(key, record.to_json(), expect=token)
@@ -305,6 +528,17 @@ class Catalog:
                 failpoint("catalog.after_ref_write")
                 return True
             raise ConflictError(f"{key} on {tier} kept changing under {_CAS_ATTEMPTS} compare-and-swap attempts")
+
+    def _log_move(self, tier: str, record: RefRecord) -> None:
+        """Write the reflog entry of ``record``'s move to ``tier`` (once), before the ref moves there."""
+        with self._lock:
+            move = self._move_logs.get(record)
+            if move is None or (tier, move.id) in self._logged:
+                return
+        self._tiers[tier].put(reflog_key(move.kind, move.name, move.id), move.to_json())
+        with self._lock:
+            self._logged.add((tier, move.id))
+            self._reflog[move.id] = move
 
     def _read_ref(self, tier: str, key: str) -> tuple[str | None, RefRecord | None]:
         got = self._tiers[tier].read_ref(key)

@@ -622,7 +622,8 @@ def stats(
     for name, usage in data["tiers"].items():
         cap = usage["capacity"]
         seen = observed.get(name, {})
-        table.add_row(name, human_bytes(usage["used_bytes"]), "-" if cap is None else human_bytes(cap),
+        used = "unavailable" if usage["used_bytes"] is None else human_bytes(usage["used_bytes"])
+        table.add_row(name, used, "-" if cap is None else human_bytes(cap),
                       _rate(seen.get("read")), _rate(seen.get("write")))
     console = Console(highlight=False)
     console.print(table)

@@ -132,7 +132,13 @@ class S3Config(_Model):
         max_concurrency: Parallel part uploads/downloads.
         max_attempts: Attempts per request for retryable errors (throttling, 5xx, resets).
         connect_timeout: Seconds to wait for a connection.
-        read_timeout: Seconds to wait for a response.
+        read_timeout: Seconds a request may wait for the server's next bytes before it counts as
+            failed (and is retried); an endpoint that accepts connections and never answers
+            fails each attempt after this long.
+        probe_timeout: Seconds the open check and the health probes (one HEAD of the bucket,
+            never retried) wait for a connection and for the answer: with S3 down or hanging,
+            ``tiercache.open()`` and read-only commands go on without it after at most this
+            long, serving what the other tiers hold.
         deadline_s: Seconds a version's chunk uploads (retries included) may take before that
             version fails its ``remote`` level with ``DeadlineExceededError``; ``None`` for no limit.
         addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
@@ -148,8 +154,9 @@ class S3Config(_Model):
     part_size: ByteSize = 16 * MIB
     max_concurrency: int = Field(default=8, ge=1, le=64)
     max_attempts: int = Field(default=5, ge=1, le=20)
-    connect_timeout: float = Field(default=5.0, gt=0)
-    read_timeout: float = Field(default=60.0, gt=0)
+    connect_timeout: float = Field(default=3.0, gt=0)
+    read_timeout: float = Field(default=20.0, gt=0)
+    probe_timeout: float = Field(default=3.0, gt=0)
     deadline_s: float | None = Field(default=900.0, gt=0)
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     allow_unsafe_refs: bool = False
@@ -171,6 +178,26 @@ class S3Config(_Model):
         """The key prefix part of ``url`` (no leading or trailing slash; may be empty)."""
         parts = self.url[5:].split("/", 1)
         return parts[1].strip("/") if len(parts) > 1 else ""
+
+
+class EngineConfig(_Model):
+    """How the save pipeline reports failures and watches its tiers.
+
+    Attributes:
+        on_error: What ``save()`` does about an earlier version that reached no durable tier:
+            ``"warn"`` (default) logs it once at ERROR, counts it in ``stats()`` and raises it
+            from ``flush()``/``close()``, so a failed checkpoint never stops training;
+            ``"raise"`` raises it from the next ``save()`` after the new version is staged
+            (the new version's handle is on the exception as ``handle``). A version that
+            reached one durable tier but not another is not an error: its handle says which
+            level failed and why, and ``tiercache ls`` shows it.
+        probe_interval_s: Seconds between probes of a tier that is down (an S3 outage, a full
+            or failing disk); when one answers, the newest version of each branch and every
+            tag are copied there.
+    """
+
+    on_error: Literal["warn", "raise"] = "warn"
+    probe_interval_s: float = Field(default=5.0, gt=0)
 
 
 class PolicyConfig(_Model):
@@ -207,6 +234,9 @@ class CacheConfig(_Model):
         gc_grace: Seconds during which ``gc`` leaves a new, unreferenced manifest or chunk alone,
             so a save in flight in another process (chunks written, ref not yet) is never
             collected; keep it above the longest save.
+        reflog_keep: Seconds for which a version a branch move left behind (a rollback, a
+            resume from an older step) stays reachable through the reflog, safe from ``gc``.
+        engine: The save pipeline's error reporting and tier probes.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -221,6 +251,8 @@ class CacheConfig(_Model):
     io_threads: int = Field(default=4, ge=1, le=64)
     background_nice: int = Field(default=10, ge=0, le=19)
     gc_grace: float = Field(default=3600.0, ge=0)
+    reflog_keep: float = Field(default=7 * 86400.0, ge=0)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @field_validator("chunk_bytes")
     @classmethod

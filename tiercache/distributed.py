@@ -513,6 +513,8 @@ class DistributedCache:
         into: Any = None,
         map_location: str | torch.device = "cpu",
         progress: Progress | None = None,
+        strict: bool = True,
+        resume: bool = True,
     ) -> Any:
         """Return this rank's part of the version ``ref`` resolves to (on rank 0); call it on every rank.
 
@@ -521,6 +523,8 @@ class DistributedCache:
             into: This rank's state to restore into in place (DTensors: their local shards).
             map_location: Device for tensors that are allocated.
             progress: Called with the number of bytes of each chunk read.
+            strict: As in :meth:`tiercache.TierCache.restore`.
+            resume: As in :meth:`tiercache.TierCache.restore`.
 
         Returns:
             This rank's state; the whole state on every rank if the version was saved by one process.
@@ -552,7 +556,11 @@ class DistributedCache:
                     "tiercache.integrations.dcp to reshard"
                 )
             version = rank_view(version, self.rank)
-        return cache.restore_version(version, into=local_state(into), map_location=map_location, progress=progress)
+        out = cache.restore_version(version, into=local_state(into), map_location=map_location, progress=progress,
+                                    strict=strict)
+        if resume:
+            cache.note_restored(ref, version)
+        return out
 
     def _resolve(self, ref: str) -> Version:
         """The committed manifest ``ref`` resolves to (rank 0): a version still being saved is waited for."""

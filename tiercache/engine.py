@@ -19,7 +19,6 @@ first when a new save needs room.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -27,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
@@ -51,14 +50,16 @@ from tiercache.errors import (
     SkippedError,
     TierCacheError,
     TierFullError,
+    TierUnavailableError,
 )
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.health import TierHealth, is_outage
 from tiercache.layout import Layout, plan_layout
-from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, TierOutcome, Version, new_version_id
 from tiercache.names import CHUNKS, chunk_key, version_key
-from tiercache.policy.base import Policy, TierPlan, VersionView
+from tiercache.policy.base import COMMIT_REQUESTS, Policy, TierPlan, VersionView
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.staging import CopyPlan, Stager, plan_copy
 from tiercache.tiers.base import Tier
@@ -123,6 +124,25 @@ class _Job:
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None
+    #: Durable tiers in the order the placement ranked them (a fallback takes the first it can).
+    order: tuple[str, ...] = ()
+    #: Tiers skipped for this version, with why. Their levels are settled only once the version
+    #: is durable on another tier; if it never is, one of them takes it after all.
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: Tiers whose write failed, with the error (their levels failed at once).
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    #: Tiers where the version's manifest and ref are committed.
+    committed: set[str] = field(default_factory=set)
+    #: Tiers the version goes to without asking the policy: a fallback, so that it reaches one.
+    forced: set[str] = field(default_factory=set)
+    #: The user's policy dropped it (``on_full="evict"``): it is not written anywhere after all.
+    dropped: bool = False
+    #: Every level is settled and nothing of it is pending any more.
+    settled: bool = False
+    #: The manifest as committed: its parent is the nearest ancestor that became durable.
+    final: Version | None = None
+    #: Set once the pipeline is done with the version (settled and its regions released).
+    released: threading.Event = field(default_factory=threading.Event)
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
         float_bytes = sum(m.nbytes for m in self.flat.metas if m.dtype in FLOAT_DTYPE_NAMES)
@@ -146,6 +166,10 @@ class Engine(PolicyBridge):
         catalog: The catalog (versions, refs, residency).
         policy: The policy consulted for placement and a full arena.
         meter: Where every transfer's bytes and seconds are recorded.
+        health: Which durable tiers answer now (a down tier fails its level at once and is
+            caught up when it answers again).
+        copy_version: Copies a stored version onto a tier (chunks, then manifest), reading from
+            whichever tier holds each chunk; used to catch up a tier after an outage.
     """
 
     def __init__(
@@ -159,6 +183,8 @@ class Engine(PolicyBridge):
         catalog: Catalog,
         policy: Policy,
         meter: ThroughputMeter,
+        health: TierHealth,
+        copy_version: Callable[[Version, str], int],
     ) -> None:
         self.config = config
         self.all_tiers = tiers
@@ -179,7 +205,16 @@ class Engine(PolicyBridge):
         self._pins: dict[str, int] = {}
         self._ram_lru: OrderedDict[str, None] = OrderedDict()
         self._jobs: dict[str, _Job] = {}
-        self._error: BaseException | None = None
+        self.health = health
+        health.set_on_up(self._tier_back)
+        self._copy_version = copy_version
+        #: Versions that reached no durable tier -> the parent their children name instead.
+        self._effective: OrderedDict[str, str | None] = OrderedDict()
+        #: Versions lost (no durable tier) that neither save() nor flush()/close() reported yet.
+        self._losses: deque[BaseException] = deque(maxlen=64)
+        self.errors_total = 0
+        self.recent_errors: deque[str] = deque(maxlen=16)
+        self._caught_up = False
         self._closed = False
         self._arena_cv = threading.Condition()
         self._last_remote: float | None = None
@@ -246,7 +281,6 @@ class Engine(PolicyBridge):
         """
         if self._closed:
             raise CacheClosedError("the cache is closed: open a new one to save")
-        self.raise_background_error()
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
         plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
         layout = plan.layout
@@ -254,12 +288,13 @@ class Engine(PolicyBridge):
         futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
         job = _Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
                    nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
+        self._start_catch_up()
         regions = self._reserve(layout, job)
         if regions is None:
             err = SkippedError(f"version at step {step} skipped: the RAM arena is full and the policy said skip")
             for f in futures.values():
                 f.set_exception(err)
-            return SaveHandle(vid, futures)
+            return self._report_earlier(SaveHandle(vid, futures))
         job.regions = list(regions)
         job.ready = [Future() for _ in regions]
         job.copied = [threading.Event() for _ in regions]
@@ -289,7 +324,21 @@ class Engine(PolicyBridge):
             with self._lock:
                 self._deferred.add(pending)
             pending.add_done_callback(lambda f: self._copied_later(job, f))
-        return SaveHandle(vid, futures)
+        return self._report_earlier(SaveHandle(vid, futures))
+
+    def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
+        """Apply ``engine.on_error`` to versions lost earlier, now that ``handle``'s version is staged.
+
+        ``"warn"`` leaves them to ``flush()``/``close()`` (they were logged when lost);
+        ``"raise"`` raises the first with ``handle`` on it, so the new version is not lost too.
+        """
+        if self.config.engine.on_error == "raise":
+            with self._lock:
+                err = self._losses.popleft() if self._losses else None
+            if err is not None:
+                err.handle = handle  # type: ignore[attr-defined]
+                raise err
+        return handle
 
     def _copied_later(self, job: _Job, done: Future[None]) -> None:
         with self._lock:
@@ -298,10 +347,8 @@ class Engine(PolicyBridge):
         if err is None:
             job.futures["staged"].set_result(job.version_id)
             return
-        with self._lock:
-            # Unlike a copy in save(), nobody has seen this one fail: the next save()/close() raises it.
-            if self._error is None:
-                self._error = err
+        # Unlike a copy in save(), nobody has seen this one fail: it counts as a lost version.
+        self._record_loss(job, err)
         job.copy_error = err  # before the events: the hasher checks it when one is set
         for ev in job.copied:
             ev.set()
@@ -397,7 +444,6 @@ class Engine(PolicyBridge):
             # "wait": block until a writer releases regions, then try again.
             with self._arena_cv:
                 self._arena_cv.wait(0.2)
-            self.raise_background_error()
 
     def _try_alloc(self, layout: Layout) -> list[Region] | None:
         got: list[Region] = []
@@ -420,13 +466,6 @@ class Engine(PolicyBridge):
         except BaseException as e:
             self._fail_job(job, e, list(LEVELS if job.copy_error is not None else LEVELS[1:]), staging_failed=True)
             return
-        with self._lock:
-            job.pending = set(targets)
-        for name in self.tiers:
-            if name not in targets:
-                lvl = TIER_LEVEL.get(name)
-                if lvl and not job.futures[lvl].done():
-                    job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} not placed on {name}"))
         for name in targets:
             self._queues[name].put(job)
         try:
@@ -438,8 +477,7 @@ class Engine(PolicyBridge):
             self._fail_job(job, e, list(LEVELS if job.copy_error is not None else LEVELS[1:]), staging_failed=True)
             return
         if not targets:
-            self._check_durable(job)
-            self._release(job)
+            self._settle(job)  # every tier skipped: the first that can takes it after all
 
     def _hash_and_publish(self, job: _Job) -> None:
         assert self.arena is not None and self.ram is not None
@@ -500,12 +538,14 @@ class Engine(PolicyBridge):
     def _placement(self, job: _Job) -> list[str]:
         placement = self.policy.place(self._view(job), self.context())
         targets = [p.tier for p in placement.plans if not p.skip and p.tier in self.tiers]
-        for name in self.tiers:
-            lvl = TIER_LEVEL.get(name)
-            if name not in targets and lvl and not job.futures[lvl].done():
-                reason = placement.plan_for(name).reason or "policy decision"
-                job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} skipped for {name}: {reason}"))
+        named = [p.tier for p in placement.plans if p.tier in self.tiers]
         with self._lock:
+            job.order = tuple(named + [n for n in self.tiers if n not in named])
+            for name in self.tiers:
+                if name not in targets:
+                    job.skipped[name] = placement.plan_for(name).reason or "policy decision"
+                    if job.committer is not None:  # the group waits for this level now (no fallback)
+                        self._skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
         self._coalesce(job)
         return targets
@@ -517,21 +557,29 @@ class Engine(PolicyBridge):
             job = q.get()
             if job is None:
                 return
-            try:
-                self._write_version(name, job)
-            except BaseException as e:
-                lvl = TIER_LEVEL.get(name)
-                self._fail_job(job, e, [lvl] if lvl else [])
-                self._done_with(job, name)
+            self._write_or_fail(name, job)
+
+    def _write_or_fail(self, name: str, job: _Job) -> None:
+        try:
+            self._write_version(name, job)
+        except BaseException as e:
+            self._fail_tier(name, job, e)
 
     def _write_version(self, name: str, job: _Job) -> None:
         tier = self.tiers[name]
         with self._lock:
             if name not in job.pending:
                 return  # coalesced away while queued (see _coalesce), already settled there
-        plan = self.policy.place(self._view(job), self.context()).plan_for(name)
+            forced = name in job.forced
+        outage = self.health.outage(name)
+        if outage is not None and not forced:
+            raise TierUnavailableError(f"{name} is unavailable since {_clock(outage.since)} ({outage.reason}); "
+                                       "the version was not written there")
+        plan = TierPlan(name) if forced else self.policy.place(self._view(job), self.context()).plan_for(name)
         lvl = TIER_LEVEL.get(name)
         if not plan.skip and not self._make_room(name, job):
+            if forced:
+                raise TierFullError(f"{name} is full and the policy names nothing to evict")
             plan = TierPlan(name, skip=True, reason=f"{name} is full and the policy names nothing to evict")
         if plan.skip:
             self._skip_tier(name, job, plan.reason or "policy decision")
@@ -563,8 +611,7 @@ class Engine(PolicyBridge):
             futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
             raise
         spans = self._await_puts(name, job, futs)
-        if spans is None:
-            return  # failed at the deadline, and settled
+        t_commit = time.perf_counter()
         tier.sync_names(chunk_key(c) for c in written)  # the chunks' names, before the manifest
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
@@ -575,8 +622,9 @@ class Engine(PolicyBridge):
             job.committer.commit(name)  # the group's rank 0 writes the merged manifest and moves the ref
             self._tier_done(name, job)
             return
-        manifest = job.published.result()
-        tier.put(version_key(job.version_id), manifest.to_json())
+        manifest = self._final_manifest(job)
+        body = manifest.to_json()
+        tier.put(version_key(job.version_id), body)
         self.catalog.mark_on(name, job.version_id)
         failpoint("engine.after_manifest_write")
         rec = RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq)
@@ -584,29 +632,35 @@ class Engine(PolicyBridge):
             self.catalog.write_ref(name, rec)
         except ConflictError as e:
             # Another writer moved the branch: the version stays stored but off the branch. Only
-            # this level fails (it is no background error: the handle reports it, and the next
-            # save builds on the new head).
+            # this level fails (the handle reports it, and the next save builds on the new head).
             log.warning("version %s not committed on %s: %s", job.version_id, name, e)
+            with self._lock:
+                job.failed[name] = e
             if lvl:
                 job.futures[lvl].set_exception(e)
             self._done_with(job, name)
             return
+        # The commit is latency-bound (a manifest and a ref, each durable before the next): with
+        # the bulk write above it lets the meter tell per-request latency from bandwidth.
+        self.meter.record(name, "write", len(body), time.perf_counter() - t_commit, requests=COMMIT_REQUESTS)
         self._tier_done(name, job)
 
     def _await_puts(
         self, name: str, job: _Job, futs: list[Future[tuple[int, float, float]]]
-    ) -> list[tuple[int, float, float]] | None:
+    ) -> list[tuple[int, float, float]]:
         """Wait for a version's chunk puts on ``name``, within the tier's per-version deadline.
 
         Retries of throttled or failed requests happen inside each put; the deadline bounds them
-        all together, so a store that keeps answering 503 fails the version's level (and is
-        reported on the next ``save()``) at the deadline instead of after every retry.
+        all together, so a store that keeps answering 503 fails the version's level at the
+        deadline instead of after every retry.
 
         Returns:
-            Each put's stored size and start and end times; ``None`` if the deadline passed: the
-            level has failed and the version is settled on this tier, puts not yet started are
-            cancelled, and running ones end on their own (each keeps its chunk's bytes borrowed
-            from the RAM tier until then, see :meth:`_put_chunk`).
+            Each put's stored size and start and end times.
+
+        Raises:
+            DeadlineExceededError: If the deadline passed: puts not yet started are cancelled,
+                and running ones end on their own (each keeps its chunk's bytes borrowed from
+                the RAM tier until then, see :meth:`_put_chunk`).
         """
         limit = self.config.s3.deadline_s if name == "s3" and self.config.s3 is not None else None
         if limit is None:
@@ -620,25 +674,61 @@ class Engine(PolicyBridge):
         except FuturesTimeout:
             for f in futs:
                 f.cancel()
-            err = DeadlineExceededError(
+            raise DeadlineExceededError(
                 f"writing version {job.version_id} to {name} took longer than its deadline of {limit:g}s "
-                "(s3.deadline_s): the store is throttling or failing; the next save retries"
-            )
-            lvl = TIER_LEVEL.get(name)
-            self._fail_job(job, err, [lvl] if lvl else [])
-            self._done_with(job, name)
-            return None
+                "(s3.deadline_s): the store is throttling or failing"
+            ) from None
 
     def _tier_done(self, name: str, job: _Job) -> None:
         """Complete ``job``'s level for tier ``name`` once its manifest and ref are committed there."""
         if name == "s3":
             self._last_remote = time.time()
+        self.health.note_success(name)
+        with self._lock:
+            job.committed.add(name)
         lvl = TIER_LEVEL.get(name)
         if lvl:
             job.futures[lvl].set_result(job.version_id)
         if not job.futures["durable"].done():
             job.futures["durable"].set_result(job.version_id)
         self._done_with(job, name)
+
+    def _final_manifest(self, job: _Job) -> Version:
+        """The manifest to commit: its parent is the nearest ancestor that became durable.
+
+        A version that reached no durable tier is never named as a parent: if the parent is
+        still in the pipeline, its outcome is awaited first (it is older, so it never waits on
+        this one), and a lost parent is replaced by the parent it would have had.
+        """
+        manifest = job.published.result()
+        with self._lock:
+            if job.final is not None:
+                return job.final
+            parent_job = self._jobs.get(manifest.parent) if manifest.parent else None
+        if parent_job is not None and parent_job is not job:
+            parent_job.futures["durable"].exception()  # waits; the outcome is the parent's own
+        changed = False
+        with self._lock:
+            if job.final is None:
+                parent = self._durable_ancestor(manifest.parent)
+                job.final = manifest if parent == manifest.parent else manifest.model_copy(update={"parent": parent})
+                changed = job.final is not manifest
+            final = job.final
+        if changed:
+            log.warning("version %s: its parent %s reached no durable tier; it names %s instead",
+                        job.version_id, manifest.parent, final.parent)
+            self.catalog.add(final)
+            with self._lock:
+                self.ram.put(version_key(job.version_id), final.to_json())
+        return final
+
+    def _durable_ancestor(self, vid: str | None) -> str | None:
+        """``vid``, or if it was lost, the nearest ancestor that was not (caller holds the lock)."""
+        seen: set[str] = set()
+        while vid is not None and vid in self._effective and vid not in seen:
+            seen.add(vid)
+            vid = self._effective[vid]
+        return vid
 
     def _early_hint(self, job: _Job, tier: Tier, codec: str) -> list[bool]:
         """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.
@@ -765,48 +855,144 @@ class Engine(PolicyBridge):
     # ------------------------------------------------------------------ completion
 
     def _fail_job(self, job: _Job, err: BaseException, levels: list[str], *, staging_failed: bool = False) -> None:
+        """Fail a version whose staging (copy or hashing) failed: nothing of it can be written."""
         log.error("saving version %s failed: %s", job.version_id, err)
         for lvl in levels:
             if lvl and not job.futures[lvl].done():
                 job.futures[lvl].set_exception(err)
-        with self._lock:
-            # A multi-rank version's error reaches every rank through the group's handle instead.
-            # A copy error was already raised to the caller of save(): not a background error.
-            if (self._error is None and not isinstance(err, SkippedError) and job.committer is None
-                    and err is not job.copy_error):
-                self._error = err
+        # A multi-rank version's error reaches every rank through the group's handle instead.
+        # A copy error was already raised to the caller of save(): not a lost version to report.
+        if job.committer is None and err is not job.copy_error and not isinstance(err, SkippedError):
+            self._record_loss(job, err)
+        self._lost(job)
         # Only the hasher (the owner of not-yet-adopted regions) may free them.
         if staging_failed and self.arena is not None:
             with self._lock:  # as the hasher's adoptions: _lend_region sees a region or None
+                job.settled = True
                 for i, r in enumerate(job.regions):
                     if r is not None:
                         self.arena.free(r)  # an early write that retained it frees it last
                         job.regions[i] = None
                 self._jobs.pop(job.version_id, None)
+                job.released.set()
             self._notify_arena()
+
+    def _fail_tier(self, name: str, job: _Job, err: BaseException) -> None:
+        """Record that writing ``job`` to tier ``name`` failed; an outage marks the tier down."""
+        with self._lock:
+            job.failed[name] = err
+        lvl = TIER_LEVEL.get(name)
+        if lvl and not job.futures[lvl].done():
+            job.futures[lvl].set_exception(err)
+        if is_outage(err):
+            self.health.mark_down(name, err)  # logged once per outage
+        else:
+            log.warning("writing version %s to %s failed: %s", job.version_id, name, err)
+        with self._lock:
+            self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
+        self._done_with(job, name)
 
     def _done_with(self, job: _Job, name: str) -> None:
         with self._lock:
             job.pending.discard(name)
             finished = not job.pending
         if finished:
-            self._check_durable(job)
-            self._release(job)
+            self._settle(job)
 
-    def _check_durable(self, job: _Job) -> None:
-        f = job.futures["durable"]
-        if f.done():
-            return
-        for lvl in ("local", "remote"):
-            e = job.futures[lvl].exception() if job.futures[lvl].done() else None
-            if e is not None and not isinstance(e, ConfigError):
-                f.set_exception(e)
+    def _settle(self, job: _Job) -> None:
+        """Settle a version nothing is pending for: skipped levels, the durable level, its regions.
+
+        If it reached no durable tier although a tier it was skipped for can take it, it is
+        written there now instead (every version reaches a durable tier unless the user's policy
+        dropped it with ``on_full``), on a thread of its own: a tier's writer may be waiting for
+        this version's outcome (see :meth:`_final_manifest`).
+        """
+        with self._lock:
+            if job.settled or job.pending:
                 return
-        f.set_exception(SkippedError(f"version {job.version_id} reached no durable tier"))
+            fallback = None
+            if not job.committed and not job.dropped and job.committer is None and job.copy_error is None:
+                # An available tier first; else one that is down, rather than losing the version
+                # (if it answers, it is up again).
+                untried = [n for n in job.order if n in job.skipped and n not in job.failed]
+                fallback = next((n for n in untried if self.health.available(n)), untried[0] if untried else None)
+            if fallback is not None:
+                why = job.skipped.pop(fallback)
+                job.pending.add(fallback)
+                job.forced.add(fallback)
+            else:
+                job.settled = True
+                skipped = dict(job.skipped)
+                failed = dict(job.failed)
+                durable = bool(job.committed)
+        if fallback is not None:
+            log.warning("version %s reached no durable tier; writing it to %s after all (skipped there: %s)",
+                        job.version_id, fallback, why)
+            threading.Thread(target=self._write_or_fail, args=(fallback, job), name=f"tiercache-fallback-{fallback}",
+                             daemon=True).start()
+            return
+        for name, reason in skipped.items():
+            self._skip_level(job, name, reason)
+        # A version another writer's ref move kept off the branch is stored all the same: its
+        # handle says so, and it is no loss (a RAM-only cache has no durable level at all).
+        conflicted = bool(failed) and all(isinstance(e, ConflictError) for e in failed.values())
+        if not durable and conflicted:
+            if not job.futures["durable"].done():
+                job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
+        elif not durable and self.tiers:
+            err = self._loss_error(job, skipped, failed)
+            # Recorded (and the branch head retracted) before anyone waiting on the handle wakes.
+            if not job.dropped and job.committer is None:
+                self._record_loss(job, err)
+            self._lost(job)
+            if not job.futures["durable"].done():
+                job.futures["durable"].set_exception(err)
+        elif skipped or failed:
+            outcomes = {n: TierOutcome(state="skipped", reason=r) for n, r in skipped.items()}
+            outcomes.update({n: TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
+                             for n, e in failed.items()})
+            self.catalog.note_outcomes(job.version_id, outcomes)  # seen by versions() at once
+            self._finisher.submit(self._store_outcome, job.version_id)
+        self._release(job)
+
+    def _loss_error(self, job: _Job, skipped: dict[str, str], failed: dict[str, BaseException]) -> BaseException:
+        """The error a version that reached no durable tier fails ``durable`` with."""
+        for name in job.order:
+            if name in failed:
+                return failed[name]
+        if job.dropped or skipped:
+            why = "; ".join(f"{n}: {r}" for n, r in skipped.items())
+            return SkippedError(f"version {job.version_id} reached no durable tier ({why})")
+        return SkippedError(f"version {job.version_id} reached no durable tier")
+
+    def _record_loss(self, job: _Job, err: BaseException) -> None:
+        """Count a version that reached no durable tier; ``flush()``/``close()`` (or ``save()``) report it."""
+        with self._lock:
+            self._losses.append(err)
+            self.errors_total += 1
+            self.recent_errors.append(f"{job.version_id}: reached no durable tier: {type(err).__name__}: {err}")
+        log.error("version %s (step %d) reached no durable tier: %s", job.version_id, job.step, err)
+
+    def _lost(self, job: _Job) -> None:
+        """Make a version that reached no durable tier invisible as a parent and as a branch head."""
+        with self._lock:
+            self._effective[job.version_id] = self._durable_ancestor(job.parent)
+            while len(self._effective) > 4096:
+                self._effective.popitem(last=False)
+        if job.committer is None:
+            self.catalog.retract(RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq))
+
+    def _store_outcome(self, version_id: str) -> None:
+        """Note on the tiers that hold the version why the others do not (for ``ls`` and the UI)."""
+        try:
+            self.catalog.store_outcomes(version_id)
+        except TierCacheError as e:  # a note for humans: never a reason to fail anything
+            log.info("could not record why version %s is not on every tier: %s", version_id, e)
 
     def _release(self, job: _Job) -> None:
         with self._lock:
             self._jobs.pop(job.version_id, None)
+            job.released.set()
             for key in job.chunk_keys:
                 n = self._pins.get(key, 0) - 1
                 if n > 0:
@@ -869,6 +1055,17 @@ class Engine(PolicyBridge):
             if not self._pins.get(key):
                 self._ram_lru[key] = None
 
+    @property
+    def has_saved(self) -> bool:
+        """Whether this process has saved anything (a process that only reads never writes)."""
+        return self._caught_up
+
+    def pending_tiers(self, version_id: str) -> frozenset[str]:
+        """Tiers ``version_id`` is still being written to by this process (empty if none)."""
+        with self._lock:
+            job = self._jobs.get(version_id)
+            return frozenset(job.pending) if job is not None else frozenset()
+
     def wait_published(self) -> None:
         """Block until every staged version's manifest is in the catalog (hashing is quick)."""
         if not self._closed:
@@ -879,45 +1076,117 @@ class Engine(PolicyBridge):
         with self._lock:
             return list(self._jobs)
 
-    def wait_job(self, version_id: str, timeout: float | None = None) -> None:
-        """Block until the pipeline is done with ``version_id`` (whatever the outcome)."""
+    def wait_job(self, version_id: str, timeout: float | None = None) -> bool:
+        """Block until the pipeline is done with ``version_id`` (whatever the outcome).
+
+        Returns:
+            Whether it is done (``False`` only if ``timeout`` passed first).
+        """
         with self._lock:
             job = self._jobs.get(version_id)
-        if job is None:
+        return job is None or job.released.wait(timeout)
+
+    # ------------------------------------------------------------------ tiers coming back
+
+    def _start_catch_up(self) -> None:
+        """On this process's first save, catch up every durable tier that lacks a branch head or tag.
+
+        A tier that was down when an earlier process saved (or that process died before its
+        uploads) is missing the newest versions; saving resumes, so their upload resumes too.
+        Read-only processes never save, so they never write.
+        """
+        with self._lock:
+            if self._caught_up or not self.tiers:
+                return
+            self._caught_up = True
+        for name in self.tiers:
+            if TIER_LEVEL.get(name) == "remote" and self.health.available(name):
+                threading.Thread(target=self._tier_back, args=(name,), name=f"tiercache-catchup-{name}",
+                                 daemon=True).start()
+
+    def _tier_back(self, name: str) -> None:
+        """Copy onto remote tier ``name`` the newest version of each branch and every tagged one it lacks.
+
+        Runs when a down tier answers again (and once per process, see :meth:`_start_catch_up`);
+        refs are moved with the usual compare-and-swap, so another writer's newer head is left
+        alone. Versions in between stay on the tiers that hold them. A local tier (the disk) is
+        not caught up: what it lacks is on S3 already, and ``promote`` copies it when wanted.
+        """
+        if TIER_LEVEL.get(name) != "remote":
             return
-        for f in job.futures.values():
-            with contextlib.suppress(Exception):  # only waiting: outcomes are on the handle
-                f.exception(timeout)
+        try:
+            self.catalog.reload(name)
+            for rec in sorted(self.catalog.refs().values(), key=lambda r: (r.kind != "tag", r.version), reverse=True):
+                if self._closed or not self.health.available(name):
+                    return
+                self.wait_job(rec.version)
+                version = self.catalog.get(rec.version)
+                if self.catalog.manifest_on(name, version.id) and name in self.catalog.residency(version):
+                    continue
+                copied = self._copy_version(version, name)
+                self.catalog.write_ref(name, rec)
+                log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind,
+                         rec.name, copied)
+                self.catalog.clear_outcome(version.id, name)
+        except TierCacheError as e:
+            if is_outage(e):
+                self.health.mark_down(name, e)
+            else:
+                log.warning("catching %s up failed: %s", name, e)
 
     # ------------------------------------------------------------------ errors and shutdown
 
-    def raise_background_error(self) -> None:
-        """Raise (once) the first background error nobody has seen through ``save``/``close``."""
+    def take_losses(self) -> list[BaseException]:
+        """Versions lost (no durable tier) that were not reported yet, oldest first; they are reported now."""
         with self._lock:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
+            out = list(self._losses)
+            self._losses.clear()
+        return out
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every submitted version has finished on every tier."""
+    def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
+        """Wait until every submitted version has finished on every tier.
+
+        Args:
+            timeout: Seconds to wait at most, or ``None`` to wait as long as it takes.
+            report: Raise the first version lost since the last report.
+
+        Raises:
+            TimeoutError: If versions are still pending after ``timeout`` (the message names them
+                and the tiers they wait for).
+            TierCacheError: With ``report``, the error of the first version that reached no
+                durable tier since the last report (its message names the version).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 jobs = list(self._jobs.values())
             if not jobs:
-                return
+                break
             for job in jobs:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self.wait_job(job.version_id, left)
-            if deadline is not None and time.monotonic() > deadline:
-                return
+            if deadline is not None and time.monotonic() >= deadline:
+                with self._lock:
+                    left_jobs = [(j.version_id, j.step, sorted(j.pending)) for j in self._jobs.values()]
+                if left_jobs:
+                    shown = ", ".join(f"{v} (step {st}, waiting for {'/'.join(p) or 'settling'})"
+                                      for v, st, p in left_jobs[:4])
+                    more = f" and {len(left_jobs) - 4} more" if len(left_jobs) > 4 else ""
+                    raise TimeoutError(f"flush: {len(left_jobs)} version(s) still pending after {timeout:g}s: "
+                                       f"{shown}{more}")
+                break
+        if report:
+            lost = self.take_losses()
+            if lost:
+                raise lost[0]
 
     def close(self) -> None:
-        """Finish pending writes, stop the threads; raise an unseen background error."""
+        """Finish pending writes, stop the threads; raise the first lost version not yet reported."""
         if self._closed:
             return
-        self.flush()
+        self.flush(report=False)
         self._closed = True
+        self.health.close()
         for q in self._queues.values():
             q.put(None)
         for t in self._writers.values():
@@ -931,7 +1200,14 @@ class Engine(PolicyBridge):
             self.ram.close()
         if self.arena is not None:
             self.arena.close()
-        self.raise_background_error()
+        lost = self.take_losses()
+        if lost:
+            raise lost[0]
+
+
+def _clock(ts: float) -> str:
+    """A Unix time as ``HH:MM:SS`` UTC (for messages)."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S UTC")
 
 
 def _busy_seconds(spans: list[tuple[int, float, float]]) -> float:

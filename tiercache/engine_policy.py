@@ -21,6 +21,7 @@ from tiercache import codecs
 from tiercache.catalog import Catalog
 from tiercache.errors import SkippedError
 from tiercache.handle import TIER_LEVEL
+from tiercache.health import TierHealth
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, version_key
 from tiercache.policy.base import CodecView, Policy, PolicyContext, TierStats, VersionView
@@ -60,8 +61,8 @@ class PolicyBridge:
     _arena_capacity: int | None
     _last_remote: float | None
     _views_cache: dict[str, tuple[tuple[str, ...], VersionView]]
-    _check_durable: Callable[[_Job], None]
-    _release: Callable[[_Job], None]
+    _settle: Callable[[_Job], None]
+    health: TierHealth
 
     def context(self) -> PolicyContext:
         """A snapshot of what the policy may look at."""
@@ -82,8 +83,14 @@ class PolicyBridge:
             # Only a tier with a budget is asked for its usage: no decision needs it otherwise, and
             # counting a bucket that has no budget could mean listing it.
             used = t.used_bytes() if t.capacity is not None else 0
-            stats[n] = TierStats(n, True, t.capacity, used, self.meter.rate(n, "read"), self.meter.rate(n, "write"),
-                                 len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote")
+            model = self.meter.model(n, "write")
+            outage = self.health.outage(n)
+            stats[n] = TierStats(
+                n, True, t.capacity, used, self.meter.rate(n, "read"), model.bps if model else None,
+                len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote",
+                write_latency_s=model.latency_s if model else None,
+                available=outage is None, unavailable=outage.reason if outage else "",
+            )
         seen = {name: self.meter.codec_stats(name) for name in codecs.codec_names()}
         codec_views = {name: CodecView(name, c.encode_bps, c.decode_bps, c.ratio)
                        for name, c in seen.items() if c is not None}
@@ -131,7 +138,7 @@ class PolicyBridge:
         tiers = frozenset(self.catalog.residency(job.manifest)) if job.manifest is not None else frozenset()
         pinned = job.version_id in {r.version for r in self.catalog.refs().values()}
         with self._lock:
-            return dataclasses.replace(job.view(tiers), pinned=pinned)
+            return dataclasses.replace(job.view(tiers), pinned=pinned, skipped=frozenset(job.skipped))
 
     def _coalesce(self, newest: _Job) -> None:
         """Ask the policy again about every queued version now that ``newest`` is pending.
@@ -152,7 +159,10 @@ class PolicyBridge:
                     self._skip_tier(name, job, plan.reason or "policy decision", unless_oldest=True)
 
     def _skip_tier(self, name: str, job: _Job, reason: str, *, unless_oldest: bool = False) -> None:
-        """Settle ``job`` for tier ``name`` without writing it: fail its level with ``SkippedError``.
+        """Take ``job`` off tier ``name`` without writing it there.
+
+        The level is settled (with :class:`SkippedError`) only once the version is durable on
+        another tier; if it never is, the engine writes it to this tier after all.
 
         Args:
             name: The tier.
@@ -162,20 +172,29 @@ class PolicyBridge:
                 its writer may already be writing.
         """
         with self._lock:
-            # Check and claim in one critical section: the tier's writer checks the same set.
-            if name not in job.pending:
+            # Check and claim in one critical section: the tier's writer checks the same set. A
+            # fallback (forced) is never skipped again: it is where the version goes after all.
+            if name not in job.pending or name in job.forced:
                 return
             if unless_oldest and next(j for j in self._jobs.values() if name in j.pending) is job:
                 return
             job.pending.discard(name)
+            job.skipped[name] = reason
             finished = not job.pending
+        log.info("version %s skipped for %s: %s", job.version_id, name, reason)
+        if job.committer is not None:
+            # The group settles a multi-rank version tier by tier, and waits for each rank's level
+            # of this tier now; there is no fallback for it anyway.
+            self._skip_level(job, name, reason)
+        if finished:
+            self._settle(job)
+
+    @staticmethod
+    def _skip_level(job: _Job, name: str, reason: str) -> None:
+        """Fail tier ``name``'s level of ``job`` with :class:`SkippedError` (if it has one and is unsettled)."""
         lvl = TIER_LEVEL.get(name)
         if lvl and not job.futures[lvl].done():
             job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} skipped for {name}: {reason}"))
-        log.info("version %s skipped for %s: %s", job.version_id, name, reason)
-        if finished:
-            self._check_durable(job)
-            self._release(job)
 
     def _make_room(self, name: str, job: _Job) -> bool:
         """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot."""
@@ -242,6 +261,7 @@ class PolicyBridge:
             )
         if victim is None:
             return False
+        victim.dropped = True
         for name in list(victim.pending):
             self._skip_tier(name, victim, "dropped to make room in the RAM arena (on_full=evict)", unless_oldest=True)
         return not victim.pending

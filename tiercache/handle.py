@@ -41,10 +41,15 @@ class SaveHandle:
         return self.future(level).result(timeout)
 
     def done(self, level: Level = "durable") -> bool:
-        """Whether ``level`` has been reached (``False`` while pending or if it failed)."""
+        """Whether ``level`` is settled, successfully or not (as ``Future.done()``); see :meth:`succeeded`."""
+        return self.future(level).done()
+
+    def succeeded(self, level: Level = "durable") -> bool:
+        """Whether ``level`` has been reached (``False`` while pending or if it failed or was skipped)."""
         f = self.future(level)
         return f.done() and not f.cancelled() and f.exception() is None
 
     def __repr__(self) -> str:
-        states = {k: ("ok" if self.done(k) else "failed" if f.done() else "pending") for k, f in self._futures.items()}
+        states = {k: ("ok" if self.succeeded(k) else "failed" if f.done() else "pending")
+                  for k, f in self._futures.items()}
         return f"SaveHandle({self.version}, {states})"

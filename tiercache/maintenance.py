@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError
+from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError, TierUnavailableError
 from tiercache.failpoints import failpoint
 from tiercache.manifest import RefRecord, Version
-from tiercache.names import CHUNKS, REFS, VERSIONS, chunk_key, version_key
+from tiercache.names import CHUNKS, REFS, VERSIONS, chunk_key, status_key, version_key
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.restore import Reader
 from tiercache.tiers.base import Tier
@@ -347,17 +347,35 @@ def _roots(cache: TierCache, tiers: dict[str, Tier]) -> set[str]:
 
 
 def _live(versions: dict[str, Version], roots: Iterable[str], extra: Iterable[str]) -> set[str]:
+    """Every version reachable through parents from ``roots`` and ``extra``.
+
+    A version whose parent no tier holds (a hole, left by an older tiercache or a lost
+    manifest) cannot say which older versions are its ancestors, so every older version of its
+    branch is kept: GC never collects an ancestor of a branch head or tag.
+    """
     live: set[str] = set()
     todo = [*roots, *extra]
-    while todo:
-        vid = todo.pop()
-        if vid in live:
-            continue
-        live.add(vid)
-        parent = versions[vid].parent if vid in versions else None
-        if parent is not None:
-            todo.append(parent)
-    return live
+    holes: list[Version] = []
+    while True:
+        while todo:
+            vid = todo.pop()
+            if vid in live:
+                continue
+            live.add(vid)
+            v = versions.get(vid)
+            if v is None or v.parent is None:
+                continue
+            if v.parent not in versions:
+                holes.append(v)
+            todo.append(v.parent)
+        if not holes:
+            return live
+        for child in holes:
+            log.warning("gc: version %s names parent %s, which no tier holds: keeping every older version of "
+                        "branch %r", child.id, child.parent, child.branch)
+            todo += [o.id for o in versions.values()
+                     if o.branch == child.branch and o.created_at < child.created_at and o.id not in live]
+        holes = []
 
 
 def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -> GcReport:
@@ -377,11 +395,22 @@ def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -
     grace = cache.config.gc_grace if grace is None else grace
     if grace < 0:
         raise InvalidArgumentError(f"gc grace must be >= 0 seconds, got {grace}")
+    down = cache.health.down()
+    if down:
+        name, outage = next(iter(down.items()))
+        raise TierUnavailableError(f"gc refused: tier {name} is unavailable ({outage.reason}); the refs it holds "
+                                   "could keep versions alive: run gc once it answers")
     cache.engine.wait_published()
     tiers = _durable(cache)
     now = time.time()
-    # Refs first (the reverse of the write order): anything a ref reaches now is kept.
+    # Refs first (the reverse of the write order): anything a ref reaches now is kept, and so is
+    # anything a branch or tag move left behind less than reflog_keep seconds ago.
     roots = _roots(cache, tiers)
+    moves = cache.catalog.reflog()
+    expired = [m for m in moves if now - m.at.timestamp() >= cache.config.reflog_keep]
+    for m in moves:
+        if m not in expired:
+            roots |= {m.version, *([m.previous] if m.previous else [])}
     versions = {v.id: v for v in cache.catalog.all()}
     for name, tier in tiers.items():
         versions.update(_tier_manifests(tier, name, versions))
@@ -401,8 +430,10 @@ def gc(cache: TierCache, *, dry_run: bool = False, grace: float | None = None) -
         manifests[name] = keys
         freed[name] = sum(listing[k][0] for k in keys)
     if not dry_run:
+        cache.catalog.forget_reflog(expired)
         for name, keys in manifests.items():
             for key in keys:
+                tiers[name].delete(status_key(key[len(VERSIONS) : -len(".json")]))
                 tiers[name].delete(key)
             for vid in dead:
                 cache.catalog.mark_on(name, vid, present=False)

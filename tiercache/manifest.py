@@ -18,9 +18,9 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -40,6 +40,32 @@ _DTYPE_SIZES = {
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+_Self = TypeVar("_Self", bound="_Stored")
+
+
+class _Stored(_Model):
+    """A model stored as one JSON object on the tiers; ``_what`` names it in errors."""
+
+    _what: ClassVar[str] = "object"
+
+    def to_json(self) -> bytes:
+        """Serialize for storage."""
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls: type[_Self], data: bytes, *, source: str = "") -> _Self:
+        """Parse and validate a stored object.
+
+        Raises:
+            IntegrityError: If the bytes are not a valid object of this kind.
+        """
+        try:
+            return cls.model_validate_json(data)
+        except (ValidationError, InvalidNameError, ValueError) as e:
+            where = source or cls._what
+            raise IntegrityError(f"{where} is not a valid tiercache {cls._what}: {_first_error(e)}") from e
 
 
 class ChunkRef(_Model):
@@ -97,7 +123,7 @@ class RankPart(_Model):
     pickled: bool = False
 
 
-class Version(_Model):
+class Version(_Stored):
     """The manifest of one checkpoint version.
 
     Attributes:
@@ -168,24 +194,14 @@ class Version(_Model):
             raise ValueError(f"rank parts cover {end} of {len(self.tensors)} tensors")
         return self
 
+    _what: ClassVar[str] = "manifest"
+
     def to_json(self) -> bytes:
-        """Serialize for storage."""
+        """Serialize for storage (without ``parts`` when empty, so older readers still parse it)."""
         return self.model_dump_json(exclude=None if self.parts else {"parts"}).encode()
 
-    @classmethod
-    def from_json(cls, data: bytes, *, source: str = "manifest") -> Version:
-        """Parse and validate a stored manifest.
 
-        Raises:
-            IntegrityError: If the bytes are not a valid manifest.
-        """
-        try:
-            return cls.model_validate_json(data)
-        except (ValidationError, InvalidNameError, ValueError) as e:
-            raise IntegrityError(f"{source} is not a valid tiercache manifest: {_first_error(e)}") from e
-
-
-class RefRecord(_Model):
+class RefRecord(_Stored):
     """The content of a ref object."""
 
     schema_version: Literal[1] = MANIFEST_SCHEMA
@@ -200,21 +216,84 @@ class RefRecord(_Model):
         check_name(self.version, "version id")
         return self
 
-    def to_json(self) -> bytes:
-        """Serialize for storage."""
-        return self.model_dump_json().encode()
+    _what: ClassVar[str] = "ref"
 
-    @classmethod
-    def from_json(cls, data: bytes, *, source: str = "ref") -> RefRecord:
-        """Parse and validate a stored ref.
 
-        Raises:
-            IntegrityError: If the bytes are not a valid ref record.
-        """
-        try:
-            return cls.model_validate_json(data)
-        except (ValidationError, InvalidNameError, ValueError) as e:
-            raise IntegrityError(f"{source} is not a valid tiercache ref: {_first_error(e)}") from e
+class TierOutcome(_Model):
+    """Why a tier does not hold a version: it was skipped there, its write failed, or it was evicted.
+
+    Attributes:
+        state: ``skipped`` (by the policy), ``failed`` (the write's error) or ``evicted``.
+        reason: The policy's reason or the error, in words.
+        at: When it happened (UTC).
+    """
+
+    state: Literal["skipped", "failed", "evicted"]
+    reason: str = ""
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class VersionStatus(_Stored):
+    """The content of ``status/<id>.json``: per tier that does not hold the version, why not."""
+
+    schema_version: Literal[1] = MANIFEST_SCHEMA
+    version: str
+    tiers: dict[str, TierOutcome]
+
+    @model_validator(mode="after")
+    def _check(self) -> VersionStatus:
+        check_name(self.version, "version id")
+        for name in self.tiers:
+            check_name(name, "tier")
+        return self
+
+    _what: ClassVar[str] = "status record"
+
+
+#: Why a branch or tag moved somewhere its history does not simply continue.
+MoveReason = Literal["save", "rollback", "resume", "branch", "tag"]
+
+
+class RefMove(_Stored):
+    """One reflog entry: a branch or tag move, and the version it left behind.
+
+    Saves that continue a branch's history are not logged (the versions' parents are that
+    history, and ``TierCache.reflog`` reports them as ``save`` moves); rollbacks, resumes from
+    an older version, new branches and tags are, so the versions they leave behind stay
+    reachable for ``reflog_keep`` seconds.
+
+    Attributes:
+        id: Sortable unique id of the entry.
+        kind: ``branch`` or ``tag``.
+        name: The ref's name.
+        version: Where it moved to.
+        previous: Where it was before (``None`` for a new ref).
+        seq: The ref's ``seq`` after the move.
+        at: When (UTC).
+        why: ``save``, ``rollback``, ``resume`` (a save after restoring an older version),
+            ``branch`` or ``tag``.
+    """
+
+    schema_version: Literal[1] = MANIFEST_SCHEMA
+    id: str
+    kind: Literal["branch", "tag"]
+    name: str
+    version: str
+    previous: str | None
+    seq: int = Field(ge=0)
+    at: datetime
+    why: MoveReason
+
+    @model_validator(mode="after")
+    def _check(self) -> RefMove:
+        check_name(self.id, "reflog entry id")
+        check_name(self.name, self.kind)
+        check_name(self.version, "version id")
+        if self.previous is not None:
+            check_name(self.previous, "version id")
+        return self
+
+    _what: ClassVar[str] = "reflog entry"
 
 
 def _first_error(e: Exception) -> str:
@@ -223,6 +302,27 @@ def _first_error(e: Exception) -> str:
         loc = ".".join(str(p) for p in err["loc"])
         return f"{loc}: {err['msg']}" if loc else err["msg"]
     return str(e)
+
+
+TierStateName = Literal["held", "pending", "skipped", "failed", "evicted", "absent"]
+
+
+@dataclass(frozen=True)
+class TierState:
+    """Where a version stands on one tier.
+
+    Attributes:
+        state: ``held`` (the tier holds every chunk and the manifest), ``pending`` (this
+            process is still writing it there), ``skipped`` (the policy skipped it there),
+            ``failed`` (the write failed), ``evicted`` (dropped there later), or ``absent``
+            (not there, for no recorded reason: another process wrote it, or a record was lost).
+        reason: Why, in words (empty for ``held`` and ``pending``).
+        at: When that happened, where known.
+    """
+
+    state: TierStateName
+    reason: str = ""
+    at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +338,8 @@ class VersionInfo:
         nbytes: Total tensor bytes.
         meta: User metadata.
         tiers: Tiers that hold every chunk of the version, fastest first.
+        states: For every configured tier, where the version stands there and why (so a
+            version that missed S3 during an outage says so).
     """
 
     id: str
@@ -248,6 +350,7 @@ class VersionInfo:
     nbytes: int
     meta: dict[str, Any]
     tiers: tuple[str, ...]
+    states: dict[str, TierState] = field(default_factory=dict)
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

@@ -19,6 +19,10 @@ _CHUNK_ID_RE = re.compile(r"[0-9a-f]{32,128}")
 CHUNKS = "chunks/"
 VERSIONS = "versions/"
 REFS = "refs/"
+#: Why a version is not on some tier (skipped, failed, evicted), kept next to its manifest.
+STATUS = "status/"
+#: Branch and tag moves that left a version behind (rollback, resume, branch, tag).
+REFLOG = "reflog/"
 
 
 def check_name(name: object, what: str = "name") -> str:
@@ -87,3 +91,16 @@ def ref_key(kind: str, name: str) -> str:
         raise InvalidNameError(f"invalid ref kind {kind!r}: expected 'branch' or 'tag'")
     check_name(name, kind)
     return f"{REFS}{kind}/{name}"
+
+
+def status_key(version_id: str) -> str:
+    """Storage key of a version's outcome record: ``status/<id>.json``."""
+    check_name(version_id, "version id")
+    return f"{STATUS}{version_id}.json"
+
+
+def reflog_key(kind: str, name: str, entry_id: str) -> str:
+    """Storage key of one reflog entry: ``reflog/<kind>/<name>/<entry id>.json``."""
+    ref_key(kind, name)
+    check_name(entry_id, "reflog entry id")
+    return f"{REFLOG}{kind}/{name}/{entry_id}.json"

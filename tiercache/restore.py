@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tiercache import codecs
-from tiercache.errors import IntegrityError, TierCacheError
+from tiercache.errors import IntegrityError, StateMismatchError, TierCacheError
+from tiercache.format import dtype_from_name
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
@@ -75,6 +76,70 @@ def empty_aligned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     if pad % itemsize:  # torch's allocator aligns to 64 bytes, so this does not happen
         return torch.empty(tuple(shape), dtype=dtype)
     return raw[pad : pad + nbytes].view(dtype).view(tuple(shape))
+
+
+#: Keys named in a mismatch message, per side.
+_SHOWN_KEYS = 4
+
+
+def match_into(version: Version, targets: dict[str, torch.Tensor], *, strict: bool) -> list[tuple[str, str]]:
+    """Check the tensors given as ``restore(into=...)`` against the version's, before reading anything.
+
+    Args:
+        version: The version to restore.
+        targets: The tensors of ``into`` by key path.
+        strict: Raise on any tensor of ``into`` that cannot be filled.
+
+    Returns:
+        ``(key, why)`` for each tensor of ``into`` that cannot be filled (empty when all match).
+
+    Raises:
+        StateMismatchError: With ``strict``, if some tensor of ``into`` matches no tensor of the
+            version or has another dtype or shape; the message names the first few keys of
+            ``into`` and of the version that did not match, and the fix when the keys only differ
+            by a prefix (a state saved as ``{"model": ...}`` restored into ``model.state_dict()``).
+    """
+    saved = {e.path: e for e in version.tensors}
+    out: list[tuple[str, str]] = []
+    for key, t in targets.items():
+        entry = saved.get(key)
+        if entry is None:
+            out.append((key, "no tensor of that key in the version"))
+            continue
+        dtype = dtype_from_name(entry.dtype)
+        if t.dtype != dtype or tuple(t.shape) != tuple(entry.shape):
+            out.append((key, f"is {t.dtype}{list(t.shape)} but the saved tensor is {dtype}{list(entry.shape)}"))
+    if not out or not strict:
+        return out
+    missing = [k for k, why in out if why.startswith("no tensor")]
+    if not missing:
+        key, why = out[0]
+        more = f" (and {len(out) - 1} more)" if len(out) > 1 else ""
+        raise StateMismatchError(f"restore into: {key!r} {why}{more}; nothing was read")
+    unused = [p for p in saved if p not in targets]
+    hint = _prefix_hint(missing, unused)
+    raise StateMismatchError(
+        f"restore into: {len(missing)} tensor(s) of into match nothing in version {version.id}: "
+        f"{_keys(missing)}; the version's unmatched tensors are {_keys(unused)}{hint}; nothing was read "
+        "(pass strict=False to fill only what matches)"
+    )
+
+
+def _keys(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN_KEYS])
+    return shown + (f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else "") if keys else "none"
+
+
+def _prefix_hint(missing: list[str], unused: list[str]) -> str:
+    """``; they are the version's keys under 'model/': pass into={'model': ...}`` when that is the fix."""
+    for p in unused:
+        if p.endswith("/" + missing[0]):
+            prefix = p[: -len(missing[0])]
+            if all(prefix + k in unused for k in missing):
+                outer = prefix.rstrip("/").split("/")
+                shown = "".join(f"{{{part!r}: " for part in outer) + "..." + "}" * len(outer)
+                return f"; they are the version's keys under {prefix!r}: pass into={shown}"
+    return ""
 
 
 class _Scatter:

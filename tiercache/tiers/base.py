@@ -149,6 +149,15 @@ class Tier(ABC):
             ConflictError: If the ref changed since ``expect`` was read.
         """
 
+    def probe(self) -> None:  # noqa: B027 - optional hook: a tier in this process's memory always answers
+        """Check cheaply, without writing anything, that the tier answers now.
+
+        Called when a cache opens and while the tier is down after an outage.
+
+        Raises:
+            StorageError: A subclass saying why not (``TierUnavailableError``, ``TierFullError``...).
+        """
+
     @abstractmethod
     def used_bytes(self) -> int:
         """Return the bytes this tier currently holds (for capacity decisions and ``stats``)."""

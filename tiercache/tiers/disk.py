@@ -509,6 +509,22 @@ class DiskTier(Tier):
                 raise _storage_error(e, "cannot scan the root directory") from e
         return self._used
 
+    def probe(self) -> None:
+        """Check that the root is a writable directory on a filesystem with free space (writes nothing).
+
+        Raises:
+            StorageError: ``TierFullError`` with no free space, ``AccessDeniedError`` if not
+                writable, ``StorageError`` if the root is gone.
+        """
+        try:
+            st = os.statvfs(self._root)
+            if not os.access(self._root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", self._root)
+        except OSError as e:
+            raise _storage_error(e, f"root directory {self._root}") from e
+        if st.f_bavail * st.f_frsize == 0:
+            raise TierFullError(f"disk tier: the filesystem of {self._root} has no free space")
+
     def used_bytes(self) -> int:
         """Return the bytes of stored objects (scanned once, then tracked per write)."""
         with self._lock:

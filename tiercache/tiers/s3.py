@@ -135,7 +135,8 @@ class _Cancelled(Exception):
 class S3Tier(Tier):
     """The ``s3`` tier: objects under ``cfg.url``'s prefix, refs with conditional writes.
 
-    Construction checks the bucket once (a single attempt, so a wrong endpoint fails fast).
+    Construction sends nothing; :meth:`probe` checks the bucket with one short HEAD (the cache
+    calls it when it opens), so a wrong or dead endpoint fails fast.
     All methods are thread-safe; parts and ranges run on a pool of ``cfg.max_concurrency`` threads.
     """
 
@@ -144,13 +145,7 @@ class S3Tier(Tier):
     capacity = None
 
     def __init__(self, cfg: S3Config) -> None:
-        """Connect to the bucket of ``cfg.url`` and check that it exists and is accessible.
-
-        Raises:
-            BucketNotFoundError: If the bucket does not exist.
-            AccessDeniedError: If the credentials are missing or refused.
-            TierUnavailableError: If the endpoint cannot be reached.
-        """
+        """Make the clients for the bucket of ``cfg.url``; nothing is sent yet (see :meth:`probe`)."""
         self._cfg = cfg
         self._bucket = cfg.bucket
         self._root = f"{cfg.prefix}/" if cfg.prefix else ""
@@ -161,25 +156,29 @@ class S3Tier(Tier):
         region = region or ("us-east-1" if cfg.endpoint_url else None)
         with _LOADER_LOCK:  # botocore sessions are not thread-safe while creating clients
             self._client = self._make_client(session, region, attempts=cfg.max_attempts)
-            # Single attempt: the open-time check must fail fast instead of retrying a dead endpoint.
-            self._once = self._make_client(session, region, attempts=1)
+            # One attempt with the probe's short timeouts: an open or a health probe must fail
+            # fast instead of retrying (or waiting on) a dead endpoint.
+            self._once = self._make_client(session, region, attempts=1, timeout=cfg.probe_timeout)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="tiercache-s3")
         self._cond_delete: bool | None = None
         self._cas_ok: bool | None = None  # conditional PUTs enforced? probed before the first ref write
         self._probe_lock = threading.Lock()
-        try:
-            self._check_bucket()
-        except BaseException:
-            self.close()
-            raise
-        # Learn now whether refs can be committed safely, so no ref write pays for the probe; with
-        # read-only credentials the probe fails and is retried before the first ref write.
-        with contextlib.suppress(TierCacheError):
-            self._require_conditional_writes(None)
+
+    def probe(self) -> None:
+        """Check, with one HEAD of the bucket, that the bucket exists and answers (writes nothing).
+
+        Raises:
+            BucketNotFoundError: If the bucket does not exist.
+            AccessDeniedError: If the credentials are missing or refused.
+            TierUnavailableError: If the endpoint cannot be reached within ``s3.probe_timeout``.
+        """
+        self._check_bucket()
 
     # ------------------------------------------------------------------ setup
 
-    def _make_client(self, session: botocore.session.Session, region: str | None, *, attempts: int) -> Any:
+    def _make_client(
+        self, session: botocore.session.Session, region: str | None, *, attempts: int, timeout: float | None = None
+    ) -> Any:
         cfg = self._cfg
         style = cfg.addressing_style
         if style == "auto":
@@ -187,8 +186,8 @@ class S3Tier(Tier):
         config = Config(
             region_name=region,
             retries={"mode": "standard", "total_max_attempts": attempts},
-            connect_timeout=cfg.connect_timeout,
-            read_timeout=cfg.read_timeout,
+            connect_timeout=min(cfg.connect_timeout, timeout or cfg.connect_timeout),
+            read_timeout=min(cfg.read_timeout, timeout or cfg.read_timeout),
             # Pool threads plus the engine's own I/O threads may all be in flight at once.
             max_pool_connections=cfg.max_concurrency + 64,
             s3={"addressing_style": style},
@@ -204,7 +203,7 @@ class S3Tier(Tier):
 
     def _check_bucket(self) -> None:
         where = f"bucket {self._bucket!r} at {self._endpoint}"
-        for attempt in range(1, self._cfg.max_attempts + 1):
+        for attempt in range(1, 3):
             try:
                 self._once.head_bucket(Bucket=self._bucket)
                 return
@@ -221,7 +220,7 @@ class S3Tier(Tier):
                     ) from e
                 if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
                     raise StorageError(f"S3 {where} is in another region: set s3.region to its region") from e
-                if (status >= 500 or status == 429) and attempt < self._cfg.max_attempts:
+                if (status >= 500 or status == 429) and attempt < 2:
                     time.sleep(self._backoff(attempt))
                     continue
                 raise StorageError(f"S3 {where} cannot be opened: {code or 'HTTP'} {status}") from e
@@ -703,11 +702,8 @@ class S3Tier(Tier):
             except bce.BotoCoreError as e:
                 raise self._error(e, "delete_ref", key) from e
 
-    def _require_conditional_writes(self, key: str | None) -> None:
-        """Refuse to commit a ref on a store that ignores conditional PUTs (probed once per tier).
-
-        With ``key=None`` (at open) only the probe runs; nothing is refused yet.
-        """
+    def _require_conditional_writes(self, key: str) -> None:
+        """Refuse to commit a ref on a store that ignores conditional PUTs (probed before the first ref write)."""
         if self._cfg.allow_unsafe_refs:
             return
         if self._cas_ok is None:
@@ -716,7 +712,7 @@ class S3Tier(Tier):
                     probe = self._probe(delete_only=False)
                     self._cond_delete = probe["delete_if_match"]
                     self._cas_ok = probe["if_none_match"] and probe["if_match"]
-        if not self._cas_ok and key is not None:
+        if not self._cas_ok:
             raise ConfigError(
                 f"refusing to commit ref {key!r}: {self._endpoint} ignores conditional writes (If-None-Match/"
                 "If-Match), so another writer's ref could be silently overwritten; use a store that enforces "
