@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import tiercache
-from tiercache._locals3 import LocalS3Server
+from tiercache.testing import LocalS3
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_EVERY = 5
@@ -109,7 +109,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     print("starting the embedded S3 server (SeaweedFS on 127.0.0.1) ...", flush=True)
-    with LocalS3Server(root=work) as s3:
+    with LocalS3(root=work) as s3:
         os.environ.update(s3.env())
         config = work / "tiercache.toml"
         config.write_text(
