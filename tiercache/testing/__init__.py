@@ -15,7 +15,30 @@
   can change mid-run, to test what a policy does on a slow or recovering link.
 """
 
-from tiercache.testing.locals3 import LocalS3, LocalS3Error, aws_env, check_bucket_name
-from tiercache.testing.throttle import ThrottledProxy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tiercache.testing.locals3 import LocalS3, LocalS3Error, aws_env, check_bucket_name
+    from tiercache.testing.throttle import ThrottledProxy
+
+# Loaded on first use, so that `python -m tiercache.testing.locals3` (or `.throttle`) runs a module
+# the package has not imported already.
+_HOME = {
+    "LocalS3": "locals3",
+    "LocalS3Error": "locals3",
+    "aws_env": "locals3",
+    "check_bucket_name": "locals3",
+    "ThrottledProxy": "throttle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = ["LocalS3", "LocalS3Error", "ThrottledProxy", "aws_env", "check_bucket_name"]

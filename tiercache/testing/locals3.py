@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> None:
         server = LocalS3(bucket=args.bucket, root=args.dir, access_key=access if given else None,
                          secret_key=secret if given else None)
     except InvalidNameError as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     # SIGTERM stops the server the same way Ctrl-C does (its directory is removed on the way out).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
