@@ -286,10 +286,7 @@ def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:
 
 def test_restore_into_a_directory_named_with_a_trailing_slash(repo: _Repo, tmp_path: Path) -> None:
     outdir = tmp_path / "restored"
-    # Not there yet: an error, and no file named like the directory.
-    _assert_one_line_error(_run(repo, "restore", "main", "--out", f"{outdir}/"), 2, str(outdir), "does not exist")
-    assert not outdir.exists()
-    outdir.mkdir()
+    # DIR/ names a directory: created if its parent exists, and the file goes inside it.
     result = _run(repo, "restore", "main", "--out", f"{outdir}/", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {
@@ -298,6 +295,16 @@ def test_restore_into_a_directory_named_with_a_trailing_slash(repo: _Repo, tmp_p
     assert sorted(p.name for p in outdir.iterdir()) == ["state.pt"]
     with (outdir / "state.pt").open("rb") as fh:
         _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v3"])
+    # Into the existing directory again: refused without --force, like any existing file.
+    _assert_one_line_error(_run(repo, "restore", "best", "--out", f"{outdir}/"), 2, "state.pt already exists")
+    # A missing parent, a file named with a trailing slash, or an unknown ref: nothing is created.
+    _assert_one_line_error(_run(repo, "restore", "main", "--out", f"{tmp_path}/a/b/"), 2,
+                           f"directory {tmp_path}/a does not exist")
+    (tmp_path / "file.pt").write_bytes(b"keep")
+    _assert_one_line_error(_run(repo, "restore", "main", "--out", f"{tmp_path}/file.pt/"), 2, "is a file")
+    _assert_one_line_error(_run(repo, "restore", "nope", "--out", f"{tmp_path}/new/"), 2, "nope")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.pt", "restored", "store", "tiercache.toml"]
+    assert (tmp_path / "file.pt").read_bytes() == b"keep"
 
 
 def test_restore_refuses_to_overwrite_without_force(repo: _Repo, tmp_path: Path) -> None:

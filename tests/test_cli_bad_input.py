@@ -85,7 +85,7 @@ LIBRARY_ERRORS: list[tuple[list[str], str]] = [
     ([*GOOD, "log", "nosuch"], "nosuch"),
     ([*GOOD, "ls", "--branch", "../x"], "invalid branch"),
     ([*GOOD, "ls", "--branch", "nosuch"], "branch 'nosuch' does not exist"),
-    ([*GOOD, "restore", "main", "--out", "{base}/nodir/"], "nodir does not exist"),
+    ([*GOOD, "restore", "main", "--out", "{base}/nodir/sub/"], "nodir does not exist"),
     ([*GOOD, "promote", "main", "--to", "ram"], "no lasting RAM tier"),
     ([*GOOD, "evict", "main", "--from", "ram"], "no lasting RAM tier"),
     ([*GOOD, "verify", "nosuch"], "nosuch"),

@@ -575,23 +575,27 @@ RESTORE_FILE = "state.pt"
 def _output_path(out: str, force: bool) -> Path:
     """Where ``restore --out`` writes: ``out``, or ``out/state.pt`` for a directory.
 
-    ``out`` names a directory when it is one or when it ends with a slash: then the file goes
-    inside it, never next to it under the directory's name.
+    ``out`` names a directory when it is one or when it ends with a slash (then it is created,
+    once the restore succeeded, if its parent exists): the file goes inside it, never next to it
+    under the directory's name.
 
     Raises:
         FileExistsError: If the target exists and ``force`` is false.
-        FileNotFoundError: If the target's directory does not exist.
+        NotADirectoryError: If ``DIR/`` names a file.
+        FileNotFoundError: If the directory that would hold the target (for ``DIR/``, DIR's
+            parent) does not exist.
     """
     path = Path(out)
-    if out.endswith(("/", os.sep)) or path.is_dir():
-        if not path.is_dir():
-            raise FileNotFoundError(f"directory {path} does not exist: create it first")
-        path = path / RESTORE_FILE
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} already exists: pass --force to overwrite it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"directory {path.parent} does not exist: create it first")
-    return path
+    into_dir = out.endswith(("/", os.sep)) or path.is_dir()
+    if into_dir and path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a directory: drop the trailing slash to overwrite it")
+    target = path / RESTORE_FILE if into_dir else path
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} already exists: pass --force to overwrite it")
+    must_exist = path.parent if into_dir else target.parent
+    if not must_exist.is_dir():
+        raise FileNotFoundError(f"directory {must_exist} does not exist: create it first")
+    return target
 
 
 def _atomic_torch_save(state: Any, target: Path) -> None:
@@ -629,7 +633,7 @@ def restore(
     out: Annotated[
         str,
         typer.Option("--out", metavar="FILE|DIR",
-                     help=f"File to write, or a directory (existing, or written DIR/) to write {RESTORE_FILE} in."),
+                     help=f"File to write, or a directory for {RESTORE_FILE} (existing, or DIR/ to create it)."),
     ],
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
@@ -644,6 +648,7 @@ def restore(
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"restore {info.id[:SHORT_ID]}", info.nbytes) as progress:
             state = cache.restore(info.id, progress=progress)
+        target.parent.mkdir(exist_ok=True)  # DIR/ names a directory that may not exist yet
         _atomic_torch_save(state, target)
     if as_json:
         _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "path": str(target),
