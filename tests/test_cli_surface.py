@@ -32,6 +32,13 @@ def test_version() -> None:
     assert (ran.returncode, ran.stdout, ran.stderr) == (0, f"tiercache {tiercache.__version__}\n", "")
 
 
+def test_no_arguments_prints_the_help() -> None:
+    ran = _python_m()
+    assert (ran.returncode, ran.stderr) == (0, "")
+    assert ran.stdout.startswith("Usage: tiercache [OPTIONS] COMMAND [ARGS]...\n")
+    assert ran.stdout == _python_m("--help").stdout
+
+
 def test_every_command_registered_is_listed_here() -> None:
     assert sorted(c.name for c in app.registered_commands) == sorted(COMMANDS)
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -894,10 +895,12 @@ def main() -> None:
     """Entry point of the ``tiercache`` console script and ``python -m tiercache``.
 
     Usage errors (unknown option, missing argument) print one line and exit 2, like every other
-    bad input, instead of click's multi-line usage box.
+    bad input, instead of click's multi-line usage box. ``tiercache`` alone prints the help.
     """
+    # Without arguments click would report the help as a usage error ("error: Usage: ...", exit 2).
+    args = sys.argv[1:] or ["--help"]
     try:
-        rc = app(prog_name="tiercache", standalone_mode=False)
+        rc = app(args=args, prog_name="tiercache", standalone_mode=False)
     except typer.Abort:
         typer.echo("error: aborted", err=True)
         raise SystemExit(1) from None
