@@ -71,9 +71,9 @@ def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
         if url:
             console.print(f"S3: {url} (TIERCACHE_TEST_S3_ENDPOINT)")
         else:
-            from tiercache._locals3 import LocalS3Server
+            from tiercache.testing import LocalS3
 
-            server = stack.enter_context(LocalS3Server(bucket=bucket, root=work))
+            server = stack.enter_context(LocalS3(bucket=bucket, root=work))
             # Both boto3 and s3torchconnector's CRT client read credentials from the environment.
             os.environ.update(server.env())
             url = server.endpoint_url

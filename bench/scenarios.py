@@ -1,7 +1,7 @@
 """``python -m bench.scenarios``: the policy scenarios, on a real S3 server behind a throttled link.
 
 Both scenarios start the embedded SeaweedFS server on loopback and put
-:class:`tiercache._throttle.ThrottledProxy` (in a child process) between it and the cache, so the
+:class:`tiercache.testing.ThrottledProxy` (in a child process) between it and the cache, so the
 S3 tier sees a link of a few MB/s whose limit the scenario lifts or lowers mid-run.
 
 1. ``backlog``: a trainer saves faster than the link can absorb, first with ``throughput-adaptive``
@@ -44,12 +44,12 @@ import tiercache
 from bench.baselines import memcpy
 from bench.state import advance, make_state, state_nbytes
 from tiercache import codecs
-from tiercache._locals3 import LocalS3Server
 from tiercache.config import PolicyConfig, parse_size
 from tiercache.errors import SkippedError
 from tiercache.names import chunk_key
 from tiercache.policy.base import OnFull, Placement, Policy, PolicyContext, VersionView
 from tiercache.policy.builtin import load_policy
+from tiercache.testing import LocalS3
 
 SCENARIOS = ("backlog", "compression")
 _NO_S3 = "no S3 tier (reference)"
@@ -145,7 +145,7 @@ class Trace:
 
 
 class ProxyProcess:
-    """:class:`ThrottledProxy` run in a child process (``python -m tiercache._throttle``).
+    """:class:`ThrottledProxy` run in a child process (``python -m tiercache.testing.throttle``).
 
     The relay's Python loops then do not compete with the trainer for the GIL, as a real link
     would not; the limit is changed by writing it to the child's stdin.
@@ -154,7 +154,7 @@ class ProxyProcess:
     def __init__(self, target: str, limit_bps: float | None) -> None:
         self._limit = limit_bps
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache._throttle", target, str(limit_bps)],
+            [sys.executable, "-m", "tiercache.testing.throttle", target, str(limit_bps)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self._proc.stdout is not None
@@ -193,7 +193,7 @@ class ProxyProcess:
         self.close()
 
 
-def _config(root: Path, name: str, server: LocalS3Server, proxy: ProxyProcess, arena: int,
+def _config(root: Path, name: str, server: LocalS3, proxy: ProxyProcess, arena: int,
             policy: str, **params: Any) -> dict[str, Any]:
     return {
         "ram": {"capacity": arena},
@@ -206,7 +206,7 @@ def _config(root: Path, name: str, server: LocalS3Server, proxy: ProxyProcess, a
 # ---------------------------------------------------------------------- scenario 1: backlog
 
 
-def backlog(args: argparse.Namespace, server: LocalS3Server, root: Path, console: Console) -> dict[str, Any]:
+def backlog(args: argparse.Namespace, server: LocalS3, root: Path, console: Console) -> dict[str, Any]:
     """Run the backlog scenario for both policies; print and return its figures."""
     state = make_state(args.size, seed=1)
     nbytes = state_nbytes(state)
@@ -324,7 +324,7 @@ def _stored_codecs(cache: tiercache.TierCache, version: str, tier: str, root: Pa
     return ", ".join(f"{n}x {c}" for c, n in sorted({c: seen.count(c) for c in seen}.items()))
 
 
-def compression(args: argparse.Namespace, server: LocalS3Server, root: Path, console: Console) -> dict[str, Any]:
+def compression(args: argparse.Namespace, server: LocalS3, root: Path, console: Console) -> dict[str, Any]:
     """Run the compression scenario; print and return its figures."""
     import boto3
 
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     console = Console(width=130)
     figures: dict[str, Any] = {}
-    with LocalS3Server() as server, tempfile.TemporaryDirectory(prefix="tiercache-scenarios-") as tmp:
+    with LocalS3() as server, tempfile.TemporaryDirectory(prefix="tiercache-scenarios-") as tmp:
         os.environ.update(server.env())
         for name in args.scenarios:
             figures[name] = {"backlog": backlog, "compression": compression}[name](args, server, Path(tmp), console)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import tiercache
-from tiercache._locals3 import LocalS3Server
+from tiercache.testing import LocalS3
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_EVERY = 5
@@ -109,7 +109,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     print("starting the embedded S3 server (SeaweedFS on 127.0.0.1) ...", flush=True)
-    with LocalS3Server(root=work) as s3:
+    with LocalS3(root=work) as s3:
         os.environ.update(s3.env())
         config = work / "tiercache.toml"
         config.write_text(
@@ -139,15 +139,18 @@ def main() -> None:
         # 2. A fresh process view: resume from the fastest tier that has the newest durable version.
         print("\n2. resuming in a fresh cache ...", flush=True)
         with tiercache.open(config) as cache:
-            head = cache.versions()[-1]
-            print(f"   newest durable version: {head.id} (step {head.step}) on tiers {', '.join(head.tiers)}")
+            head = cache.resolve("main")
+            info = next(v for v in cache.versions() if v.id == head)
+            print(f"   resuming from main = {head} (step {info.step}), held by: {', '.join(info.tiers)}")
             model, opt = make_model()
             t0 = time.perf_counter()
-            restored = cache.restore("main", into={"model": model.state_dict()})
+            restored = cache.restore(head, into={"model": model.state_dict()})
             opt.load_state_dict(restored["optim"])
             reads = {t: s["read"]["total_bytes"] for t, s in cache.stats()["meter"]["tiers"].items() if "read" in s}
             print(f"   restored in {time.perf_counter() - t0:.3f}s; bytes read per tier: {reads}")
             step = restored["step"]
+            if step != info.step:
+                raise SystemExit(f"demo failed: version {head} of step {info.step} holds step {step}")
             ref = reference_params(step)
             exact = all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
             print(f"   parameters bit-exact to an uninterrupted run of {step} steps: {exact}")

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tiercache._locals3 import aws_env
 from tiercache.config import S3Config
+from tiercache.testing import aws_env
 
 DEFAULT_TEST_BUCKET = "tiercache-test"
 #: Variables that would make the test clients pick up something other than the test server's keys.
@@ -54,7 +54,7 @@ def slow(pytestconfig: pytest.Config) -> bool:
 
 @dataclass(frozen=True)
 class ExternalS3:
-    """An S3 server the developer runs (``TIERCACHE_TEST_S3_ENDPOINT``), same shape as LocalS3Server."""
+    """An S3 server the developer runs (``TIERCACHE_TEST_S3_ENDPOINT``), same shape as LocalS3."""
 
     endpoint_url: str
     bucket: str
@@ -124,9 +124,9 @@ def s3_server() -> Iterator[object]:
             yield server
         return
 
-    from tiercache._locals3 import LocalS3Server
+    from tiercache.testing import LocalS3
 
-    local = LocalS3Server(bucket=os.environ.get("TIERCACHE_TEST_S3_BUCKET", DEFAULT_TEST_BUCKET))
+    local = LocalS3(bucket=os.environ.get("TIERCACHE_TEST_S3_BUCKET", DEFAULT_TEST_BUCKET))
     local.start()
     try:
         with _patched_env(local.env()):

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import tiercache
-from tiercache._throttle import ThrottledProxy
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError
 from tiercache.policy.base import OnFull, Placement, PolicyContext, VersionView
 from tiercache.policy.builtin import ThroughputAdaptive, WriteThrough
+from tiercache.testing import ThrottledProxy
 
 MIB = 1 << 20
 STATE_BYTES = 8 * MIB  # two 4 MiB fp32 tensors: two chunks per version

@@ -194,3 +194,21 @@ def test_a_config_file_that_is_not_toml_names_the_file(tmp_path: Path) -> None:
         load_config(bad, env={})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", env={})
+
+
+def test_existing_and_missing_refs_raise_typed_errors_with_their_names(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        v1 = cache.save({"w": torch.ones(2)}, step=1).wait("local")
+        v2 = cache.save({"w": torch.zeros(2)}, step=2).wait("local")
+        cache.tag("best", v1)
+        with pytest.raises(tiercache.RefExistsError) as branch:
+            cache.branch("main", v1)
+        assert (branch.value.kind, branch.value.name, branch.value.version) == ("branch", "main", v2)
+        assert isinstance(branch.value, tiercache.ConflictError)
+        with pytest.raises(tiercache.RefExistsError) as tag:
+            cache.tag("best", v2)
+        assert (tag.value.kind, tag.value.name, tag.value.version) == ("tag", "best", v1)
+        with pytest.raises(tiercache.BranchNotFoundError) as missing:
+            cache.rollback("nope", v1)
+        assert missing.value.branch == "nope" and isinstance(missing.value, LookupError)
+        assert cache.refs() == {"branch/main": v2, "tag/best": v1}

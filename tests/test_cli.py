@@ -8,13 +8,15 @@ import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from typer.testing import CliRunner, Result
 
 import tiercache
-from tiercache.cli import app, human_age, human_bytes, layout_graph
+from tiercache.cli import app, human_age, human_bytes, layout_graph, short_id_length
+from tiercache.config import S3Config
 
 # ---------------------------------------------------------------------------------------------
 # The pure graph layout
@@ -80,6 +82,14 @@ def test_graph_root_with_lanes_to_its_right_and_unknown_parent() -> None:
         " /",
         "* y1",
     ]
+
+
+def test_short_ids_are_ten_characters_or_as_long_as_a_listing_needs() -> None:
+    assert short_id_length([]) == 10
+    assert short_id_length(["01M85P4V9YAAAA", "01M85P4VBCAAAA"]) == 10
+    # Saved in the same millisecond: the first 10 characters (the timestamp) are shared.
+    assert short_id_length(["01M85P4VBCAAAX", "01M85P4VBCAAB0", "01M85P4VBCZZZZ"]) == 13
+    assert short_id_length(["01M85P4VBCAAAX", "01M85P4VBCAAAX"]) == 10  # one id listed twice
 
 
 def test_human_formats() -> None:
@@ -192,15 +202,27 @@ def test_ls_json(repo: _Repo) -> None:
         }
         for vid, step, branch, parent, meta, refs in expected
     ]
-    only_ft = json.loads(_run(repo, "ls", "--json", "--branch", "ft").stdout)
-    assert [row["id"] for row in only_ft] == [repo.f1]
+    # --branch lists the branch's history (what `log ft` walks), oldest first, not the versions
+    # whose branch field is ft.
+    ft_history = json.loads(_run(repo, "ls", "--json", "--branch", "ft").stdout)
+    assert [row["id"] for row in ft_history] == [repo.v1, repo.v2, repo.f1]
+    main_history = json.loads(_run(repo, "ls", "--json", "--branch", "main").stdout)
+    assert [row["id"] for row in main_history] == [repo.v1, repo.v2, repo.v3]
+
+
+def test_ls_unknown_branch_is_bad_input(repo: _Repo) -> None:
+    _assert_one_line_error(_run(repo, "ls", "--branch", "nope"), 2, "branch 'nope' does not exist",
+                           "`tiercache branch nope --from REF`")
+    # A tag is not a branch either.
+    _assert_one_line_error(_run(repo, "ls", "--branch", "best"), 2, "branch 'best' does not exist")
 
 
 def test_ls_table(repo: _Repo) -> None:
     result = _run(repo, "ls")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["id", "step", "branch", "size", "age", "refs", "ram", "disk"]
+    # The config has a [ram] table, but a CLI process has no lasting RAM tier: no column for it.
+    assert lines[0].split() == ["id", "step", "branch", "size", "age", "refs", "disk"]
     body = [line.split() for line in lines[1:]]
     assert [row[:3] for row in body] == [
         [repo.v1[:10], "100", "main"],
@@ -210,6 +232,10 @@ def test_ls_table(repo: _Repo) -> None:
     ]
     assert all(row[3:5] == ["8.2", "KiB"] for row in body)
     assert [row[6:] for row in body] == [["✓"], ["tag:", "best", "✓"], ["main", "✓"], ["ft", "✓"]]
+    ft = _run(repo, "ls", "--branch", "ft").stdout.splitlines()
+    assert [line.split()[:3] for line in ft[1:]] == [
+        [repo.v1[:10], "100", "main"], [repo.v2[:10], "200", "main"], [repo.f1[:10], "210", "ft"],
+    ]
 
 
 def test_log_newest_first_with_parents(repo: _Repo) -> None:
@@ -258,6 +284,29 @@ def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:
     assert sorted(p.name for p in outdir.iterdir()) == ["state.pt"]
 
 
+def test_restore_into_a_directory_named_with_a_trailing_slash(repo: _Repo, tmp_path: Path) -> None:
+    outdir = tmp_path / "restored"
+    # DIR/ names a directory: created if its parent exists, and the file goes inside it.
+    result = _run(repo, "restore", "main", "--out", f"{outdir}/", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "version": repo.v3, "branch": "main", "step": 300, "path": str(outdir / "state.pt"), "nbytes": 8448,
+    }
+    assert sorted(p.name for p in outdir.iterdir()) == ["state.pt"]
+    with (outdir / "state.pt").open("rb") as fh:
+        _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v3"])
+    # Into the existing directory again: refused without --force, like any existing file.
+    _assert_one_line_error(_run(repo, "restore", "best", "--out", f"{outdir}/"), 2, "state.pt already exists")
+    # A missing parent, a file named with a trailing slash, or an unknown ref: nothing is created.
+    _assert_one_line_error(_run(repo, "restore", "main", "--out", f"{tmp_path}/a/b/"), 2,
+                           f"directory {tmp_path}/a does not exist")
+    (tmp_path / "file.pt").write_bytes(b"keep")
+    _assert_one_line_error(_run(repo, "restore", "main", "--out", f"{tmp_path}/file.pt/"), 2, "is a file")
+    _assert_one_line_error(_run(repo, "restore", "nope", "--out", f"{tmp_path}/new/"), 2, "nope")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.pt", "restored", "store", "tiercache.toml"]
+    assert (tmp_path / "file.pt").read_bytes() == b"keep"
+
+
 def test_restore_refuses_to_overwrite_without_force(repo: _Repo, tmp_path: Path) -> None:
     out = tmp_path / "existing.pt"
     out.write_bytes(b"keep me")
@@ -291,19 +340,95 @@ def test_branch_rollback_tag(repo: _Repo) -> None:
     }
 
 
+def test_ref_verbs_print_json(repo: _Repo) -> None:
+    result = _run(repo, "branch", "ft2", "--from", "main@100", "--json")
+    assert (result.exit_code, json.loads(result.stdout)) == (
+        0, {"ref": "branch/ft2", "version": repo.v1, "branch": "main", "step": 100})
+    result = _run(repo, "tag", "first", "ft2", "--json")
+    assert (result.exit_code, json.loads(result.stdout)) == (
+        0, {"ref": "tag/first", "version": repo.v1, "branch": "main", "step": 100})
+    result = _run(repo, "rollback", "main", "main~2", "--json")
+    assert (result.exit_code, json.loads(result.stdout)) == (
+        0, {"ref": "branch/main", "version": repo.v1, "branch": "main", "step": 100})
+    assert _refs(repo) == {"branch/main": repo.v1, "branch/ft": repo.f1, "branch/ft2": repo.v1,
+                           "tag/best": repo.v2, "tag/first": repo.v1}
+
+
+def test_existing_branch_or_tag_is_bad_input_with_cli_advice(repo: _Repo) -> None:
+    _assert_one_line_error(_run(repo, "branch", "ft", "--from", "main"), 2,
+                           f"branch 'ft' already exists (at {repo.f1})", "`tiercache rollback ft REF`")
+    _assert_one_line_error(_run(repo, "tag", "best", "main"), 2,
+                           f"tag 'best' already points at {repo.v2}", "tags never move")
+    # Tagging the version the tag already names is a no-op, not an error.
+    assert _run(repo, "tag", "best", "main~1").stdout == f"tag best -> {repo.v2} (main@200)\n"
+    _assert_one_line_error(_run(repo, "rollback", "nope", "main"), 2, "branch 'nope' does not exist",
+                           "`tiercache branch nope --from REF`")
+    for result in (_run(repo, "branch", "ft", "--from", "main"), _run(repo, "rollback", "nope", "main")):
+        assert "()" not in result.stderr  # no Python call suggested
+    assert _refs(repo) == {"branch/main": repo.v3, "branch/ft": repo.f1, "tag/best": repo.v2}
+
+
+def test_log_json(repo: _Repo) -> None:
+    rows = json.loads(_run(repo, "log", "ft", "--json").stdout)
+    assert [(r["id"], r["parent"], r["refs"]) for r in rows] == [
+        (repo.f1, repo.v2, ["branch/ft"]), (repo.v2, repo.v1, ["tag/best"]), (repo.v1, None, []),
+    ]
+    assert rows == [row for row in json.loads(_run(repo, "ls", "--json").stdout)[::-1] if row["id"] in
+                    (repo.f1, repo.v2, repo.v1)]
+    _assert_one_line_error(_run(repo, "log", "--graph", "--json"), 2, "--graph", "--json")
+
+
+def test_short_ids_in_listings_tell_versions_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Versions whose ids share their first 12 characters (as ids made in one millisecond share 10).
+    ids = iter(f"01M85P4VBCXY{c}{'0' * 13}" for c in "ABC")
+    monkeypatch.setattr("tiercache.engine.new_version_id", lambda: next(ids))
+    config = tmp_path / "tiercache.toml"
+    config.write_text(f'[disk]\npath = "{tmp_path / "store"}"\n')
+    with tiercache.open(config) as cache:
+        for step in (1, 2, 3):
+            cache.save({"w": torch.full((4,), float(step))}, step=step).wait("local")
+    listing = CliRunner().invoke(app, ["--config", str(config), "ls"]).stdout.splitlines()
+    assert [line.split()[0] for line in listing[1:]] == ["01M85P4VBCXYA", "01M85P4VBCXYB", "01M85P4VBCXYC"]
+    graph = CliRunner().invoke(app, ["--config", str(config), "log", "--graph"]).stdout.splitlines()
+    assert graph == ["* 01M85P4VBCXYC main@3 (main)", "* 01M85P4VBCXYB main@2", "* 01M85P4VBCXYA main@1"]
+
+
+def test_evict_and_promote_json_on_disk_and_s3(tmp_path: Path, s3_config: S3Config, _s3_admin: Any) -> None:
+    store = tmp_path / "store"
+    config = tmp_path / "tiercache.toml"
+    config.write_text(f'[disk]\npath = "{store}"\n\n[s3]\nurl = "{s3_config.url}"\n'
+                      f'endpoint_url = "{s3_config.endpoint_url}"\nregion = "{s3_config.region}"\n')
+    with tiercache.open(config) as cache:
+        vid = cache.save(_state(7), step=7).wait("remote")
+    on_disk = sum(p.stat().st_size for p in (store / "chunks").rglob("*") if p.is_file())
+    listing = _s3_admin.list_objects_v2(Bucket=s3_config.bucket, Prefix=f"{s3_config.prefix}/chunks/")
+    in_s3 = sum(obj["Size"] for obj in listing["Contents"])
+    cli = ["--config", str(config)]
+    evicted = CliRunner().invoke(app, [*cli, "evict", "main", "--from", "disk", "--json"])
+    assert (evicted.exit_code, json.loads(evicted.stdout)) == (
+        0, {"version": vid, "branch": "main", "step": 7, "tier": "disk", "bytes_freed": on_disk})
+    assert json.loads(CliRunner().invoke(app, [*cli, "ls", "--json"]).stdout)[0]["tiers"] == ["s3"]
+    promoted = CliRunner().invoke(app, [*cli, "promote", "main", "--to", "disk", "--json"])
+    assert (promoted.exit_code, json.loads(promoted.stdout)) == (
+        0, {"version": vid, "branch": "main", "step": 7, "tier": "disk", "bytes_copied": in_s3})
+    assert json.loads(CliRunner().invoke(app, [*cli, "ls", "--json"]).stdout)[0]["tiers"] == ["disk", "s3"]
+
+
 def test_promote_and_evict(repo: _Repo) -> None:
-    # Each CLI run opens its own cache, so its RAM arena starts empty like this fresh one.
-    with tiercache.open(repo.config) as cache:
-        copied = cache.promote("main", to="ram")
-    assert copied > 0
-    result = _run(repo, "promote", "main", "--to", "ram")
-    assert (result.exit_code, result.stdout) == (
-        0, f"promoted {repo.v3} (main@300) to ram: {human_bytes(copied)} copied\n"
-    )
+    # The disk already holds every chunk: nothing to copy.
+    result = _run(repo, "promote", "main", "--to", "disk")
+    assert (result.exit_code, result.stdout) == (0, f"promoted {repo.v3} (main@300) to disk: 0 B copied\n")
     _assert_one_line_error(_run(repo, "promote", "main", "--to", "nvme"), 2, "nvme")
     # The disk tier holds the only durable copy: refused at runtime, and the version survives.
     _assert_one_line_error(_run(repo, "evict", "main", "--from", "disk"), 1, "last durable copy")
     assert json.loads(_run(repo, "ls", "--json").stdout)[2]["tiers"] == ["disk"]
+
+
+def test_ram_tier_moves_are_refused_from_the_cli(repo: _Repo) -> None:
+    # The config has a [ram] table, but whatever a CLI process puts in its arena ends with it.
+    for args, option in ((("promote", "main", "--to", "ram"), "promote --to ram"),
+                         (("evict", "main", "--from", "ram"), "evict --from ram")):
+        _assert_one_line_error(_run(repo, *args), 2, "a CLI process has no lasting RAM tier", f"`{option}`")
 
 
 def test_unknown_ref_is_bad_input(repo: _Repo, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ error message; they exit 2 the same way.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,8 @@ LIBRARY_ERRORS: list[tuple[list[str], str]] = [
     ([*GOOD, "branch", "x" * 200, "--from", "main"], "invalid branch"),
     ([*GOOD, "branch", "new", "--from", "nosuch"], "nosuch"),
     ([*GOOD, "branch", "a b", "--from", "main"], "invalid branch"),
-    ([*GOOD, "rollback", "nosuchbranch", "main"], "nosuchbranch"),
+    ([*GOOD, "branch", "main", "--from", "main"], "`tiercache rollback main REF`"),
+    ([*GOOD, "rollback", "nosuchbranch", "main"], "`tiercache branch nosuchbranch --from REF`"),
     ([*GOOD, "rollback", "main", "nosuch"], "nosuch"),
     ([*GOOD, "rollback", "../m", "main"], "invalid branch"),
     ([*GOOD, "tag", "../t", "main"], "invalid tag"),
@@ -82,6 +84,10 @@ LIBRARY_ERRORS: list[tuple[list[str], str]] = [
     ([*GOOD, "tag", "new", "nosuch"], "nosuch"),
     ([*GOOD, "log", "nosuch"], "nosuch"),
     ([*GOOD, "ls", "--branch", "../x"], "invalid branch"),
+    ([*GOOD, "ls", "--branch", "nosuch"], "branch 'nosuch' does not exist"),
+    ([*GOOD, "restore", "main", "--out", "{base}/nodir/sub/"], "nodir does not exist"),
+    ([*GOOD, "promote", "main", "--to", "ram"], "no lasting RAM tier"),
+    ([*GOOD, "evict", "main", "--from", "ram"], "no lasting RAM tier"),
     ([*GOOD, "verify", "nosuch"], "nosuch"),
     ([*GOOD, "gc", "--grace", "-1"], "grace"),
     (["--config", "{base}/missing.toml", "ls"], "not found"),
@@ -144,10 +150,32 @@ def test_usage_mistakes_exit_2_with_the_reason(world: Path, args: list[str], wor
 @pytest.mark.parametrize(
     "env",
     [{"TIERCACHE_CHUNK_BYTES": "12"}, {"TIERCACHE_DISK__IO_THREADS": "0"}, {"TIERCACHE_HASH": "md5"},
-     {"TIERCACHE_NOPE": "1"}, {"TIERCACHE_DISK__CAPACITY": "huge"}],
+     {"TIERCACHE_NOPE": "1"}, {"TIERCACHE_DISK__CAPACITY": "huge"}, {"TIERCACHE_S3__MAX_ATTEMPTS": "3"}],
 )
-def test_bad_environment_overrides_get_one_error_line(world: Path, env: dict[str, str]) -> None:
+def test_bad_environment_overrides_name_the_variable(world: Path, env: dict[str, str]) -> None:
     code, out = _run(world, [*GOOD, "ls"], env)
     assert code == 2, out
     lines = out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: invalid config"), out
+    [variable] = env
+    assert len(lines) == 1 and lines[0].startswith(f"error: invalid config from environment variable {variable}: ")
+    assert "good.toml" not in lines[0]
+
+
+def test_no_tier_anywhere_says_where_it_looked(world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TIERCACHE_CONFIG", raising=False)
+    code, out = _run(world, ["ls"])
+    assert code == 2
+    assert out == (
+        f"error: no tier configured: no config file named (TIERCACHE_CONFIG is not set), no tiercache.toml in "
+        f"{tmp_path}, and none of TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY set: write "
+        "a tiercache.toml with a [disk] path, an [s3] url or a [ram] table\n"
+    )
+    code, out = _run(world, ["--config", "{base}/empty.toml", "ls"])
+    assert (code, out) == (2, f"error: no tier configured in config file {world}/empty.toml (nor by "
+                              "TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY): add a [disk] "
+                              "path, an [s3] url or a [ram] table\n")
+    # A variable alone is a whole config.
+    code, out = _run(world, ["ls", "--json"], {"TIERCACHE_DISK__PATH": str(world / "root")})
+    assert code == 0
+    assert [row["step"] for row in json.loads(out)] == [1]

@@ -103,7 +103,7 @@ def test_cli_doctor_ok_on_the_real_server(tmp_path: Path, s3_config: S3Config) -
     assert result.exit_code == 0, result.output
     assert "ok   if_none_match" in result.output and "doctor: OK" in result.output
     as_json = CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--json"])
-    assert json.loads(as_json.output)["conditional_writes"] is True
+    assert json.loads(as_json.stdout)["conditional_writes"] is True
 
 
 @pytest.mark.usefixtures("ignores_conditions")

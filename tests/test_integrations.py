@@ -5,10 +5,13 @@ Each test compares an interrupted-and-resumed run against an uninterrupted one, 
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -43,13 +46,14 @@ class TinyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-def _fit(root: Path, epochs: int, plugin: TierCacheCheckpointIO | None, ckpt_path: str | None = None) -> TinyModule:
+def _fit(root: Path, epochs: int, plugin: TierCacheCheckpointIO | None, ckpt_path: str | None = None,
+         dirpath: Path | str | None = None) -> TinyModule:
     L.seed_everything(0)
     model = TinyModule()
     trainer = L.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root, plugins=[plugin] if plugin else None,
-        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt" if dirpath is None else dirpath, save_top_k=-1)],
     )
     x, y = _data()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8), ckpt_path=ckpt_path)
@@ -65,11 +69,48 @@ def test_lightning_checkpoint_io_resume_is_identical(tmp_path: Path) -> None:
     assert not ckpt.exists()  # stored in the cache only
     with tiercache.open(config) as cache:
         [info] = cache.versions()
-        assert (info.step, info.meta["lightning_path"]) == (4, str(ckpt))
+        assert (info.step, info.meta["lightning_path"]) == (4, os.path.realpath(ckpt))
         resumed = _fit(tmp_path / "run", 2, TierCacheCheckpointIO(cache), ckpt_path=str(ckpt))
         assert [v.step for v in cache.versions()] == [4, 8]
     for name, tensor in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_lightning_resumes_from_a_relative_ckpt_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the README shows it: ModelCheckpoint(dirpath="ckpt"), then ckpt_path="ckpt/epoch=0-step=4.ckpt".
+    reference = _fit(tmp_path / "ref", 2, None)
+    monkeypatch.chdir(tmp_path)
+    with tiercache.open({"disk": {"path": "cache"}}) as cache:
+        _fit(tmp_path, 1, TierCacheCheckpointIO(cache, wait="local"), dirpath="ckpt")
+        resumed = _fit(tmp_path, 2, TierCacheCheckpointIO(cache), ckpt_path="ckpt/epoch=0-step=4.ckpt",
+                       dirpath="ckpt")
+        assert [(v.step, v.meta["lightning_path"]) for v in cache.versions()] == [
+            (4, str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")), (8, str(tmp_path / "ckpt" / "epoch=1-step=8.ckpt"))]
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_lightning_path_never_saved_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with tiercache.open({"disk": {"path": "cache"}}) as cache:
+        io = TierCacheCheckpointIO(cache)
+        with pytest.raises(tiercache.VersionNotFoundError) as none_yet:
+            io.load_checkpoint("ckpt/epoch=3-step=400.ckpt")
+        assert str(none_yet.value) == (
+            f"no tiercache version was saved for checkpoint 'ckpt/epoch=3-step=400.ckpt' "
+            f"({tmp_path}/ckpt/epoch=3-step=400.ckpt), and it is no ref either: pass a path a checkpoint was "
+            "saved under (none saved yet) or a ref such as 'main' or 'main@STEP'; `tiercache ls` lists the versions"
+        )
+        io.save_checkpoint({"global_step": 4, "w": torch.ones(2)}, "ckpt/epoch=0-step=4.ckpt")
+        cache.flush()
+        saved = re.escape(f"({tmp_path}/ckpt/epoch=0-step=4.ckpt) or a ref")
+        with pytest.raises(tiercache.VersionNotFoundError, match=saved):
+            io.load_checkpoint("ckpt/epoch=3-step=400.ckpt")
+        with pytest.raises(tiercache.VersionNotFoundError, match="'main@7'"):
+            io.load_checkpoint("main@7")  # a ref, but no version of step 7
+        # The path it was saved under, relative or absolute, and a ref all resolve to that version.
+        for name in ("ckpt/epoch=0-step=4.ckpt", str(tmp_path / "ckpt/epoch=0-step=4.ckpt"), "main@4"):
+            assert torch.equal(io.load_checkpoint(name)["w"], torch.ones(2))
 
 
 # ------------------------------------------------------------------------------------- Hugging Face

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import tiercache
-from tiercache._throttle import ThrottledProxy
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, TierUnavailableError
+from tiercache.testing import ThrottledProxy
 
 #: Timeouts of the tests' S3 tier: an outage costs at most a couple of seconds per request.
 FAST = {"connect_timeout": 0.5, "read_timeout": 1.0, "probe_timeout": 0.5, "max_attempts": 2, "deadline_s": 10}

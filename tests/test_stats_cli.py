@@ -59,7 +59,7 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     header, row = table.output.splitlines()[:2]
     assert header.split() == ["tier", "used", "capacity", "read", "write"]
     assert row.split()[0] == "disk"
-    data = json.loads(_cli(cfg, "stats", "--json").output)
+    data = json.loads(_cli(cfg, "stats", "--json").stdout)
     assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root), "available": True,
                                       "unavailable": None}}
     assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
@@ -84,7 +84,7 @@ def test_verify_reports_and_repairs_nothing_on_a_single_tier(setup: tuple[Path, 
     assert f"damaged: disk:{chunk_key(victim)}" in bad.output and "1 bad, 0 repaired" in bad.output
     assert "verify --repair" in bad.output
     # One tier only: nothing to repair from.
-    report = json.loads(_cli(cfg, "verify", "--repair", "--json").output)
+    report = json.loads(_cli(cfg, "verify", "--repair", "--json").stdout)
     assert report["ok"] is False and report["unrepairable"] == [chunk_key(victim)]
 
 
@@ -94,7 +94,7 @@ def test_gc_dry_run_then_gc(setup: tuple[Path, Path, list[str]]) -> None:
     files = sorted(root.rglob("*"))
     dry = _cli(cfg, "gc", "--dry-run", "--grace", "0", "--json")
     assert dry.exit_code == 0, dry.output
-    would = json.loads(dry.output)
+    would = json.loads(dry.stdout)
     assert sorted(root.rglob("*")) == files
     assert would["versions"] == [ids[1]] and would["chunks"] == {"disk": 1} and would["manifests"] == {"disk": 1}
     done = _cli(cfg, "gc", "--grace", "0")
@@ -102,7 +102,7 @@ def test_gc_dry_run_then_gc(setup: tuple[Path, Path, list[str]]) -> None:
     assert f"gc freed 1 version(s), {would['total_bytes']} B" in done.output or "gc freed 1 version(s)" in done.output
     assert "disk: 1 manifest(s), 1 chunk(s)" in done.output
     assert not (root / "versions" / f"{ids[1]}.json").exists()
-    again = json.loads(_cli(cfg, "gc", "--grace", "0", "--json").output)
+    again = json.loads(_cli(cfg, "gc", "--grace", "0", "--json").stdout)
     assert again["total_bytes"] == 0 and again["versions"] == []
     kept = _cli(cfg, "gc")  # default grace: nothing is old enough, and it says so
     assert "gc freed 0 version(s)" in kept.output and "younger than 3600 s kept" in kept.output

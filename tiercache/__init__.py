@@ -19,6 +19,7 @@ from tiercache.distributed import DistributedCache
 from tiercache.errors import (
     AccessDeniedError,
     AmbiguousRefError,
+    BranchNotFoundError,
     BucketNotFoundError,
     CacheClosedError,
     ConfigError,
@@ -29,6 +30,7 @@ from tiercache.errors import (
     InvalidArgumentError,
     InvalidNameError,
     LastCopyError,
+    RefExistsError,
     SkippedError,
     StateMismatchError,
     StorageError,
@@ -47,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AmbiguousRefError",
+    "BranchNotFoundError",
     "BucketNotFoundError",
     "CacheClosedError",
     "CacheConfig",
@@ -65,6 +68,7 @@ __all__ = [
     "PolicyConfig",
     "PolicyContext",
     "RamConfig",
+    "RefExistsError",
     "S3Config",
     "SaveHandle",
     "SkippedError",

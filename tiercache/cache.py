@@ -26,16 +26,16 @@ from tiercache.config import CacheConfig, load_config
 from tiercache.deferred import StepGuards, owned_by
 from tiercache.engine import Engine
 from tiercache.errors import (
+    BranchNotFoundError,
     CacheClosedError,
     ConfigError,
-    ConflictError,
     InvalidArgumentError,
     LastCopyError,
+    RefExistsError,
     StorageError,
     TierCacheError,
     TierFullError,
     TierUnavailableError,
-    VersionNotFoundError,
 )
 from tiercache.format import dtype_from_name, flatten, unflatten
 from tiercache.handle import SaveHandle
@@ -495,12 +495,14 @@ class TierCache:
         """Create branch ``name`` at the version ``from_ref`` resolves to; the next save on it has that parent.
 
         Raises:
-            ConflictError: If the branch exists (use :meth:`rollback` to move it).
+            RefExistsError: If the branch exists (use :meth:`rollback` to move it).
         """
         check_name(name, "branch")
         vid = self.resolve(from_ref)
-        if self.catalog.ref("branch", name) is not None:
-            raise ConflictError(f"branch {name!r} already exists: use rollback to move it")
+        cur = self.catalog.ref("branch", name)
+        if cur is not None:
+            raise RefExistsError(f"branch {name!r} already exists (at {cur.version}): use rollback to move it",
+                                 kind="branch", name=name, version=cur.version)
         self._write_ref_everywhere(RefRecord(kind="branch", name=name, version=vid, seq=0), None, "branch")
         return vid
 
@@ -508,13 +510,13 @@ class TierCache:
         """Move the head of ``branch`` to the version ``ref`` resolves to; history is kept.
 
         Raises:
-            VersionNotFoundError: If the branch does not exist.
+            BranchNotFoundError: If the branch does not exist.
         """
         check_name(branch, "branch")
         vid = self.resolve(ref)
         cur = self.catalog.ref("branch", branch)
         if cur is None:
-            raise VersionNotFoundError(f"branch {branch!r} does not exist: create it with branch()")
+            raise BranchNotFoundError(f"branch {branch!r} does not exist: create it with branch()", branch=branch)
         with self._save_lock:
             self._resumed.pop(branch, None)  # the branch's head is where the next save continues
         self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1), cur,
@@ -525,7 +527,7 @@ class TierCache:
         """Tag the version ``ref`` resolves to as ``name``; a tag never moves.
 
         Raises:
-            ConflictError: If the tag exists and points at another version.
+            RefExistsError: If the tag exists and points at another version.
         """
         check_name(name, "tag")
         vid = self.resolve(ref)
@@ -533,7 +535,8 @@ class TierCache:
         if cur is not None:
             if cur.version == vid:
                 return vid
-            raise ConflictError(f"tag {name!r} already points at {cur.version}: tags never move")
+            raise RefExistsError(f"tag {name!r} already points at {cur.version}: tags never move",
+                                 kind="tag", name=name, version=cur.version)
         self._write_ref_everywhere(RefRecord(kind="tag", name=name, version=vid, seq=0), None, "tag")
         return vid
 

@@ -3,19 +3,25 @@
 Every verb is one function registered on :data:`app`; it opens the cache through
 :func:`_session`, which also turns library errors into one ``error: ...`` line on stderr and an
 exit status (2 for bad input, 1 for runtime failures) unless ``--debug`` asks for the traceback.
-A new verb (verify, gc, stats, doctor, bench) is one more ``@app.command()`` function built the
-same way; nothing existing needs to change.
+Messages that would name a Python call name the CLI verb instead: the mapping goes by error
+type and attributes (:class:`~tiercache.errors.RefExistsError`, ...), never by message text.
+Every verb that prints results takes ``--json``, and its ``--help`` ends with examples.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import json
+import logging
 import os
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
@@ -36,11 +42,15 @@ import tiercache
 from tiercache.config import PolicyConfig, load_config
 from tiercache.errors import (
     AmbiguousRefError,
+    BranchNotFoundError,
+    InvalidArgumentError,
+    RefExistsError,
     StorageError,
     TierCacheError,
     UnsupportedStateError,
     VersionNotFoundError,
 )
+from tiercache.names import check_name
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
@@ -48,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GraphRow", "app", "layout_graph", "main"]
 
-#: Length of the version id prefix shown in tables and graphs.
+#: Shortest version id prefix shown in tables and graphs (longer where a listing needs it).
 SHORT_ID = 10
 
 # Errors that mean the user asked for something wrong (exit 2). ValueError covers ConfigError,
@@ -58,6 +68,7 @@ _BAD_INPUT: tuple[type[BaseException], ...] = (
     ValueError,
     VersionNotFoundError,
     AmbiguousRefError,
+    RefExistsError,
     UnsupportedStateError,
     FileExistsError,
     FileNotFoundError,
@@ -65,15 +76,46 @@ _BAD_INPUT: tuple[type[BaseException], ...] = (
     NotADirectoryError,
 )
 
+
+def _examples(*lines: str) -> str:
+    """An ``--help`` epilog listing example command lines (a backspace line keeps click from rewrapping them)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+
+
 app = typer.Typer(
     name="tiercache",
-    help="Tiered checkpoint cache for PyTorch: list, restore and move checkpoint versions.",
+    help="Tiered checkpoint cache for PyTorch: list, restore and move checkpoint versions.\n\n"
+    "Exit status: 0 on success, 2 for bad input (unknown ref, bad name or config, existing output "
+    "file), 1 when storage fails or verify/doctor find a problem.",
+    epilog=_examples(
+        "tiercache ls",
+        "tiercache --config run.toml log --graph",
+        "tiercache restore main --out ckpt/",
+        "TIERCACHE_LOG=debug tiercache verify",
+    ),
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion (bash, zsh, fish, PowerShell).
+    add_completion=True,
+    # Plain click help: flags print as flags (typer's rich panels print `--json <bool>`), and
+    # piped help stays free of box-drawing characters.
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
     # --debug re-raises the original error; plain tracebacks never render local variables,
     # which could hold credentials.
     pretty_exceptions_enable=False,
 )
+
+
+class LogLevel(enum.StrEnum):
+    """Log levels the CLI accepts (``--log-level``, ``TIERCACHE_LOG``)."""
+
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+_LEVELS = [logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR]
 
 
 @dataclass(frozen=True)
@@ -83,6 +125,30 @@ class _Options:
     config: Path | None
     debug: bool
     policy: str | None = None
+
+
+def _setup_logging(level: LogLevel, verbose: int, quiet: bool) -> Callable[[], None]:
+    """Send ``tiercache.*`` log records of ``level`` (each ``-v`` one step lower, ``-q``: errors) to stderr.
+
+    Returns:
+        A function that puts the ``tiercache`` logger back as it was (the CLI runs inside other
+        processes too: tests, notebooks).
+    """
+    index = _LEVELS.index(logging.getLevelNamesMapping()[level.value.upper()])
+    index = len(_LEVELS) - 1 if quiet else max(0, index - verbose)
+    logger = logging.getLogger("tiercache")
+    previous = logger.level
+    # Created here so it writes to this invocation's sys.stderr.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(_LEVELS[index])
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+    return restore
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +163,19 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _message(exc: BaseException) -> str:
-    """One-line description of an error (OS errors name the file they are about)."""
-    if isinstance(exc, OSError) and not isinstance(exc, TierCacheError) and exc.strerror:
+    """One-line description of an error (OS errors name the file they are about).
+
+    Errors whose library message suggests a Python call get the matching CLI verb instead.
+    """
+    if isinstance(exc, RefExistsError) and exc.kind == "branch":
+        text = (f"branch {exc.name!r} already exists (at {exc.version}): move it with "
+                f"`tiercache rollback {exc.name} REF`, or pick another name")
+    elif isinstance(exc, RefExistsError):
+        text = f"{exc.kind} {exc.name!r} already points at {exc.version}: tags never move; pick another name"
+    elif isinstance(exc, BranchNotFoundError):
+        text = (f"branch {exc.branch!r} does not exist: create it with `tiercache branch {exc.branch} --from REF` "
+                "(`tiercache ls` lists versions and refs)")
+    elif isinstance(exc, OSError) and not isinstance(exc, TierCacheError) and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     else:
         text = str(exc) or type(exc).__name__
@@ -220,6 +297,63 @@ def _lineage(cache: TierCache, ref: str | None) -> list[VersionInfo]:
     return chain
 
 
+def _history(cache: TierCache, branch: str) -> list[VersionInfo]:
+    """The versions of ``branch``'s history (its head and the head's ancestors), oldest first.
+
+    Raises:
+        BranchNotFoundError: If there is no such branch.
+    """
+    check_name(branch, "branch")
+    if f"branch/{branch}" not in cache.refs():
+        raise BranchNotFoundError(f"branch {branch!r} does not exist", branch=branch)
+    return _lineage(cache, branch)[::-1]
+
+
+def short_id_length(ids: Iterable[str]) -> int:
+    """Prefix length that tells every id of a listing apart: :data:`SHORT_ID`, or more if needed.
+
+    Ids that sort next to each other share the longest prefixes, so comparing neighbours suffices
+    (ids saved in the same millisecond share their first 10 characters, the timestamp).
+    """
+    width = SHORT_ID
+    for a, b in itertools.pairwise(sorted(set(ids))):
+        shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        width = max(width, shared + 1)
+    return width
+
+
+def _version_json(v: VersionInfo, refs: Mapping[str, str]) -> dict[str, Any]:
+    """A version as ``ls --json`` / ``log --json`` print it (full id, refs as ``branch/main``)."""
+    return {
+        "id": v.id,
+        "step": v.step,
+        "branch": v.branch,
+        "parent": v.parent,
+        "created_at": v.created_at.isoformat(),
+        "nbytes": v.nbytes,
+        "meta": v.meta,
+        "tiers": list(v.tiers),
+        "refs": sorted(key for key, vid in refs.items() if vid == v.id),
+    }
+
+
+def _echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _refuse_ram(tier: str, option: str) -> None:
+    """Refuse ``promote --to ram`` / ``evict --from ram``: what they would do ends with the command.
+
+    Raises:
+        InvalidArgumentError: If ``tier`` is ``ram``.
+    """
+    if tier == "ram":
+        raise InvalidArgumentError(
+            f"a CLI process has no lasting RAM tier (its arena ends with the command), so `{option} ram` "
+            "would do nothing: use a durable tier (disk, s3)"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Graph layout (pure)
 
@@ -297,6 +431,16 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
 # Verbs
 
 
+def _version_callback(value: bool) -> None:
+    if value:
+        try:
+            version = metadata.version("tiercache")
+        except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            version = tiercache.__version__
+        typer.echo(f"tiercache {version}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
@@ -305,57 +449,71 @@ def _root(
         typer.Option(
             "--config",
             help="Cache config TOML (default: $TIERCACHE_CONFIG, else ./tiercache.toml).",
+            metavar="FILE",
             show_default=False,
         ),
     ] = None,
-    debug: Annotated[
-        bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")
-    ] = False,
     policy: Annotated[
         str | None,
         typer.Option(
             "--policy",
             help="Policy for this command: a built-in, a preset in policies/, or package.module:Class.",
+            metavar="NAME",
             show_default=False,
         ),
     ] = None,
+    verbose: Annotated[
+        int, typer.Option("--verbose", "-v", count=True, show_default=False,
+                          help="Log more (-v: info, -vv: debug) to stderr.")
+    ] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log errors only.")] = False,
+    log_level: Annotated[
+        LogLevel,
+        typer.Option(
+            "--log-level",
+            envvar="TIERCACHE_LOG",
+            case_sensitive=False,
+            help="Level of the tiercache log on stderr, before -v/-q.",
+            metavar="debug|info|warning|error",
+        ),
+    ] = LogLevel.warning,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+    ] = False,
 ) -> None:
-    """Tiered checkpoint cache for PyTorch: list, restore and move checkpoint versions."""
+    """Read the global options: config, policy, log level, --debug."""
+    ctx.call_on_close(_setup_logging(log_level, verbose, quiet))
     ctx.obj = _Options(config=config, debug=debug, policy=policy)
 
 
-@app.command("ls")
+_JSON_HELP = "Print the result as JSON (full ids)."
+
+
+@app.command("ls", epilog=_examples("tiercache ls", "tiercache ls --branch ft-lr3e-5", "tiercache ls --json"))
 def ls(
     ctx: typer.Context,
-    branch: Annotated[str | None, typer.Option("--branch", help="Only versions of this branch.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON with full ids.")] = False,
+    branch: Annotated[
+        str | None,
+        typer.Option("--branch", help="Only BRANCH's history: its head and the head's ancestors.", metavar="BRANCH"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """List versions, oldest first, with size, age, refs and where each one lives."""
+    """List versions with step, size, age, refs and tiers.
+
+    Oldest first, with one column per durable tier (a CLI process has no lasting RAM tier, so RAM
+    gets none). With --branch, only that branch's history: what `tiercache log BRANCH` walks.
+    """
     with _session(ctx) as cache:
-        versions = cache.versions(branch=branch)
+        versions = cache.versions() if branch is None else _history(cache, branch)
         refs = cache.refs()
-        tiers = list(cache.tier_names)
+        tiers = [t for t in cache.tier_names if t != "ram"]
     if as_json:
-        ref_keys: dict[str, list[str]] = {}
-        for key in sorted(refs):
-            ref_keys.setdefault(refs[key], []).append(key)
-        rows = [
-            {
-                "id": v.id,
-                "step": v.step,
-                "branch": v.branch,
-                "parent": v.parent,
-                "created_at": v.created_at.isoformat(),
-                "nbytes": v.nbytes,
-                "meta": v.meta,
-                "tiers": list(v.tiers),
-                "refs": ref_keys.get(v.id, []),
-            }
-            for v in versions
-        ]
-        typer.echo(json.dumps(rows, indent=2))
+        _echo_json([_version_json(v, refs) for v in versions])
         return
     labels = _ref_labels(refs)
+    width = short_id_length(v.id for v in versions)
     now = datetime.now(UTC)
     table = Table(box=None, header_style="bold")
     for name, justify in (("id", "left"), ("step", "right"), ("branch", "left"), ("size", "right"),
@@ -365,31 +523,43 @@ def ls(
         table.add_column(tier, justify="center", no_wrap=True)
     for v in versions:
         table.add_row(
-            v.id[:SHORT_ID], str(v.step), v.branch, human_bytes(v.nbytes),
+            v.id[:width], str(v.step), v.branch, human_bytes(v.nbytes),
             human_age(v.created_at, now), ", ".join(labels.get(v.id, [])),
             *("✓" if tier in v.tiers else "" for tier in tiers),
         )
     Console(highlight=False).print(table)
 
 
-@app.command("log")
+@app.command("log", epilog=_examples("tiercache log", "tiercache log --graph", "tiercache log ft-lr3e-5 --json"))
 def log(
     ctx: typer.Context,
-    ref: Annotated[str | None, typer.Argument(help="Show only this version and its ancestors.")] = None,
+    ref: Annotated[str | None, typer.Argument(help="Show only this version and its ancestors.", metavar="REF")] = None,
     graph: Annotated[bool, typer.Option("--graph", help="Draw the version DAG across branches.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Show lineage, newest first (all versions, or REF and its ancestors)."""
+    """Show lineage, newest first.
+
+    Every version, or REF and its ancestors; --graph draws the DAG across branches.
+    """
+    with _cli_errors(ctx.obj.debug):
+        if graph and as_json:
+            raise InvalidArgumentError("--graph draws text: use --json alone (each version lists its parent)")
     with _session(ctx) as cache:
         versions = _lineage(cache, ref)
-        labels = _ref_labels(cache.refs())
+        refs = cache.refs()
+    if as_json:
+        _echo_json([_version_json(v, refs) for v in versions])
+        return
+    labels = _ref_labels(refs)
     if graph:
         by_id = {v.id: v for v in versions}
+        width = short_id_length(by_id)
         for row in layout_graph([(v.id, v.parent) for v in versions]):
             if row.node is None:
                 typer.echo(row.graph)
             else:
                 v = by_id[row.node]
-                typer.echo(f"{row.graph} {v.id[:SHORT_ID]} {_where(v)}{_decoration(labels.get(v.id, []))}")
+                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}")
         return
     for v in versions:
         meta = json.dumps(v.meta, sort_keys=True)
@@ -399,18 +569,33 @@ def log(
         )
 
 
-def _output_path(out: Path, force: bool) -> Path:
+#: File name ``restore --out DIR/`` writes inside the directory.
+RESTORE_FILE = "state.pt"
+
+
+def _output_path(out: str, force: bool) -> Path:
     """Where ``restore --out`` writes: ``out``, or ``out/state.pt`` for a directory.
+
+    ``out`` names a directory when it is one or when it ends with a slash (then it is created,
+    once the restore succeeded, if its parent exists): the file goes inside it, never next to it
+    under the directory's name.
 
     Raises:
         FileExistsError: If the target exists and ``force`` is false.
-        FileNotFoundError: If the target's directory does not exist.
+        NotADirectoryError: If ``DIR/`` names a file.
+        FileNotFoundError: If the directory that would hold the target (for ``DIR/``, DIR's
+            parent) does not exist.
     """
-    target = out / "state.pt" if out.is_dir() else out
+    path = Path(out)
+    into_dir = out.endswith(("/", os.sep)) or path.is_dir()
+    if into_dir and path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a directory: drop the trailing slash to overwrite it")
+    target = path / RESTORE_FILE if into_dir else path
     if target.exists() and not force:
         raise FileExistsError(f"{target} already exists: pass --force to overwrite it")
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"directory {target.parent} does not exist: create it first")
+    must_exist = path.parent if into_dir else target.parent
+    if not must_exist.is_dir():
+        raise FileNotFoundError(f"directory {must_exist} does not exist: create it first")
     return target
 
 
@@ -438,95 +623,153 @@ def _atomic_torch_save(state: Any, target: Path) -> None:
         os.close(dir_fd)
 
 
-@app.command("restore")
+@app.command("restore", epilog=_examples(
+    "tiercache restore main --out state.pt",
+    "tiercache restore main@1000 --out ckpt/        # writes ckpt/state.pt",
+    "tiercache restore best --out best.pt --force --json",
+))
 def restore(
     ctx: typer.Context,
-    ref: Annotated[str, typer.Argument(help="Branch, tag, version id (prefix), NAME@STEP or NAME~N.")],
-    out: Annotated[Path, typer.Option("--out", help="File to write, or an existing directory (state.pt).")],
+    ref: Annotated[str, typer.Argument(help="Branch, tag, version id (prefix), NAME@STEP or NAME~N.", metavar="REF")],
+    out: Annotated[
+        str,
+        typer.Option("--out", metavar="FILE|DIR",
+                     help=f"File to write, or a directory for {RESTORE_FILE} (existing, or DIR/ to create it)."),
+    ],
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Restore REF and write it as a torch.save file."""
+    """Write a version to a torch.save file.
+
+    torch.load(f, weights_only=True) reads it back. The file is written under a temporary name and
+    renamed, so a failed restore never leaves a partial file.
+    """
     with _session(ctx) as cache:
         target = _output_path(out, force)
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"restore {info.id[:SHORT_ID]}", info.nbytes) as progress:
             state = cache.restore(info.id, progress=progress)
+        target.parent.mkdir(exist_ok=True)  # DIR/ names a directory that may not exist yet
         _atomic_torch_save(state, target)
-    typer.echo(f"restored {info.id} ({_where(info)}) -> {target} ({human_bytes(info.nbytes)})")
+    if as_json:
+        _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "path": str(target),
+                    "nbytes": info.nbytes})
+    else:
+        typer.echo(f"restored {info.id} ({_where(info)}) -> {target} ({human_bytes(info.nbytes)})")
 
 
-@app.command("promote")
+@app.command("promote", epilog=_examples("tiercache promote main --to disk", "tiercache promote best --to disk --json"))
 def promote(
     ctx: typer.Context,
-    ref: Annotated[str, typer.Argument(help="Version to copy.")],
-    to: Annotated[str, typer.Option("--to", help="Tier to copy it into (e.g. disk, ram).")],
+    ref: Annotated[str, typer.Argument(help="Version to copy.", metavar="REF")],
+    to: Annotated[str, typer.Option("--to", help="Durable tier to copy it into (e.g. disk).", metavar="TIER")],
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Copy a version's chunks into a faster tier ahead of a restore."""
+    """Copy a version into a faster tier, such as S3 -> disk.
+
+    Do it ahead of a restore, e.g. on a new node whose disk does not hold the version yet.
+    """
     with _session(ctx) as cache:
+        _refuse_ram(to, "promote --to")
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"promote {info.id[:SHORT_ID]} -> {to}", info.nbytes) as progress:
             copied = cache.promote(info.id, to=to, progress=progress)
-    typer.echo(f"promoted {info.id} ({_where(info)}) to {to}: {human_bytes(copied)} copied")
+    if as_json:
+        _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "tier": to, "bytes_copied": copied})
+    else:
+        typer.echo(f"promoted {info.id} ({_where(info)}) to {to}: {human_bytes(copied)} copied")
 
 
-@app.command("evict")
+@app.command("evict", epilog=_examples("tiercache evict main@1000 --from disk",
+                                       "tiercache evict main~3 --from s3 --json"))
 def evict(
     ctx: typer.Context,
-    ref: Annotated[str, typer.Argument(help="Version to drop from the tier.")],
-    tier: Annotated[str, typer.Option("--from", help="Tier to drop it from.")],
+    ref: Annotated[str, typer.Argument(help="Version to drop from the tier.", metavar="REF")],
+    tier: Annotated[str, typer.Option("--from", help="Durable tier to drop it from.", metavar="TIER")],
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Drop a tier's copy of a version (never the last durable copy)."""
+    """Drop a tier's copy of a version (never the last one).
+
+    Chunks that other versions on that tier still use stay.
+    """
     with _session(ctx) as cache:
+        _refuse_ram(tier, "evict --from")
         info = _info(cache, cache.resolve(ref))
         freed = cache.evict(info.id, tier)
-    typer.echo(f"evicted {info.id} ({_where(info)}) from {tier}: {human_bytes(freed)} freed")
+    if as_json:
+        _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "tier": tier, "bytes_freed": freed})
+    else:
+        typer.echo(f"evicted {info.id} ({_where(info)}) from {tier}: {human_bytes(freed)} freed")
 
 
-def _ref_verb(ctx: typer.Context, kind: str, name: str, move: Callable[[TierCache], str]) -> None:
-    """Run a ref-moving library call and print ``<kind> <name> -> <id> (<branch>@<step>)``."""
+def _ref_verb(ctx: typer.Context, kind: str, name: str, as_json: bool, move: Callable[[TierCache], str]) -> None:
+    """Run a ref-moving library call and print ``<verb> <name> -> <id> (<branch>@<step>)`` or its JSON."""
     with _session(ctx) as cache:
         info = _info(cache, move(cache))
-    typer.echo(f"{kind} {name} -> {info.id} ({_where(info)})")
+    if as_json:
+        ref = f"{'tag' if kind == 'tag' else 'branch'}/{name}"
+        _echo_json({"ref": ref, "version": info.id, "branch": info.branch, "step": info.step})
+    else:
+        typer.echo(f"{kind} {name} -> {info.id} ({_where(info)})")
 
 
-@app.command("branch")
+@app.command("branch", epilog=_examples("tiercache branch ft-lr3e-5 --from main@1000",
+                                        "tiercache branch try2 --from best --json"))
 def branch(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="New branch name.")],
-    from_ref: Annotated[str, typer.Option("--from", help="Version the branch starts at.")],
+    name: Annotated[str, typer.Argument(help="New branch name.", metavar="NAME")],
+    from_ref: Annotated[str, typer.Option("--from", help="Version the branch starts at.", metavar="REF")],
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Create branch NAME at a version; the next save on it has that version as parent."""
-    _ref_verb(ctx, "branch", name, lambda cache: cache.branch(name, from_ref))
+    """Create a branch at a version.
+
+    The next save on branch NAME has that version as its parent.
+    """
+    _ref_verb(ctx, "branch", name, as_json, lambda cache: cache.branch(name, from_ref))
 
 
-@app.command("rollback")
+@app.command("rollback", epilog=_examples("tiercache rollback main main~2", "tiercache rollback main main@1000 --json"))
 def rollback(
     ctx: typer.Context,
-    branch: Annotated[str, typer.Argument(help="Branch to move.")],
-    ref: Annotated[str, typer.Argument(help="Version to move its head back to.")],
+    branch: Annotated[str, typer.Argument(help="Branch to move.", metavar="BRANCH")],
+    ref: Annotated[str, typer.Argument(help="Version to move its head back to.", metavar="REF")],
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Move BRANCH's head back to REF (history is kept)."""
-    _ref_verb(ctx, "rollback", branch, lambda cache: cache.rollback(branch, ref))
+    """Move a branch's head back (history is kept).
+
+    Versions after REF stay stored (and listed) until gc collects them.
+    """
+    _ref_verb(ctx, "rollback", branch, as_json, lambda cache: cache.rollback(branch, ref))
 
 
-@app.command("tag")
+@app.command("tag", epilog=_examples("tiercache tag best main@1000", "tiercache tag release-1 main --json"))
 def tag(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="Tag name (tags never move).")],
-    ref: Annotated[str, typer.Argument(help="Version to tag.")],
+    name: Annotated[str, typer.Argument(help="Tag name (tags never move).", metavar="NAME")],
+    ref: Annotated[str, typer.Argument(help="Version to tag.", metavar="REF")],
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Tag a version with NAME."""
-    _ref_verb(ctx, "tag", name, lambda cache: cache.tag(name, ref))
+    """Tag a version (tags never move).
+
+    Tagging the same version again is a no-op; a tag of another version is refused.
+    """
+    _ref_verb(ctx, "tag", name, as_json, lambda cache: cache.tag(name, ref))
 
 
-@app.command("verify")
+@app.command("verify", epilog=_examples("tiercache verify", "tiercache verify main --repair",
+                                        "tiercache verify --json"))
 def verify(
     ctx: typer.Context,
-    ref: Annotated[str | None, typer.Argument(help="Check only this version (default: every version).")] = None,
+    ref: Annotated[
+        str | None, typer.Argument(help="Check only this version (default: every version).", metavar="REF")
+    ] = None,
     repair: Annotated[bool, typer.Option("--repair", help="Rewrite each bad copy from a good one.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Check every copy of every chunk and manifest on every durable tier (exit 1 if any is bad)."""
+    """Check every stored copy; --repair rewrites bad ones.
+
+    Reads every copy of every chunk and manifest on every durable tier; exit 1 if any is bad.
+    """
     with _session(ctx) as cache:
         report = cache.verify(ref, repair=repair)
     if as_json:
@@ -546,16 +789,20 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command("gc")
+@app.command("gc", epilog=_examples("tiercache gc --dry-run", "tiercache gc --grace 0 --json"))
 def gc(
     ctx: typer.Context,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; delete nothing.")] = False,
     grace: Annotated[
         float | None, typer.Option("--grace", help="Keep unreferenced objects younger than SECONDS.", metavar="SECONDS")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Delete versions no branch or tag reaches (through parents) and chunks no manifest names."""
+    """Delete what no branch or tag reaches.
+
+    Versions no branch head or tag reaches through parents, then chunks no manifest names;
+    anything younger than the grace period stays.
+    """
     with _session(ctx) as cache:
         report = cache.gc(dry_run=dry_run, grace=grace)
     if as_json:
@@ -569,7 +816,7 @@ def gc(
                f"{report.spared} unreferenced object(s) younger than {report.grace:g} s kept")
 
 
-@app.command("doctor")
+@app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --abort-stale 86400 --json"))
 def doctor(
     ctx: typer.Context,
     abort_stale: Annotated[
@@ -579,9 +826,13 @@ def doctor(
     unsafe: Annotated[
         bool, typer.Option("--unsafe", help="Accept a store that ignores conditional writes (single writer only).")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Probe the S3 endpoint (conditional writes, read-after-write); list or abort stale multipart uploads."""
+    """Probe the S3 endpoint; list or abort stale uploads.
+
+    Checks conditional writes and read-after-write on a scratch key; exit 1 if remote ref
+    commits would be refused on this store.
+    """
     with _session(ctx) as cache:
         report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe)
     if as_json:
@@ -604,12 +855,15 @@ def _rate(entry: Mapping[str, Any] | None) -> str:
     return f"{human_bytes(int(bps))}/s" if bps else "-"
 
 
-@app.command("stats")
+@app.command("stats", epilog=_examples("tiercache stats", "tiercache stats --json"))
 def stats(
     ctx: typer.Context,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Show observed throughput per tier and direction, codec ratios, and capacity/usage per tier."""
+    """Show observed throughput and capacity per tier.
+
+    Read and write speeds the meter observed per tier, codec ratios, and used bytes and capacity.
+    """
     with _session(ctx) as cache:
         data = cache.stats()
     if as_json:
@@ -642,10 +896,12 @@ def main() -> None:
     """Entry point of the ``tiercache`` console script and ``python -m tiercache``.
 
     Usage errors (unknown option, missing argument) print one line and exit 2, like every other
-    bad input, instead of click's multi-line usage box.
+    bad input, instead of click's multi-line usage box. ``tiercache`` alone prints the help.
     """
+    # Without arguments click would report the help as a usage error ("error: Usage: ...", exit 2).
+    args = sys.argv[1:] or ["--help"]
     try:
-        rc = app(prog_name="tiercache", standalone_mode=False)
+        rc = app(args=args, prog_name="tiercache", standalone_mode=False)
     except typer.Abort:
         typer.echo("error: aborted", err=True)
         raise SystemExit(1) from None

@@ -266,21 +266,26 @@ class CacheConfig(_Model):
         return [n for n in ("disk", "s3") if getattr(self, n) is not None]
 
 
-#: TIERCACHE_* variables that are not config fields: the config file, the test switches.
-_NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_SLOW"})
+#: TIERCACHE_* variables that are not config fields: the config file, the CLI's log level, the test switches.
+_NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_LOG", "TIERCACHE_FAILPOINTS", "TIERCACHE_SLOW"})
+#: The variables that can configure a tier on their own, named when no tier is configured.
+_TIER_VARIABLES = "TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY"
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """The config tree the ``TIERCACHE_*`` variables describe, and which variable set each field."""
     out: dict[str, Any] = {}
+    names: dict[tuple[str, ...], str] = {}
     for k, v in env.items():
         if not k.startswith("TIERCACHE_") or k in _NOT_FIELDS or k.startswith("TIERCACHE_TEST_"):
             continue
         path = k[len("TIERCACHE_"):].lower().split("__")
+        names[tuple(path)] = k
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = v
-    return out
+    return out, names
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -293,11 +298,28 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def _blame(loc: tuple[str | int, ...], source: Mapping[str, Any], variables: Mapping[tuple[str, ...], str]) -> str:
+    """The environment variable(s) behind the invalid field at ``loc``, or ``""`` if it came from the source.
+
+    A variable that set the field (or a table above it) is named; so are the variables that made
+    a table the source does not have (``TIERCACHE_S3__MAX_ATTEMPTS`` alone makes an ``s3`` table
+    without a url).
+    """
+    path = tuple(str(p) for p in loc)
+    for n in range(len(path), 0, -1):
+        if path[:n] in variables:
+            return variables[path[:n]]
+    if path and path[0] not in source:
+        return ", ".join(sorted(v for p, v in variables.items() if p[0] == path[0]))
+    return ""
+
+
+def _format_error(err: ValidationError, source: str, blame: str) -> str:
     first = err.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "(top level)"
     extra = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"invalid config {source}: field '{field}': {first['msg']}{extra}"
+    where = f"from environment variable {blame}" if blame else source
+    return f"invalid config {where}: field '{field}': {first['msg']}{extra}"
 
 
 def load_config(
@@ -317,13 +339,16 @@ def load_config(
         The validated, frozen config.
 
     Raises:
-        ConfigError: If the file is missing or unreadable TOML, or a field is invalid; the
-            message names the source and the field.
+        ConfigError: If the file is missing or unreadable TOML, or a field is invalid (the
+            message names the field and the file or ``TIERCACHE_*`` variable it came from), or
+            if a config read from a file or the environment configures no tier (the message
+            says where it looked).
     """
     if isinstance(source, CacheConfig):
         return source
     env = os.environ if env is None else env
     label = "(dict)"
+    looked_up = source is None
     if source is None:
         named = env.get("TIERCACHE_CONFIG")
         if named:
@@ -332,6 +357,7 @@ def load_config(
             source = "tiercache.toml"
         else:
             source = {}
+            label = ""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         label = str(path)
@@ -346,8 +372,22 @@ def load_config(
             raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
     else:
         data = dict(source)
-    data = _merge(data, _env_overrides(env))
+    overrides, variables = _env_overrides(env)
     try:
-        return CacheConfig.model_validate(data)
+        cfg = CacheConfig.model_validate(_merge(data, overrides))
     except ValidationError as e:
-        raise ConfigError(_format_error(e, label)) from None
+        loc = e.errors()[0]["loc"]
+        raise ConfigError(_format_error(e, label or "(no file)", _blame(loc, data, variables))) from None
+    if (looked_up or label != "(dict)") and cfg.ram is None and not cfg.tier_names():
+        raise ConfigError(_no_tier_message(label, Path.cwd()))
+    return cfg
+
+
+def _no_tier_message(label: str, cwd: Path) -> str:
+    """Say where a config without any tier was looked for, and what to add."""
+    if label:
+        return (f"no tier configured in config file {label} (nor by {_TIER_VARIABLES}): "
+                "add a [disk] path, an [s3] url or a [ram] table")
+    return (f"no tier configured: no config file named (TIERCACHE_CONFIG is not set), no tiercache.toml in "
+            f"{cwd}, and none of {_TIER_VARIABLES} set: write a tiercache.toml with a [disk] path, "
+            "an [s3] url or a [ram] table")

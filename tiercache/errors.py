@@ -33,12 +33,46 @@ class VersionNotFoundError(TierCacheError, LookupError):
     """A ref, branch, tag or version id does not resolve to a stored version."""
 
 
+class BranchNotFoundError(VersionNotFoundError):
+    """A branch that must exist (to be moved or listed) does not.
+
+    Attributes:
+        branch: The branch name.
+    """
+
+    def __init__(self, message: str, *, branch: str) -> None:
+        super().__init__(message)
+        self.branch = branch
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuild, (type(self), str(self), {"branch": self.branch})
+
+
 class AmbiguousRefError(TierCacheError, LookupError):
     """A version id prefix matches more than one version."""
 
 
 class ConflictError(TierCacheError):
     """A compare-and-swap on a ref lost: somebody else moved it (or the tag already exists)."""
+
+
+class RefExistsError(ConflictError):
+    """A branch or tag cannot be created under this name: it exists (bad input, not a lost race).
+
+    Attributes:
+        kind: ``"branch"`` or ``"tag"``.
+        name: The ref's name.
+        version: The version it points at.
+    """
+
+    def __init__(self, message: str, *, kind: str, name: str, version: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.name = name
+        self.version = version
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuild, (type(self), str(self), {"kind": self.kind, "name": self.name, "version": self.version})
 
 
 class IntegrityError(TierCacheError):
@@ -93,9 +127,15 @@ class CacheClosedError(TierCacheError, RuntimeError):
     """The cache was closed; no further calls are accepted."""
 
 
+def _rebuild(cls: type[TierCacheError], message: str, attrs: dict[str, str]) -> TierCacheError:
+    """Unpickle an error whose constructor takes keyword attributes (errors cross process boundaries)."""
+    return cls(message, **attrs)
+
+
 __all__ = [
     "AccessDeniedError",
     "AmbiguousRefError",
+    "BranchNotFoundError",
     "BucketNotFoundError",
     "CacheClosedError",
     "ConfigError",
@@ -106,6 +146,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidNameError",
     "LastCopyError",
+    "RefExistsError",
     "SkippedError",
     "StateMismatchError",
     "StorageError",

