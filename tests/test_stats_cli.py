@@ -55,7 +55,7 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     assert row.split()[0] == "disk"
     data = json.loads(_cli(cfg, "stats", "--json").output)
     assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root)}}
-    assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
+    assert set(data["meter"]) == {"half_life", "tiers", "codecs", "history"}
     # A fresh process shows the speed the saving process measured (left in stats/meter.json).
     assert data["meter"]["tiers"]["disk"]["write"]["bps"] > 0
     assert data["meter"]["tiers"]["disk"]["write"]["total_bytes"] == 0
