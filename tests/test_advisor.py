@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -176,7 +177,7 @@ def test_advisor_times_steps_and_saves_and_converts_the_interval_to_steps() -> N
     assert advisor.step_time == 1.0 and advisor.save_cost == pytest.approx(2.0)
     expected = round(availability_optimal(2.0, 2500.0, 0.0))
     assert advisor.interval_steps == expected == 102
-    gaps = [b - a for a, b in zip(saved, saved[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
     assert gaps[-2:] == [expected, expected]
     assert published[-1][0] == 399 and published[-1][1]["interval_steps"] == expected  # type: ignore[index]
 
@@ -189,7 +190,7 @@ def test_advisor_bounds() -> None:
     _run(advisor, clock, range(60), 2.0, saved)
     # Unbounded, the optimum would be 102 steps; the bound holds it at 10 s = 10 steps.
     assert advisor.interval_steps == 10
-    assert saved[0] == 0 and {b - a for a, b in zip(saved, saved[1:], strict=False)} == {10}
+    assert saved[0] == 0 and {b - a for a, b in itertools.pairwise(saved)} == {10}
     assert advisor.plan() is not None and advisor.plan().bound == "max_interval"  # type: ignore[union-attr]
     with pytest.raises(tiercache.InvalidArgumentError):
         Advisor(lambda: _inputs(), min_interval=5.0, max_interval=1.0)
@@ -218,8 +219,8 @@ def test_end_to_end_loop_save_frequency_follows_the_measured_save_cost(tmp_path:
     # The figures the cache measured for real (milliseconds) barely move the optimum.
     fast, slow = round(availability_optimal(2.0, 2500.0, 0.0)), round(availability_optimal(8.0, 2500.0, 0.0))
     assert (fast, slow) == (102, 208)
-    gaps = [b - a for a, b in zip(saved, saved[1:], strict=False)]
-    early = [b - a for a, b in zip(before, before[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    early = [b - a for a, b in itertools.pairwise(before)]
     assert early[1:] and set(early[1:]) == {fast}
     assert gaps[-3:] == [slow, slow, slow]
     assert all(fast <= g <= slow for g in gaps[len(early):])
@@ -256,8 +257,8 @@ def test_plan_json_with_every_input_given_is_exact(tmp_path: Path) -> None:
     doc = json.loads(res.output)
     mttf = 50000 * 3600 / 16384
     assert doc["inputs"]["mttf"] == {"seconds": mttf, "source": "given", "note": ""}
-    assert {k: doc["inputs"][k]["source"] for k in ("save_wait", "time_to_level", "restore", "restart")} == dict.fromkeys(
-        ("save_wait", "time_to_level", "restore", "restart"), "given")
+    names = ("save_wait", "time_to_level", "restore", "restart")
+    assert {k: doc["inputs"][k]["source"] for k in names} == dict.fromkeys(names, "given")
     assert doc["interval_s"] == availability_optimal(2.0, mttf, 12.0)
     assert doc["young_s"] == young(2.0, mttf) + 2.0 and doc["daly_s"] == daly(2.0, mttf) + 2.0
 
@@ -270,7 +271,8 @@ def test_plan_from_measured_figures_prints_the_interval_and_the_sources(tmp_path
     res = CliRunner().invoke(app, ["--config", str(cfg), "plan", "--mttf", "3h", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
-    assert doc["inputs"]["save_wait"]["source"] == "measured" and doc["inputs"]["save_wait"]["note"] == "EWMA of 3 saves"
+    assert doc["inputs"]["save_wait"] == {"seconds": doc["inputs"]["save_wait"]["seconds"], "source": "measured",
+                                          "note": "EWMA of 3 saves"}
     assert doc["inputs"]["time_to_level"]["note"] == "EWMA of 3 saves reaching local"
     assert doc["inputs"]["restore"]["source"] == "estimated"
     assert doc["inputs"]["restart"]["source"] == "assumed"
