@@ -163,3 +163,9 @@ def test_ui_bad_input_is_one_line(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.strip() == "error: --gpu-mtbf and --gpus go together: the job fails every MTBF / GPUs on average"
+
+
+def test_import_tiercache_leaves_the_ui_stack_out() -> None:
+    code = "import sys, tiercache; print(sorted(m for m in ('starlette', 'uvicorn') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stderr

@@ -640,7 +640,7 @@ class TierCache:
         elif "restart" in cfg.model_fields_set:
             restart_fig = Figure(cfg.restart, "given", "config advisor.restart")
         else:
-            restart_fig = Figure(cfg.restart, "assumed", "config default; set advisor.restart or --restart")
+            restart_fig = Figure(cfg.restart, "assumed", "default (advisor.restart, --restart)")
         rate: Callable[[str, str], float | None] = self.meter.rate
         nbytes = None
         if self._recorder is not None:
