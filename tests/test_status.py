@@ -51,17 +51,26 @@ def _handle(vid: str) -> tuple[SaveHandle, dict[str, Future[str]]]:
     return SaveHandle(vid, futures), futures
 
 
+def test_recorder_writes_what_changed_within_an_interval() -> None:
+    writes = Writes()
+    rec = StatusRecorder(writes, interval=0.05, meter=lambda: {"tiers": {}, "history": []})
+    h1, _ = _handle("01A")
+    rec.note_save(h1, step=10, branch="main", started_at=100.0, wait_s=0.25)
+    first = writes.wait(1)
+    assert first["closed"] is False
+    assert first["staged"] == {"version": "01A", "branch": "main", "step": 10, "at": 100.0}
+    assert first["queues"] == {"staged": 1, "local": 1, "durable": 1}
+    assert first["versions"]["01A"]["levels"]["local"] == {"state": "pending", "at": None, "reason": ""}
+    assert "remote" not in first["versions"]["01A"]["levels"]
+    rec.close()
+    assert writes.wait(2)["closed"] is True
+
+
 def test_recorder_follows_each_level_and_writes_at_most_once_per_interval() -> None:
     clock, writes = FakeClock(), Writes()
     rec = StatusRecorder(writes, interval=3600.0, meter=lambda: {"tiers": {}, "history": []}, clock=clock)
     h1, f1 = _handle("01A")
     rec.note_save(h1, step=10, branch="main", started_at=100.0, wait_s=0.25)
-    first = writes.wait(1)  # the first event is written at once
-    assert first["staged"] == {"version": "01A", "branch": "main", "step": 10, "at": 100.0}
-    assert first["queues"] == {"staged": 1, "local": 1, "durable": 1}
-    assert first["versions"]["01A"]["levels"]["local"] == {"state": "pending", "at": None, "reason": ""}
-    assert "remote" not in first["versions"]["01A"]["levels"]
-
     clock.t = 101.0
     f1["staged"].set_result("01A")
     clock.t = 103.5
@@ -77,7 +86,7 @@ def test_recorder_follows_each_level_and_writes_at_most_once_per_interval() -> N
     rec.note_step(25)
 
     doc = rec.current()
-    assert len(writes.docs) == 1  # everything since went into no write yet: the interval is an hour
+    assert writes.docs == []  # nothing written yet: the interval is an hour
     assert doc["levels"] == ["staged", "local", "durable"]
     assert doc["queues"] == {"staged": 0, "local": 0, "durable": 0}
     assert doc["save_wait"]["count"] == 2 and doc["save_wait"]["ewma"] == pytest.approx(0.7 * 0.25 + 0.3 * 0.75)
@@ -95,9 +104,9 @@ def test_recorder_follows_each_level_and_writes_at_most_once_per_interval() -> N
     assert doc["lag_history"][-1] == {"t": 115.0, "branch": "main", "step": 25, "levels": doc["lag"]["main"]}
 
     rec.close()
-    final = writes.wait(2)
+    final = writes.wait(1)
     assert final["closed"] is True and final["training"] == doc["training"]
-    assert len(writes.docs) == 2
+    assert len(writes.docs) == 1
 
 
 def test_errors_are_bounded() -> None:

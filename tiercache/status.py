@@ -5,7 +5,8 @@ process's RAM arena, queues or timings. The process that saves keeps them in a
 :class:`StatusRecorder`, fed by ``TierCache.save`` (the save wait) and by done-callbacks on each
 save's durability futures (when each level was reached, or why not), and writes them as one JSON
 object to :data:`STATUS_KEY` on its first durable tier: at most once per ``ui.status_interval``
-seconds, from a thread of its own, and once more when the cache closes. The write replaces the
+seconds (the first time one interval after the recorder is made), from a thread of its own, and
+once more when the cache closes. The write replaces the
 object atomically (the tier's ``put``), so a reader sees the old or the new status, never a mix.
 
 A cache that only reads (``tiercache ls``, ``tiercache ui``) never makes a recorder, so it writes
@@ -40,7 +41,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -141,7 +141,9 @@ class StatusRecorder:
         self._dirty = False
         self._closed = False
         self._write_failed = False
-        self._last_write = -math.inf
+        # The first write too waits an interval: the first events come with the first save, when
+        # the disk is busiest writing it.
+        self._last_write = time.monotonic()
         self._thread: threading.Thread | None = None
         if write is not None:
             self._thread = threading.Thread(target=self._run, name="tiercache-status", daemon=True)
