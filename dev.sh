@@ -12,7 +12,17 @@ PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_PIN="torch==2.13.0"
 
+# The UI's browser tests drive Debian's Chromium headless; install it where we can (root with
+# apt-get). Elsewhere nothing happens here, and those tests say in one line why they skip.
+browser() {
+  command -v chromium >/dev/null 2>&1 && return
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || true
+  fi
+}
+
 setup() {
+  browser
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tiercache.policy.meter import DEFAULT_HALF_LIFE, CodecStats, LinkModel, ThroughputMeter
+from tiercache.policy.meter import DEFAULT_HALF_LIFE, HISTORY_LEN, CodecStats, LinkModel, ThroughputMeter
 
 MIB = 1 << 20
 
@@ -28,7 +28,7 @@ def test_nothing_observed_reads_as_none() -> None:
     meter = ThroughputMeter()
     assert meter.rate("disk", "write") is None
     assert meter.codec_stats("zstd/1") is None
-    assert meter.snapshot() == {"half_life": DEFAULT_HALF_LIFE, "tiers": {}, "codecs": {}}
+    assert meter.snapshot() == {"half_life": DEFAULT_HALF_LIFE, "tiers": {}, "codecs": {}, "history": []}
 
 
 def test_first_transfer_gives_its_own_rate() -> None:
@@ -153,6 +153,10 @@ def test_snapshot_is_json_and_complete() -> None:
     meter.record_codec("zstd/1", 4096, 1024, 0.5, 0.25)
     snap = meter.snapshot()
     assert json.loads(json.dumps(snap)) == snap
+    history = snap.pop("history")
+    assert [(h["tier"], h["direction"], h["bytes"], h["seconds"]) for h in history] == [
+        ("s3", "write", 2048, 2.0), ("disk", "write", 1024, 0.5), ("disk", "write", 1024, 0.5)]
+    assert [h["t"] for h in history] == sorted(h["t"] for h in history)
     assert snap == {
         "half_life": 2.0,
         "tiers": {
@@ -301,3 +305,25 @@ def test_the_fit_survives_a_snapshot_and_seed() -> None:
     old = ThroughputMeter()
     old.seed({"tiers": {"disk": {"write": {"bps": 1e8}}}})
     assert old.model("disk", "write") == LinkModel(0.0, 1e8)
+def test_history_is_bounded_and_keeps_the_newest() -> None:
+    meter = ThroughputMeter()
+    for i in range(HISTORY_LEN + 10):
+        meter.record("disk", "write", i, 0.5)
+    history = meter.snapshot()["history"]
+    assert [h["bytes"] for h in history] == list(range(10, HISTORY_LEN + 10))
+
+
+def test_seed_restores_the_history_before_what_this_process_records() -> None:
+    old = ThroughputMeter()
+    old.record("s3", "write", 100, 1.0)
+    old.record("disk", "read", 200, 2.0)
+    snap = json.loads(json.dumps(old.snapshot()))
+    snap["history"].insert(0, {"t": "yesterday", "tier": "s3", "direction": "write", "bytes": 1, "seconds": 1})
+    snap["history"].append({"t": 5.0, "tier": "s3", "direction": "sideways", "bytes": 1, "seconds": 1})
+    new = ThroughputMeter()
+    new.record("ram", "write", 300, 0.1)
+    new.seed(snap)
+    got = [(h["tier"], h["direction"], h["bytes"]) for h in new.snapshot()["history"]]
+    assert got == [("s3", "write", 100), ("disk", "read", 200), ("ram", "write", 300)]
+    new.reset()
+    assert new.snapshot()["history"] == []

@@ -62,7 +62,7 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     data = json.loads(_cli(cfg, "stats", "--json").stdout)
     assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root), "available": True,
                                       "unavailable": None}}
-    assert set(data["meter"]) == {"half_life", "tiers", "codecs"}
+    assert set(data["meter"]) == {"half_life", "tiers", "codecs", "history"}
     # A fresh process shows the speed the saving process measured (left in stats/meter.json).
     assert data["meter"]["tiers"]["disk"]["write"]["bps"] > 0
     assert data["meter"]["tiers"]["disk"]["write"]["total_bytes"] == 0

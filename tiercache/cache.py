@@ -8,12 +8,14 @@ versions, refs, branch, rollback, tag, promote, evict.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -21,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiercache import maintenance
+from tiercache.advisor import Advisor, Figure, PlanInputs, measured_inputs, snapshot_rate
 from tiercache.catalog import Catalog
-from tiercache.config import CacheConfig, load_config
+from tiercache.config import CacheConfig, load_config, parse_duration
 from tiercache.deferred import StepGuards, owned_by
 from tiercache.engine import Engine
 from tiercache.errors import (
@@ -36,15 +39,17 @@ from tiercache.errors import (
     TierCacheError,
     TierFullError,
     TierUnavailableError,
+    VersionNotFoundError,
 )
 from tiercache.format import dtype_from_name, flatten, unflatten
-from tiercache.handle import SaveHandle
+from tiercache.handle import TIER_LEVEL, SaveHandle
 from tiercache.health import TierHealth
 from tiercache.manifest import MoveReason, RefMove, RefRecord, TierState, Version, VersionInfo, parse_ref
 from tiercache.names import check_name, chunk_key, version_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.restore import Progress, Reader, empty_aligned, match_into
+from tiercache.status import STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -165,6 +170,9 @@ class TierCache:
         self._step_guards = StepGuards(self.engine.wait_deferred)
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
+        # Made by the first save (or advisor): a cache that only reads publishes nothing.
+        self._recorder: StatusRecorder | None = None
+        self._recorder_lock = threading.Lock()
         # A trainer that exits without close() must not lose the versions it was told are
         # staged: flush them at interpreter exit (a weak reference keeps the cache collectable).
         ref = weakref.ref(self)
@@ -223,13 +231,27 @@ class TierCache:
 
         Raises:
             UnsupportedStateError: If a leaf cannot be stored (the message names its key).
-            TierCacheError: An earlier background write's error that was not yet reported.
+            TierCacheError: Only with ``engine.on_error = "raise"``: the error of an earlier
+                version that reached no durable tier, raised after this one is staged (its
+                handle is the exception's ``handle``). By default an earlier failure never
+                costs this save: ``flush()`` and ``close()`` report it.
         """
+        started, t0 = time.time(), time.perf_counter()
         if group is not None:
             if optimizer is not None:
                 raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
                                            "before returning; leave optimizer out")
-            return self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta))
+            handle = self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta))
+        else:
+            handle = self._save_here(state, step=step, branch=branch, meta=meta, optimizer=optimizer)
+        self._status_recorder().note_save(handle, step=step, branch=branch, started_at=started,
+                                          wait_s=time.perf_counter() - t0)
+        return handle
+
+    def _save_here(
+        self, state: Any, *, step: int, branch: str, meta: Mapping[str, Any] | None,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> SaveHandle:
         self._check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -677,6 +699,134 @@ class TierCache:
         errors = {"lost_versions": self.engine.errors_total, "recent": list(self.engine.recent_errors)}
         return {"meter": snap, "tiers": tiers, "errors": errors}
 
+    def status(self) -> dict[str, Any] | None:
+        """What the saving process publishes for viewers: staged versions, levels reached, queues, costs.
+
+        In the process that saves, the live status; elsewhere, the one it last wrote to the first
+        durable tier (``stats/status.json``), or ``None``. Its fields are described in
+        :mod:`tiercache.status`.
+        """
+        self._check_open()
+        if self._recorder is not None:
+            return self._recorder.current()
+        tier = self._meter_tier()
+        try:
+            return read_status(tier.get(STATUS_KEY)) if tier is not None else None
+        except TierCacheError as e:  # a viewer's aid: an unreadable status is no status
+            log.debug("no usable status: %s", e)
+            return None
+
+    def advisor(
+        self,
+        mttf: float | str | None = None,
+        level: str = "local",
+        *,
+        min_interval: float | str | None = None,
+        max_interval: float | str | None = None,
+        restart: float | str | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> Advisor:
+        """An advisor that tells the training loop when to save (see :class:`tiercache.advisor.Advisor`).
+
+        Example:
+            >>> advisor = cache.advisor(mttf="3h", level="local")
+            >>> for step in range(steps):
+            ...     train_step()
+            ...     if advisor.should_save(step):
+            ...         cache.save(model.state_dict(), step=step)
+
+        Args:
+            mttf: Mean time to failure of the job (seconds or a duration such as ``"3h"``;
+                default ``advisor.mttf`` of the config).
+            level: The durability level a restart would resume from (``staged``, ``local``,
+                ``remote``, ``durable``).
+            min_interval: Never save more often (default ``advisor.min_interval``).
+            max_interval: Never wait longer between saves (default ``advisor.max_interval``).
+            restart: Seconds a failed job takes to run again before its restore (default
+                ``advisor.restart``).
+            clock: Monotonic seconds for timing the steps (tests pass a fake one).
+
+        Raises:
+            InvalidArgumentError: If no MTTF is given or configured, or ``level`` is not one of this cache's.
+        """
+        self._check_open()
+        cfg = self.config.advisor
+        levels = self.levels
+        if level not in levels:
+            raise InvalidArgumentError(f"unknown level {level!r}: this cache has {', '.join(levels)}")
+        if mttf is None and cfg.mttf is None:
+            raise InvalidArgumentError("advisor(): give the job's mean time to failure, e.g. mttf=\"3h\" "
+                                       "(or set [advisor] mttf in the config)")
+        recorder = self._status_recorder()
+        return Advisor(
+            lambda: self.plan_inputs(level, mttf=mttf, restart=restart),
+            min_interval=parse_duration(min_interval) if min_interval is not None else cfg.min_interval,
+            max_interval=parse_duration(max_interval) if max_interval is not None else cfg.max_interval,
+            clock=clock or time.monotonic,
+            publish=lambda step, advice: recorder.note_step(step, advice),
+        )
+
+    @property
+    def levels(self) -> list[str]:
+        """The durability levels this cache's saves can reach, fastest first."""
+        durable = [TIER_LEVEL[n] for n in ("disk", "s3") if n in self._tiers]
+        return ["staged", *durable, *(["durable"] if durable else [])]
+
+    def plan_inputs(
+        self,
+        level: str = "local",
+        *,
+        mttf: float | str | None = None,
+        restart: float | str | None = None,
+        given: Mapping[str, float] | None = None,
+    ) -> PlanInputs:
+        """The inputs of the checkpoint-interval advisor, from what this cache measured.
+
+        In the process that saves, from its live measurements; elsewhere from the status the
+        saving process published and the speeds it observed (see :func:`tiercache.advisor.measured_inputs`).
+
+        Args:
+            level: The level a restart resumes from.
+            mttf: The job's mean time to failure (default: ``advisor.mttf`` of the config).
+            restart: Seconds from a failure until the job runs again (default ``advisor.restart``).
+            given: Figures to use instead of the measured ones (``save_wait``, ``time_to_level``, ``restore``).
+        """
+        self._check_open()
+        cfg = self.config.advisor
+        mttf_fig = (Figure(parse_duration(mttf), "given") if mttf is not None
+                    else None if cfg.mttf is None else Figure(cfg.mttf, "given", "config advisor.mttf"))
+        if restart is not None:
+            restart_fig = Figure(parse_duration(restart), "given")
+        elif "restart" in cfg.model_fields_set:
+            restart_fig = Figure(cfg.restart, "given", "config advisor.restart")
+        else:
+            restart_fig = Figure(cfg.restart, "assumed", "default (advisor.restart, --restart)")
+        rate: Callable[[str, str], float | None] = self.meter.rate
+        nbytes = None
+        if self._recorder is not None:
+            status: Mapping[str, Any] | None = self._recorder.costs()
+            newest = self._recorder.newest_version()
+            if newest is not None:
+                with contextlib.suppress(VersionNotFoundError):  # not hashed yet: no estimates from sizes now
+                    nbytes = self.catalog.get(newest).nbytes
+        else:
+            status = self.status()
+            if status is not None and isinstance(status.get("meter"), Mapping):
+                rate = snapshot_rate(status["meter"])
+            versions = self.versions()
+            nbytes = versions[-1].nbytes if versions else None
+        return measured_inputs(level=level, tiers=self.tier_names, status=status, rate=rate, nbytes=nbytes,
+                               mttf=mttf_fig, restart=restart_fig, given=given)
+
+    def _status_recorder(self) -> StatusRecorder:
+        with self._recorder_lock:
+            if self._recorder is None:
+                tier = self._meter_tier()
+                write = None if tier is None else lambda data: tier.put(STATUS_KEY, data)
+                self._recorder = StatusRecorder(write, interval=self.config.ui.status_interval,
+                                                meter=self.meter.snapshot)
+            return self._recorder
+
     def prepare(self, state: Any = None, *, wait: bool = False) -> None:
         """Allocate and pre-fault the RAM arena now, so that the first ``save()`` does not pay for it.
 
@@ -725,6 +875,8 @@ class TierCache:
         finally:
             self._step_guards.close()
             self.health.close()
+            if self._recorder is not None:
+                self._recorder.close()
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()

@@ -18,7 +18,7 @@ import os
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -39,7 +39,7 @@ from rich.progress import (
 from rich.table import Table
 
 import tiercache
-from tiercache.config import PolicyConfig, load_config
+from tiercache.config import CacheConfig, PolicyConfig, load_config
 from tiercache.errors import (
     AmbiguousRefError,
     BranchNotFoundError,
@@ -201,12 +201,16 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
     The cache is closed (pending writes waited for) before the verb's process exits.
     """
     opts: _Options = ctx.obj
-    with _cli_errors(opts.debug):
-        cfg = load_config(opts.config)
-        if opts.policy is not None:
-            cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
-        with tiercache.open(cfg) as cache:
-            yield cache
+    with _cli_errors(opts.debug), tiercache.open(_config(opts)) as cache:
+        yield cache
+
+
+def _config(opts: _Options) -> CacheConfig:
+    """The config the global options name, with ``--policy`` applied."""
+    cfg = load_config(opts.config)
+    if opts.policy is not None:
+        cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
+    return cfg
 
 
 @contextmanager
@@ -890,6 +894,140 @@ def stats(
             codecs.add_row(name, "-" if ratio is None else f"{ratio:.3f}", _rate({"bps": c.get("encode_bps")}),
                            str(c.get("chunks", 0)))
         console.print(codecs)
+
+
+def human_duration(seconds: float) -> str:
+    """Format seconds as ``0.42 s``, ``42.0 s``, ``17m 04s``, ``3h 00m`` or ``2d 03h``."""
+    if seconds < 60:
+        return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+    whole = round(seconds)
+    for big, small, name_big, name_small in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
+        if whole >= big:
+            return f"{whole // big}{name_big} {(whole % big) // small:02d}{name_small}"
+    return f"{whole} s"  # unreachable: seconds >= 60 is caught above
+
+
+def _mttf_option(mttf: str | None, gpu_mtbf: str | None, gpus: int | None) -> float | None:
+    """The job's MTTF in seconds from ``--mttf`` or ``--gpu-mtbf`` and ``--gpus`` (``None``: the config's)."""
+    from tiercache.config import parse_duration
+    from tiercache.errors import InvalidArgumentError
+
+    if (gpu_mtbf is None) != (gpus is None):
+        raise InvalidArgumentError("--gpu-mtbf and --gpus go together: the job fails every MTBF / GPUs on average")
+    if gpu_mtbf is not None and mttf is not None:
+        raise InvalidArgumentError("give --mttf or --gpu-mtbf with --gpus, not both")
+    if gpu_mtbf is not None and gpus is not None:
+        if gpus < 1:
+            raise InvalidArgumentError(f"--gpus must be at least 1, got {gpus}")
+        return parse_duration(gpu_mtbf) / gpus
+    return None if mttf is None else parse_duration(mttf)
+
+
+_MttfOption = Annotated[str | None, typer.Option(
+    "--mttf", help="Mean time to failure of the whole job, e.g. 3h (default: [advisor] mttf of the config).",
+    show_default=False)]
+_GpuMtbfOption = Annotated[str | None, typer.Option(
+    "--gpu-mtbf", help="MTBF of one GPU, e.g. 50000h (with --gpus).", show_default=False)]
+_GpusOption = Annotated[int | None, typer.Option(
+    "--gpus", help="GPUs in the job (with --gpu-mtbf).", show_default=False)]
+
+
+@app.command("plan")
+def plan(
+    ctx: typer.Context,
+    mttf: _MttfOption = None,
+    gpu_mtbf: _GpuMtbfOption = None,
+    gpus: _GpusOption = None,
+    level: Annotated[str, typer.Option("--level", help="Durability level a restart resumes from.")] = "local",
+    save_wait: Annotated[float | None, typer.Option("--save-wait", help="Use SECONDS as the save wait.",
+                                                     metavar="SECONDS", show_default=False)] = None,
+    time_to_level: Annotated[float | None, typer.Option("--time-to-level", help="Use SECONDS as the time to LEVEL.",
+                                                         metavar="SECONDS", show_default=False)] = None,
+    restore: Annotated[float | None, typer.Option("--restore", help="Use SECONDS as the restore time.",
+                                                   metavar="SECONDS", show_default=False)] = None,
+    restart: Annotated[str | None, typer.Option("--restart", help="Time a failed job takes to run again, e.g. 2min "
+                                                "(default: [advisor] restart, else 0).", show_default=False)] = None,
+    min_interval: Annotated[str | None, typer.Option("--min-interval", help="Never advise a shorter interval.",
+                                                     show_default=False)] = None,
+    max_interval: Annotated[str | None, typer.Option("--max-interval", help="Never advise a longer interval.",
+                                                     show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the interval and every input as JSON.")] = False,
+) -> None:
+    """Advise a checkpoint interval from this cache's measured save wait, time to LEVEL and restore time."""
+    from tiercache import advisor
+    from tiercache.config import parse_duration
+
+    opts: _Options = ctx.obj
+    with _cli_errors(opts.debug):
+        job_mttf = _mttf_option(mttf, gpu_mtbf, gpus)
+        given = {k: v for k, v in (("save_wait", save_wait), ("time_to_level", time_to_level),
+                                   ("restore", restore)) if v is not None}
+        with _session(ctx) as cache:
+            if level not in cache.levels:
+                raise tiercache.InvalidArgumentError(f"unknown level {level!r}: this cache has "
+                                                     f"{', '.join(cache.levels)}")
+            inputs = cache.plan_inputs(level, mttf=job_mttf, restart=restart, given=given)
+            bounds = cache.config.advisor
+        result = advisor.plan(
+            inputs,
+            min_interval=parse_duration(min_interval) if min_interval is not None else bounds.min_interval,
+            max_interval=parse_duration(max_interval) if max_interval is not None else bounds.max_interval,
+        )
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    why = f"bounded by {result.bound.replace('_', ' ')}" if result.bound else "availability-optimal"
+    typer.echo(f"advised interval: {human_duration(result.interval)} ({result.interval:.0f} s, {why}); "
+               f"expected goodput {result.goodput:.1%}")
+    typer.echo(f"  availability-optimal {human_duration(result.optimum):>9}   (Ts + sqrt(2 (Tf + Tr) Ts + Ts^2), "
+               f"Tr = restart + restore + time to {level} = {human_duration(result.recovery)})")
+    typer.echo(f"  Young                {human_duration(result.young):>9}   (sqrt(2 δ M) + δ)")
+    typer.echo(f"  Daly                 {human_duration(result.daly):>9}   (higher order, + δ)")
+    table = Table(box=None, header_style="bold")
+    for name in ("interval", "", "goodput"):
+        table.add_column(name, justify="right" if name != "" else "left", no_wrap=True)
+    for label, interval, goodput in result.table():
+        table.add_row(human_duration(interval), label, f"{goodput:.2%}")
+    inputs_table = Table(box=None, header_style="bold")
+    for name in ("input", "value", "source", "how"):
+        inputs_table.add_column(name, justify="right" if name == "value" else "left", no_wrap=name != "how")
+    names = {"mttf": "MTTF", "save_wait": "save wait", "time_to_level": f"time to {level}", "restore": "restore",
+             "restart": "restart"}
+    for key, label in names.items():
+        fig = getattr(inputs, key)
+        inputs_table.add_row(label, human_duration(fig.seconds), fig.source, fig.note)
+    console = Console(highlight=False)
+    console.print(table)
+    console.print(inputs_table)
+
+
+@app.command("ui")
+def ui(
+    ctx: typer.Context,
+    port: Annotated[int | None, typer.Option("--port", help="Port (default: [ui] port, 8765; 0 picks a free one).",
+                                             show_default=False)] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address (default: 127.0.0.1); any other than "
+                                             "loopback requires the printed token.", show_default=False)] = None,
+    refresh: Annotated[float | None, typer.Option("--refresh", help="Seconds between refreshes (default: [ui] "
+                                                  "refresh, 2).", show_default=False)] = None,
+    mttf: _MttfOption = None,
+    gpu_mtbf: _GpuMtbfOption = None,
+    gpus: _GpusOption = None,
+) -> None:
+    """Serve a read-only web page of the cache: lineage, residency, durability lag, throughput, advice."""
+    opts: _Options = ctx.obj
+    with _cli_errors(opts.debug):
+        try:
+            from tiercache.ui.server import serve
+        except ImportError as e:
+            raise tiercache.ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache[ui]'") from None
+        cfg = _config(opts)
+        job_mttf = _mttf_option(mttf, gpu_mtbf, gpus)
+        if refresh is not None and not refresh > 0:
+            raise tiercache.InvalidArgumentError(f"--refresh must be positive, got {refresh}")
+        with suppress(KeyboardInterrupt):  # Ctrl-C is how the server is meant to stop
+            serve(cfg, host=host or cfg.ui.host, port=cfg.ui.port if port is None else port,
+                  refresh=refresh or cfg.ui.refresh, mttf=job_mttf, echo=typer.echo)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ can then be overridden by an environment variable ``TIERCACHE_<TABLE>__<FIELD>``
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -61,6 +62,36 @@ def _size_or_auto(value: object) -> int | str:
 
 
 AutoByteSize = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
+
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
+_DURATION_UNITS = {
+    "": 1.0, "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}
+
+
+def parse_duration(value: object) -> float:
+    """Parse a duration in seconds: a number, or a string such as ``"90s"``, ``"5min"``, ``"3h"``, ``"2d"``.
+
+    Raises:
+        ValueError: If the value is negative, not finite or not a duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 3h, not a bool")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION_RE.fullmatch(value)) and m.group(2).lower() in _DURATION_UNITS:
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    else:
+        raise ValueError(f"expected a duration such as 90s, 5min, 3h or 2d, got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a duration must be finite and not negative, got {value!r}")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
 class _Model(BaseModel):
@@ -213,6 +244,41 @@ class PolicyConfig(_Model):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+class UiConfig(_Model):
+    """``tiercache ui``, and the status a saving process publishes for it.
+
+    Attributes:
+        host: Address the UI listens on; anything but loopback requires a token on every request.
+        port: Port the UI listens on.
+        refresh: Seconds between two refreshes of the page (and two readings of the cache by the server).
+        status_interval: A process that saves writes ``stats/status.json`` (its staged versions,
+            queues, measured save costs) at most once per this many seconds, and when it closes.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8765, ge=0, le=65535)
+    refresh: float = Field(default=2.0, gt=0)
+    status_interval: float = Field(default=1.0, gt=0)
+
+
+class AdvisorConfig(_Model):
+    """Inputs of the checkpoint-interval advisor (``cache.advisor()``, ``tiercache plan``, the UI).
+
+    Attributes:
+        mttf: Mean time to failure of the whole job (a duration such as ``"3h"``), or ``None``
+            to ask for it (``--mttf``, ``advisor(mttf=...)``).
+        restart: Seconds a failed job takes to be running again before its restore starts
+            (scheduling, start-up); not measurable by the cache, so it is an assumption.
+        min_interval: Shortest interval the advisor may advise, in seconds.
+        max_interval: Longest interval the advisor may advise, in seconds (``None``: no bound).
+    """
+
+    mttf: Duration | None = None
+    restart: Duration = 0.0
+    min_interval: Duration = 0.0
+    max_interval: Duration | None = None
+
+
 class CacheConfig(_Model):
     """The whole configuration of one cache.
 
@@ -237,6 +303,8 @@ class CacheConfig(_Model):
         reflog_keep: Seconds for which a version a branch move left behind (a rollback, a
             resume from an older step) stays reachable through the reflog, safe from ``gc``.
         engine: The save pipeline's error reporting and tier probes.
+        ui: ``tiercache ui`` and the status a saving process publishes.
+        advisor: The checkpoint-interval advisor's inputs and bounds.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -253,6 +321,8 @@ class CacheConfig(_Model):
     gc_grace: float = Field(default=3600.0, ge=0)
     reflog_keep: float = Field(default=7 * 86400.0, ge=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
+    advisor: AdvisorConfig = Field(default_factory=AdvisorConfig)
 
     @field_validator("chunk_bytes")
     @classmethod

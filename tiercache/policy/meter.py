@@ -30,12 +30,17 @@ separate observations, so both terms are seen; :meth:`ThroughputMeter.predict` t
 a given number of bytes would take, which is what decisions that compare tiers compare. While the
 observations cannot separate the terms (all of one shape), the model falls back to no latency
 and the plain rate.
+The meter also keeps the last :data:`HISTORY_LEN` transfers as they were observed (wall-clock time,
+tier, direction, bytes, seconds), so a viewer can draw throughput over time; that history goes
+into :meth:`ThroughputMeter.snapshot` and comes back with :meth:`ThroughputMeter.seed`.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -46,6 +51,9 @@ DEFAULT_HALF_LIFE = 3.0
 """Observations after which an old speed weighs half as much as it did."""
 
 _DIRECTIONS: tuple[Direction, ...] = ("read", "write")
+
+HISTORY_LEN = 256
+"""Most recent transfers the meter remembers one by one (its history; older ones only count in the EWMA)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,22 @@ def _positive(value: object) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
+def _history_entry(item: object) -> tuple[float, str, Direction, int, float] | None:
+    """One history entry of a snapshot as the meter keeps it, or ``None`` if it is malformed."""
+    if not isinstance(item, Mapping):
+        return None
+    t, tier, direction = _positive(item.get("t")), item.get("tier"), item.get("direction")
+    nbytes, seconds = item.get("bytes"), item.get("seconds")
+    if t is None or not isinstance(tier, str) or direction not in _DIRECTIONS:
+        return None
+    try:
+        _check_count("bytes", nbytes)  # type: ignore[arg-type]
+        _check_seconds("seconds", seconds)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    return t, tier, direction, nbytes, float(seconds)  # type: ignore[arg-type]
+
+
 def _check_count(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -220,6 +244,8 @@ class ThroughputMeter:
         self._lock = threading.Lock()
         self._transfers: dict[tuple[str, Direction], _TransferSeries] = {}
         self._codecs: dict[str, _CodecSeries] = {}
+        # (wall time at the end, tier, direction, bytes, seconds) of the newest transfers
+        self._history: deque[tuple[float, str, Direction, int, float]] = deque(maxlen=HISTORY_LEN)
 
     @property
     def half_life(self) -> float:
@@ -257,6 +283,7 @@ class ThroughputMeter:
             series.total_bytes += nbytes
             series.total_seconds += seconds
             series.transfers += 1
+            self._history.append((time.time(), tier, direction, nbytes, seconds))
 
     def record_codec(
         self,
@@ -332,7 +359,8 @@ class ThroughputMeter:
             "decode_bps", "ratio", "chunks", "raw_bytes", "encoded_bytes"}}}``, sorted by name;
             ``bps`` is the plain smoothed rate, ``latency_s`` and ``bandwidth_bps`` the fitted
             model (see the module docstring); speeds and ratios are ``None`` where nothing
-            measurable was seen.
+            measurable was seen. ``"history": [{"t", "tier", "direction", "bytes", "seconds"}]``
+            holds the last transfers, oldest first (``t`` the Unix time the transfer ended).
         """
         with self._lock:
             tiers: dict[str, dict[str, dict[str, Any]]] = {}
@@ -348,7 +376,9 @@ class ThroughputMeter:
                     "transfers": series.transfers,
                 }
             codecs = {name: asdict(series.stats()) for name, series in sorted(self._codecs.items())}
-        return {"half_life": self._half_life, "tiers": tiers, "codecs": codecs}
+            history = [{"t": t, "tier": tier, "direction": d, "bytes": n, "seconds": s}
+                       for t, tier, d, n, s in self._history]
+        return {"half_life": self._half_life, "tiers": tiers, "codecs": codecs, "history": history}
 
     def seed(self, snapshot: Mapping[str, Any]) -> None:
         """Start from the speeds and ratios of an earlier :meth:`snapshot` (another process's).
@@ -356,10 +386,15 @@ class ThroughputMeter:
         Each known rate counts as one observation, so the first real transfers quickly take
         over; the totals stay at zero, as they count only what this process moved. A fitted
         latency and bandwidth are seeded as two observations that pin them (one request of no
-        bytes, one second of bytes with no request). Entries that are malformed are ignored: a
-        seed is a hint, never a reason to fail.
+        bytes, one second of bytes with no request). The history is taken as it was, older than
+        anything this process records. Entries that are malformed are ignored: a seed is a hint,
+        never a reason to fail.
         """
         with self._lock:
+            seeded = [h for h in map(_history_entry, list(snapshot.get("history") or ())) if h is not None]
+            room = HISTORY_LEN - len(self._history)
+            if room > 0:
+                self._history.extendleft(reversed(seeded[-room:]))
             for tier, directions in dict(snapshot.get("tiers") or {}).items():
                 for direction, info in dict(directions or {}).items():
                     info = dict(info or {})
@@ -388,6 +423,7 @@ class ThroughputMeter:
         with self._lock:
             self._transfers.clear()
             self._codecs.clear()
+            self._history.clear()
 
 
-__all__ = ["DEFAULT_HALF_LIFE", "CodecStats", "Direction", "LinkModel", "ThroughputMeter"]
+__all__ = ["DEFAULT_HALF_LIFE", "HISTORY_LEN", "CodecStats", "Direction", "LinkModel", "ThroughputMeter"]

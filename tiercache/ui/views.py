@@ -1,0 +1,381 @@
+"""What ``tiercache ui`` shows, as JSON-able data built from a cache's public methods.
+
+:meth:`Capture.of` reads everything once from an open cache (a :class:`~tiercache.TierCache`, or
+a small fake with the same methods in tests); each other function here turns a capture into the
+body of one JSON endpoint (documented in ``docs/ui.md``). Nothing here writes. Times are Unix
+seconds.
+
+Where a cache has the richer APIs (``VersionInfo.states``: each tier's state and the reason it
+does not hold a version; ``TierCache.reflog()``: every ref move), they are used; where it has not,
+the same fields are derived from what the saving process published (``TierCache.status()``) and
+from the versions and refs, and ``*_source`` says which.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from tiercache.advisor import PlanInputs, plan
+from tiercache.errors import InvalidArgumentError
+from tiercache.handle import TIER_LEVEL
+from tiercache.manifest import Version, VersionInfo
+from tiercache.status import ALL_LEVELS
+
+#: How many versions the lineage and residency views list (newest first).
+MAX_VERSIONS = 200
+#: Characters of a version id shown where space is short.
+SHORT_ID = 10
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Everything the UI shows, read from a cache at one moment (the cache can then be closed).
+
+    Attributes:
+        at: Unix time of the capture.
+        tiers: The cache's tiers, fastest first.
+        levels: The durability levels its saves can reach.
+        policy: The policy's name.
+        versions: Every version, oldest first.
+        refs: Every ref (``{"branch/main": id, "tag/best": id}``).
+        reflog: The cache's ref moves (``TierCache.reflog()``), or ``None`` where it keeps none.
+        manifests: Each version's manifest by id.
+        status: What the saving process published (``TierCache.status()``), or ``None``.
+        stats: ``TierCache.stats()``.
+        inputs: The advisor's inputs for the level the UI advises on.
+    """
+
+    at: float
+    tiers: list[str]
+    levels: list[str]
+    policy: str
+    versions: list[VersionInfo]
+    refs: dict[str, str]
+    reflog: list[Any] | None
+    manifests: dict[str, Version]
+    status: dict[str, Any] | None
+    stats: dict[str, Any]
+    inputs: PlanInputs
+
+    @classmethod
+    def of(cls, cache: Any, *, mttf: float | None, now: float) -> Capture:
+        """Read everything from an open cache (a :class:`~tiercache.TierCache` or a fake with its methods)."""
+        versions = cache.versions()
+        reflog = getattr(cache, "reflog", None)
+        levels = list(cache.levels)
+        return cls(
+            at=now, tiers=list(cache.tier_names), levels=levels, policy=cache.config.policy.name,
+            versions=versions, refs=cache.refs(), reflog=list(reflog()) if reflog is not None else None,
+            manifests={v.id: cache.manifest(v.id) for v in versions[-MAX_VERSIONS:]},
+            status=cache.status(), stats=cache.stats(),
+            inputs=cache.plan_inputs(advice_level(levels), mttf=mttf),
+        )
+
+
+def advice_level(levels: Sequence[str]) -> str:
+    """The level the UI advises on: ``local`` where the cache has a disk, else its most durable one."""
+    return "local" if "local" in levels else levels[-1]
+
+
+def _ts(value: datetime | float | None) -> float | None:
+    if value is None:
+        return None
+    return value.timestamp() if isinstance(value, datetime) else float(value)
+
+
+def _tier_level(tier: str) -> str:
+    return "staged" if tier == "ram" else TIER_LEVEL.get(tier, tier)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residency
+
+
+def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each tier's state for one version, and why a tier does not hold it.
+
+    Args:
+        info: The version.
+        tiers: The cache's tiers.
+        status: The saving process's status, or ``None``.
+
+    Returns:
+        ``{tier: {"state", "reason", "at", "source"}}``; ``state`` is one of ``held``,
+        ``pending``, ``skipped``, ``failed``, ``evicted``, ``absent``; ``source`` is ``cache``
+        (``VersionInfo.states``), ``status`` (what the saving process recorded) or ``listing``
+        (only whether the tier holds it).
+    """
+    real = getattr(info, "states", None)
+    recorded = ((status or {}).get("versions") or {}).get(info.id) or {}
+    levels = recorded.get("levels") or {}
+    out: dict[str, dict[str, Any]] = {}
+    for tier in tiers:
+        got = real.get(tier) if isinstance(real, Mapping) else None
+        seen = levels.get(_tier_level(tier))
+        if got is not None and (got.state != "absent" or seen is None):
+            out[tier] = {"state": got.state, "reason": got.reason, "at": _ts(got.at), "source": "cache"}
+        elif tier in info.tiers:
+            out[tier] = {"state": "held", "reason": "", "at": None, "source": "listing"}
+        elif tier == "ram":
+            out[tier] = _ram_state(seen, status)
+        elif seen is not None and seen.get("state") in ("pending", "skipped", "failed"):
+            out[tier] = {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at"),
+                         "source": "status"}
+        else:
+            why = ("the saving process reached this level, but the tier no longer lists the version (evicted "
+                   "or collected)" if seen is not None and seen.get("state") == "held"
+                   else "not on this tier; no reason recorded (saved by another process, or before its status)")
+            out[tier] = {"state": "evicted" if seen is not None and seen.get("state") == "held" else "absent",
+                         "reason": why, "at": None, "source": "status" if seen is not None else "listing"}
+    return out
+
+
+def _ram_state(seen: Mapping[str, Any] | None, status: Mapping[str, Any] | None) -> dict[str, Any]:
+    live = status is not None and not status.get("closed")
+    if seen is not None and seen.get("state") == "held" and live:
+        return {"state": "held", "at": seen.get("at"), "source": "status",
+                "reason": f"staged in the RAM arena of the saving process (pid {status.get('pid')}); it may "
+                          "since have been evicted"}
+    if seen is not None and seen.get("state") in ("pending", "skipped", "failed"):
+        return {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at"), "source": "status"}
+    why = "the saving process has closed: its RAM arena is gone" if status is not None and not live else \
+        "RAM copies live only inside the saving process"
+    return {"state": "absent", "reason": why, "at": None, "source": "status" if status is not None else "listing"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Lineage
+
+
+def _derived_reflog(versions: Sequence[VersionInfo], refs: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Ref moves as far as versions and refs tell them (when the cache keeps no reflog), oldest first.
+
+    Every version is a save on its branch. A branch's first version whose parent is on another
+    branch tells where the branch was made; a version whose parent is not the branch's previous
+    version tells of a rollback to that parent before it; a head that is not the branch's newest
+    version, of a rollback since. When these happened is not known (``at`` is ``None``).
+    """
+    by_id = {v.id: v for v in versions}
+    last: dict[str, VersionInfo] = {}
+    moves: list[dict[str, Any]] = []
+
+    def move(kind: str, name: str, version: str, previous: str | None, at: float | None, why: str) -> None:
+        moves.append({"kind": kind, "name": name, "version": version, "previous": previous, "seq": None, "at": at,
+                      "why": why})
+
+    for v in versions:
+        prev = last.get(v.branch)
+        parent = by_id.get(v.parent) if v.parent is not None else None
+        if prev is None and parent is not None and parent.branch != v.branch:
+            move("branch", v.branch, parent.id, None, None, "branch")
+        elif prev is not None and v.parent is not None and v.parent != prev.id:
+            move("branch", v.branch, v.parent, prev.id, None, "rollback")
+        move("branch", v.branch, v.id, v.parent, _ts(v.created_at), "save")
+        last[v.branch] = v
+    for key, vid in sorted(refs.items()):
+        kind, _, name = key.partition("/")
+        if kind == "tag":
+            move("tag", name, vid, None, None, "tag")
+        elif name not in last:
+            move("branch", name, vid, None, None, "branch")
+        elif last[name].id != vid:
+            move("branch", name, vid, last[name].id, None, "rollback")
+    return moves
+
+
+def _reflog(cap: Capture) -> tuple[list[dict[str, Any]], str]:
+    if cap.reflog is None:
+        return _derived_reflog(cap.versions, cap.refs)[::-1], "derived"
+    moves = [{"kind": m.kind, "name": m.name, "version": m.version, "previous": m.previous, "seq": m.seq,
+              "at": _ts(m.at), "why": m.why} for m in cap.reflog]
+    moves.sort(key=lambda m: (m["at"] or 0.0, m["seq"] or 0), reverse=True)
+    return moves, "cache"
+
+
+def _ancestors(head: str | None, by_id: Mapping[str, VersionInfo]) -> set[str]:
+    out: set[str] = set()
+    while head is not None and head in by_id and head not in out:
+        out.add(head)
+        head = by_id[head].parent
+    return out
+
+
+def lineage(cap: Capture) -> dict[str, Any]:
+    """Body of ``/api/lineage``: versions newest first with refs and residency, branches, tags, reflog."""
+    versions, refs = cap.versions, cap.refs
+    by_id = {v.id: v for v in versions}
+    labels: dict[str, list[str]] = {}
+    for key in sorted(refs):
+        labels.setdefault(refs[key], []).append(key)
+    branches = []
+    reachable: dict[str, set[str]] = {}
+    for key, vid in sorted(refs.items()):
+        kind, _, name = key.partition("/")
+        if kind != "branch":
+            continue
+        reachable[name] = _ancestors(vid, by_id)
+        info = by_id.get(vid)
+        branches.append({"name": name, "head": vid, "step": info.step if info else None,
+                         "versions": sum(1 for v in versions if v.branch == name)})
+    tags = [{"name": k.partition("/")[2], "version": v} for k, v in sorted(refs.items()) if k.startswith("tag/")]
+    rows = []
+    for v in reversed(versions[-MAX_VERSIONS:]):
+        rows.append({
+            "id": v.id, "short": v.id[:SHORT_ID], "step": v.step, "branch": v.branch, "parent": v.parent,
+            "created_at": _ts(v.created_at), "nbytes": v.nbytes, "meta": v.meta, "refs": labels.get(v.id, []),
+            "rolled_back": v.branch in reachable and v.id not in reachable[v.branch],
+            "states": tier_states(v, cap.tiers, cap.status),
+        })
+    moves, source = _reflog(cap)
+    real_states = bool(versions) and getattr(versions[0], "states", None) is not None
+    return {"tiers": cap.tiers, "total": len(versions), "versions": rows, "branches": branches, "tags": tags,
+            "reflog": moves, "reflog_source": source, "states_source": "cache" if real_states else "derived"}
+
+
+def version_summary(cap: Capture, version_id: str) -> dict[str, Any] | None:
+    """Body of ``/api/version/{id}``: one version's manifest summary, its dedup against its parent, residency.
+
+    Returns:
+        The summary, or ``None`` if the capture has no version with that id.
+    """
+    m = cap.manifests.get(version_id)
+    if m is None:
+        return None
+    sizes = {c.id: c.nbytes for c in m.chunks}
+    parent = cap.manifests.get(m.parent) if m.parent is not None else None
+    # A parent that was collected (or is past the listed ones) shares nothing that can be shown.
+    parent_ids = {c.id for c in parent.chunks} if parent is not None else set()
+    shared = [c for c in sizes if c in parent_ids]
+    unique_bytes = sum(sizes.values())
+    shared_bytes = sum(sizes[c] for c in shared)
+    info = next((v for v in cap.versions if v.id == m.id), None)
+    return {
+        "id": m.id, "step": m.step, "branch": m.branch, "parent": m.parent, "created_at": _ts(m.created_at),
+        "nbytes": m.nbytes, "meta": m.meta, "tensors": len(m.tensors), "chunks": len(m.chunks),
+        "unique_chunks": len(sizes), "chunk_bytes": unique_bytes, "hash": m.hash_algo, "ranks": len(m.parts) or 1,
+        "dedup": {"parent": m.parent, "parent_known": parent is not None, "shared_chunks": len(shared),
+                  "shared_bytes": shared_bytes, "new_chunks": len(sizes) - len(shared),
+                  "new_bytes": unique_bytes - shared_bytes,
+                  "ratio": shared_bytes / unique_bytes if unique_bytes else 0.0},
+        "refs": sorted(k for k, v in cap.refs.items() if v == m.id),
+        "states": tier_states(info, cap.tiers, cap.status) if info is not None else {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Durability lag
+
+
+def _newest_held(versions: Sequence[VersionInfo]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per branch and level, the newest version a durable tier lists (what the catalog alone tells)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for v in versions:  # oldest first: later ones overwrite
+        durable = [t for t in v.tiers if t != "ram"]
+        for level in {TIER_LEVEL[t] for t in durable if t in TIER_LEVEL} | ({"durable"} if durable else set()):
+            out.setdefault(v.branch, {})[level] = {"version": v.id, "step": v.step,
+                                                   "created_at": _ts(v.created_at), "reached_at": None}
+    return out
+
+
+def lag(cap: Capture) -> dict[str, Any]:
+    """Body of ``/api/lag``: per branch, how far each level's newest version is behind training.
+
+    Training is the newest step the saving process reported (its saves, its advisor), else the
+    branch's newest version. Each level's newest version is the newer of what the saving process
+    saw reach it and what the tiers list, among the versions a restart of the branch could resume
+    from: its head and the head's ancestors (a version rolled back past is no resume point).
+    """
+    status = cap.status or {}
+    levels = [lvl for lvl in ALL_LEVELS if lvl in {*(status.get("levels") or []), *cap.levels}]
+    by_id = {v.id: v for v in cap.versions}
+    heads = {k.partition("/")[2]: vid for k, vid in cap.refs.items() if k.startswith("branch/")}
+    listed = _newest_held([v for v in cap.versions if v.branch not in heads
+                           or v.id in _ancestors(heads[v.branch], by_id)])
+    published = status.get("newest") or {}
+    training_by = status.get("training") or {}
+    branches: dict[str, Any] = {}
+    for name in dict.fromkeys([*(v.branch for v in cap.versions), *training_by]):
+        own = [v for v in cap.versions if v.branch == name]
+        training, source = training_by.get(name), "status"
+        if training is None and own:
+            training, source = {"step": own[-1].step, "at": _ts(own[-1].created_at)}, "catalog"
+        history = _ancestors(heads.get(name), by_id)
+        row: dict[str, Any] = {}
+        for level in levels:
+            found = [c for c in ((published.get(name) or {}).get(level), listed.get(name, {}).get(level))
+                     if c and (c["version"] in history or c["version"] not in by_id)]
+            best = max(found, key=lambda c: c["version"]) if found else None
+            row[level] = None if best is None or training is None else {
+                **best, "steps": training["step"] - best["step"],
+                "seconds": max(0.0, training["at"] - best["created_at"])}
+        branches[name] = {"training": training, "training_source": source, "levels": row}
+    return {"levels": levels, "branches": branches, "history": list(status.get("lag_history") or [])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput, queues, codecs, errors
+
+
+def throughput(cap: Capture) -> dict[str, Any]:
+    """Body of ``/api/throughput``: the meter's rates and history, queues, codec ratios, recent errors, usage."""
+    status = cap.status or {}
+    live = isinstance(status.get("meter"), Mapping)
+    meter = status["meter"] if live else cap.stats["meter"]
+    history = []
+    for h in meter.get("history") or []:
+        secs = h.get("seconds") or 0.0
+        history.append({**h, "bps": h["bytes"] / secs if secs > 0 else None})
+    return {
+        "source": "status" if live else "meter",
+        "rates": meter.get("tiers") or {},
+        "history": history,
+        "codecs": meter.get("codecs") or {},
+        "queues": status.get("queues") or {},
+        "errors": list(status.get("errors") or [])[::-1],
+        "tiers": cap.stats.get("tiers") or {},
+        "save_wait": status.get("save_wait"),
+        "time_to": status.get("time_to") or {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Advice and overview
+
+
+def advice(cap: Capture) -> dict[str, Any]:
+    """Body of ``/api/advice``: the advised checkpoint interval, its inputs and the goodput curve.
+
+    The saving process's own advisor wins while it runs (it also times the steps); otherwise the
+    plan is computed from the captured inputs (measured figures, the UI's ``--mttf``).
+    """
+    status = cap.status
+    if status is not None and not status.get("closed") and status.get("advice"):
+        return {"source": "trainer", "plan": status["advice"], "reason": None, "inputs": status["advice"]["inputs"]}
+    try:
+        return {"source": "measured", "plan": plan(cap.inputs).to_json(), "reason": None,
+                "inputs": cap.inputs.to_json()}
+    except InvalidArgumentError as e:
+        return {"source": "measured", "plan": None, "reason": str(e), "inputs": cap.inputs.to_json()}
+
+
+def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
+    """Body of ``/api/overview``: tiers, levels, policy, the saving process's liveness, the refresh period."""
+    trainer = None
+    if cap.status is not None:
+        updated = cap.status.get("updated_at")
+        age = cap.at - updated if isinstance(updated, int | float) and math.isfinite(updated) else None
+        trainer = {"pid": cap.status.get("pid"), "updated_at": updated, "age_s": age,
+                   "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+    refs = cap.refs
+    return {"tiers": cap.tiers, "levels": cap.levels, "policy": cap.policy, "refresh_s": refresh,
+            "generated_at": cap.at, "trainer": trainer, "versions": len(cap.versions),
+            "branches": sum(1 for k in refs if k.startswith("branch/")),
+            "tags": sum(1 for k in refs if k.startswith("tag/"))}
+
+
+__all__ = ["Capture", "advice", "advice_level", "lag", "lineage", "overview", "throughput", "tier_states",
+           "version_summary"]
