@@ -227,7 +227,9 @@ def test_the_demo_resumes_bit_exact_from_the_version_it_names(tmp_path: Path) ->
                                       ran.stdout)
     [exact] = re.findall(r"parameters bit-exact to an uninterrupted run of (\d+) steps: True", ran.stdout)
     assert exact == step and int(step) >= 10 and "disk" in tiers.split(", ")
-    # The final `tiercache ls` runs after the disk tier was deleted: it lists the version if S3 holds it.
+    # The final `tiercache ls` runs after the disk tier was deleted: it lists the version if S3 held
+    # it at the kill (a head left local-only may also have been caught up by the resumed process,
+    # unless its own newer saves reached S3 first).
     listed = re.search(rf"\n {version[:10]} +{step} +main ", ran.stdout) is not None
-    assert listed == ("s3" in tiers.split(", "))
+    assert listed or "s3" not in tiers.split(", ")
     assert ran.stdout.rstrip().endswith("demo finished")

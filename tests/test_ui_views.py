@@ -1,10 +1,9 @@
-"""What tiercache ui shows, as data: lineage, residency (with and without VersionInfo.states), reflog
-(with and without TierCache.reflog), manifest summaries, durability lag, throughput and advice."""
+"""What tiercache ui shows, as data: lineage, residency (VersionInfo.states, refined by the saving
+process's status), reflog (TierCache.reflog), manifest summaries, durability lag, throughput and advice."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -13,54 +12,10 @@ import pytest
 import torch
 
 import tiercache
-from tiercache.manifest import VersionInfo
+from tiercache.manifest import TierState
 from tiercache.ui import views
 
 KIB = 1024
-
-
-@dataclass(frozen=True)
-class FakeTierState:
-    """The shape of tiercache.TierState (the lead's API on main)."""
-
-    state: str
-    reason: str = ""
-    at: datetime | None = None
-
-
-@dataclass(frozen=True)
-class FakeRefMove:
-    """The shape of tiercache.RefMove."""
-
-    kind: str
-    name: str
-    version: str
-    previous: str | None
-    seq: int
-    at: datetime
-    why: str
-
-
-@dataclass(frozen=True)
-class InfoWithStates(VersionInfo):
-    states: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-class RichCache:
-    """A real cache seen through the residency and reflog APIs it will have (states given per version)."""
-
-    def __init__(self, cache: tiercache.TierCache, states: dict[str, dict[str, Any]], moves: list[FakeRefMove]) -> None:
-        self._cache, self._states, self._moves = cache, states, moves
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
-
-    def versions(self, branch: str | None = None) -> list[VersionInfo]:
-        return [InfoWithStates(**{f.name: getattr(v, f.name) for f in dataclasses.fields(VersionInfo)},
-                               states=self._states.get(v.id, {})) for v in self._cache.versions(branch)]
-
-    def reflog(self, branch: str | None = None) -> list[FakeRefMove]:
-        return [m for m in self._moves if branch is None or m.name == branch]
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -89,7 +44,7 @@ def _capture(cache: Any, mttf: float | None = 10800.0) -> views.Capture:
     return views.Capture.of(cache, mttf=mttf, now=datetime.now(UTC).timestamp())
 
 
-def test_lineage_without_the_rich_apis_derives_states_and_reflog(history: tuple[dict[str, Any], list[str]]) -> None:
+def test_lineage_draws_branches_tags_rollbacks_and_the_reflog(history: tuple[dict[str, Any], list[str]]) -> None:
     cfg, ids = history
     with tiercache.open(cfg) as cache:
         cap = _capture(cache)
@@ -102,39 +57,26 @@ def test_lineage_without_the_rich_apis_derives_states_and_reflog(history: tuple[
     assert lin["branches"] == [{"name": "ft", "head": ids[3], "step": 5, "versions": 1},
                                {"name": "main", "head": ids[1], "step": 2, "versions": 3}]
     assert lin["tags"] == [{"name": "best", "version": ids[1]}]
-    assert lin["states_source"] == "derived" and lin["reflog_source"] == "derived"
     assert {t: s["state"] for t, s in lin["versions"][0]["states"].items()} == {"disk": "held"}
-    # The status the saving process left says each level was reached; RAM copies died with it.
-    assert lin["versions"][0]["states"]["disk"]["source"] == "listing"
-    # Newest first; what happened when is not known for the moves the versions only imply.
+    # Newest first: the tag, the save that started ft (from main@1: the branch move), the rollback,
+    # then the saves of main.
     assert [(m["why"], m["name"], m["version"], m["previous"]) for m in lin["reflog"]] == [
-        ("tag", "best", ids[1], None), ("rollback", "main", ids[1], ids[2]), ("save", "ft", ids[3], ids[0]),
-        ("branch", "ft", ids[0], None), ("save", "main", ids[2], ids[1]), ("save", "main", ids[1], ids[0]),
+        ("tag", "best", ids[1], None), ("save", "ft", ids[3], ids[0]), ("branch", "ft", ids[0], None),
+        ("rollback", "main", ids[1], ids[2]), ("save", "main", ids[2], ids[1]), ("save", "main", ids[1], ids[0]),
         ("save", "main", ids[0], None)]
-    assert [m["at"] is None for m in lin["reflog"]] == [True, True, False, True, False, False, False]
+    assert all(m["at"] is not None for m in lin["reflog"])
 
 
-def test_lineage_with_the_rich_apis_uses_them(history: tuple[dict[str, Any], list[str]]) -> None:
+def test_states_say_why_a_tier_lacks_a_version(history: tuple[dict[str, Any], list[str]]) -> None:
     cfg, ids = history
     at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    states = {ids[2]: {"disk": FakeTierState("held"), "s3": FakeTierState("skipped", "backlog: only the newest "
-                                                                          "pending version is uploaded", at)}}
-    moves = [FakeRefMove("branch", "main", ids[0], None, 0, at, "save"),
-             FakeRefMove("branch", "main", ids[1], ids[2], 3, at.replace(minute=9), "rollback")]
     with tiercache.open(cfg) as cache:
-        cap = _capture(RichCache(cache, states, moves))
-    cap = dataclasses.replace(cap, tiers=["disk", "s3"])
-    lin = views.lineage(cap)
-    assert lin["states_source"] == "cache" and lin["reflog_source"] == "cache"
-    row = next(v for v in lin["versions"] if v["id"] == ids[2])
-    assert row["states"]["s3"] == {"state": "skipped", "reason": "backlog: only the newest pending version is uploaded",
-                                   "at": at.timestamp(), "source": "cache"}
-    assert lin["reflog"] == [
-        {"kind": "branch", "name": "main", "version": ids[1], "previous": ids[2], "seq": 3,
-         "at": at.replace(minute=9).timestamp(), "why": "rollback"},
-        {"kind": "branch", "name": "main", "version": ids[0], "previous": None, "seq": 0, "at": at.timestamp(),
-         "why": "save"},
-    ]
+        info = next(v for v in cache.versions() if v.id == ids[2])
+    info = dataclasses.replace(info, states={"disk": TierState("held"),
+                                             "s3": TierState("skipped", "coalesced: newer version pending", at)})
+    got = views.tier_states(info, ["disk", "s3"], None)
+    assert got == {"disk": {"state": "held", "reason": "", "at": None},
+                   "s3": {"state": "skipped", "reason": "coalesced: newer version pending", "at": at.timestamp()}}
 
 
 def test_states_merge_what_the_saving_process_recorded(history: tuple[dict[str, Any], list[str]]) -> None:
@@ -144,17 +86,15 @@ def test_states_merge_what_the_saving_process_recorded(history: tuple[dict[str, 
     status = {"closed": False, "pid": 42, "versions": {ids[0]: {"levels": {
         "staged": {"state": "held", "at": 5.0, "reason": ""},
         "remote": {"state": "failed", "at": 7.0, "reason": "TierUnavailableError: s3 down"}}}}}
+    info = dataclasses.replace(info, states={**info.states, "s3": TierState("absent")})
     got = views.tier_states(info, ["ram", "disk", "s3"], status)
     assert got["ram"]["state"] == "held" and "pid 42" in got["ram"]["reason"]
-    assert got["disk"] == {"state": "held", "reason": "", "at": None, "source": "listing"}
-    assert got["s3"] == {"state": "failed", "reason": "TierUnavailableError: s3 down", "at": 7.0, "source": "status"}
-    # A real state of "absent" gives way to the saving process's "pending"/"failed" with its reason.
-    rich = InfoWithStates(**{f.name: getattr(info, f.name) for f in dataclasses.fields(VersionInfo)},
-                          states={"s3": FakeTierState("absent", "not uploaded")})
-    assert views.tier_states(rich, ["s3"], status)["s3"]["state"] == "failed"
+    assert got["disk"] == {"state": "held", "reason": "", "at": None}
+    # This viewer's "absent" gives way to the saving process's "failed", with its reason.
+    assert got["s3"] == {"state": "failed", "reason": "TierUnavailableError: s3 down", "at": 7.0}
     closed = views.tier_states(info, ["ram"], {**status, "closed": True})
     assert closed["ram"] == {"state": "absent", "reason": "the saving process has closed: its RAM arena is gone",
-                             "at": None, "source": "status"}
+                             "at": None}
 
 
 def test_version_summary_counts_dedup_against_the_parent(history: tuple[dict[str, Any], list[str]]) -> None:
@@ -220,7 +160,7 @@ def test_throughput_and_advice(history: tuple[dict[str, Any], list[str]]) -> Non
     assert ov["trainer"]["closed"] is True and ov["refresh_s"] == 2.0
 
 
-def test_derived_reflog_sees_a_rollback_that_later_saves_built_on(tmp_path: Path) -> None:
+def test_a_rollback_that_later_saves_built_on_shows_in_the_reflog(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         a, b = (cache.save({"w": torch.full((8,), float(s))}, step=s).wait("local") for s in (1, 2))
         cache.rollback("main", a)

@@ -932,7 +932,8 @@ _GpusOption = Annotated[int | None, typer.Option(
     "--gpus", help="GPUs in the job (with --gpu-mtbf).", show_default=False)]
 
 
-@app.command("plan")
+@app.command("plan", epilog=_examples("tiercache plan --mttf 3h", "tiercache plan --gpu-mtbf 50000h --gpus 16384",
+                                      "tiercache plan --mttf 3h --level remote --json"))
 def plan(
     ctx: typer.Context,
     mttf: _MttfOption = None,
@@ -1001,7 +1002,8 @@ def plan(
     console.print(inputs_table)
 
 
-@app.command("ui")
+@app.command("ui", epilog=_examples("tiercache ui", "tiercache ui --port 9000 --mttf 3h",
+                                    "tiercache ui --host 0.0.0.0        # prints a token every request needs"))
 def ui(
     ctx: typer.Context,
     port: Annotated[int | None, typer.Option("--port", help="Port (default: [ui] port, 8765; 0 picks a free one).",

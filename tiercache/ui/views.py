@@ -5,10 +5,10 @@ a small fake with the same methods in tests); each other function here turns a c
 body of one JSON endpoint (documented in ``docs/ui.md``). Nothing here writes. Times are Unix
 seconds.
 
-Where a cache has the richer APIs (``VersionInfo.states``: each tier's state and the reason it
-does not hold a version; ``TierCache.reflog()``: every ref move), they are used; where it has not,
-the same fields are derived from what the saving process published (``TierCache.status()``) and
-from the versions and refs, and ``*_source`` says which.
+Residency comes from ``VersionInfo.states`` (each tier's state and why it does not hold a
+version), refined by what the saving process published (``TierCache.status()``): a viewer's own
+cache cannot see another process's queues, so the saver's ``pending``/``failed`` wins over an
+``absent``. Ref moves come from ``TierCache.reflog()``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from tiercache.advisor import PlanInputs, plan
 from tiercache.errors import InvalidArgumentError
 from tiercache.handle import TIER_LEVEL
-from tiercache.manifest import Version, VersionInfo
+from tiercache.manifest import RefMove, Version, VersionInfo
 from tiercache.status import ALL_LEVELS
 
 #: How many versions the lineage and residency views list (newest first).
@@ -42,7 +42,7 @@ class Capture:
         policy: The policy's name.
         versions: Every version, oldest first.
         refs: Every ref (``{"branch/main": id, "tag/best": id}``).
-        reflog: The cache's ref moves (``TierCache.reflog()``), or ``None`` where it keeps none.
+        reflog: The cache's ref moves (``TierCache.reflog()``), oldest first.
         manifests: Each version's manifest by id.
         status: What the saving process published (``TierCache.status()``), or ``None``.
         stats: ``TierCache.stats()``.
@@ -55,7 +55,7 @@ class Capture:
     policy: str
     versions: list[VersionInfo]
     refs: dict[str, str]
-    reflog: list[Any] | None
+    reflog: list[RefMove]
     manifests: dict[str, Version]
     status: dict[str, Any] | None
     stats: dict[str, Any]
@@ -65,11 +65,10 @@ class Capture:
     def of(cls, cache: Any, *, mttf: float | None, now: float) -> Capture:
         """Read everything from an open cache (a :class:`~tiercache.TierCache` or a fake with its methods)."""
         versions = cache.versions()
-        reflog = getattr(cache, "reflog", None)
         levels = list(cache.levels)
         return cls(
             at=now, tiers=list(cache.tier_names), levels=levels, policy=cache.config.policy.name,
-            versions=versions, refs=cache.refs(), reflog=list(reflog()) if reflog is not None else None,
+            versions=versions, refs=cache.refs(), reflog=list(cache.reflog()),
             manifests={v.id: cache.manifest(v.id) for v in versions[-MAX_VERSIONS:]},
             status=cache.status(), stats=cache.stats(),
             inputs=cache.plan_inputs(advice_level(levels), mttf=mttf),
@@ -99,101 +98,56 @@ def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, An
     """Each tier's state for one version, and why a tier does not hold it.
 
     Args:
-        info: The version.
+        info: The version (its ``states`` as this viewer's cache sees them).
         tiers: The cache's tiers.
         status: The saving process's status, or ``None``.
 
     Returns:
-        ``{tier: {"state", "reason", "at", "source"}}``; ``state`` is one of ``held``,
-        ``pending``, ``skipped``, ``failed``, ``evicted``, ``absent``; ``source`` is ``cache``
-        (``VersionInfo.states``), ``status`` (what the saving process recorded) or ``listing``
-        (only whether the tier holds it).
+        ``{tier: {"state", "reason", "at"}}``; ``state`` is one of ``held``, ``pending``,
+        ``skipped``, ``failed``, ``evicted``, ``absent`` (see :class:`tiercache.TierState`).
     """
-    real = getattr(info, "states", None)
     recorded = ((status or {}).get("versions") or {}).get(info.id) or {}
     levels = recorded.get("levels") or {}
     out: dict[str, dict[str, Any]] = {}
     for tier in tiers:
-        got = real.get(tier) if isinstance(real, Mapping) else None
+        got = info.states.get(tier)
         seen = levels.get(_tier_level(tier))
-        if got is not None and (got.state != "absent" or seen is None):
-            out[tier] = {"state": got.state, "reason": got.reason, "at": _ts(got.at), "source": "cache"}
-        elif tier in info.tiers:
-            out[tier] = {"state": "held", "reason": "", "at": None, "source": "listing"}
-        elif tier == "ram":
+        if tier == "ram" and (got is None or got.state == "absent"):
             out[tier] = _ram_state(seen, status)
-        elif seen is not None and seen.get("state") in ("pending", "skipped", "failed"):
-            out[tier] = {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at"),
-                         "source": "status"}
+        elif (got is None or got.state == "absent") and seen is not None and seen.get("state") in (
+                "pending", "skipped", "failed"):
+            # This viewer cannot see the saving process's queues: what it published says more.
+            out[tier] = {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at")}
+        elif got is None:
+            out[tier] = {"state": "absent", "reason": "", "at": None}
         else:
-            why = ("the saving process reached this level, but the tier no longer lists the version (evicted "
-                   "or collected)" if seen is not None and seen.get("state") == "held"
-                   else "not on this tier; no reason recorded (saved by another process, or before its status)")
-            out[tier] = {"state": "evicted" if seen is not None and seen.get("state") == "held" else "absent",
-                         "reason": why, "at": None, "source": "status" if seen is not None else "listing"}
+            out[tier] = {"state": got.state, "reason": got.reason, "at": _ts(got.at)}
     return out
 
 
 def _ram_state(seen: Mapping[str, Any] | None, status: Mapping[str, Any] | None) -> dict[str, Any]:
     live = status is not None and not status.get("closed")
     if seen is not None and seen.get("state") == "held" and live:
-        return {"state": "held", "at": seen.get("at"), "source": "status",
+        return {"state": "held", "at": seen.get("at"),
                 "reason": f"staged in the RAM arena of the saving process (pid {status.get('pid')}); it may "
                           "since have been evicted"}
     if seen is not None and seen.get("state") in ("pending", "skipped", "failed"):
-        return {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at"), "source": "status"}
+        return {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at")}
     why = "the saving process has closed: its RAM arena is gone" if status is not None and not live else \
         "RAM copies live only inside the saving process"
-    return {"state": "absent", "reason": why, "at": None, "source": "status" if status is not None else "listing"}
+    return {"state": "absent", "reason": why, "at": None}
 
 
 # ---------------------------------------------------------------------------------------------
 # Lineage
 
 
-def _derived_reflog(versions: Sequence[VersionInfo], refs: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Ref moves as far as versions and refs tell them (when the cache keeps no reflog), oldest first.
-
-    Every version is a save on its branch. A branch's first version whose parent is on another
-    branch tells where the branch was made; a version whose parent is not the branch's previous
-    version tells of a rollback to that parent before it; a head that is not the branch's newest
-    version, of a rollback since. When these happened is not known (``at`` is ``None``).
-    """
-    by_id = {v.id: v for v in versions}
-    last: dict[str, VersionInfo] = {}
-    moves: list[dict[str, Any]] = []
-
-    def move(kind: str, name: str, version: str, previous: str | None, at: float | None, why: str) -> None:
-        moves.append({"kind": kind, "name": name, "version": version, "previous": previous, "seq": None, "at": at,
-                      "why": why})
-
-    for v in versions:
-        prev = last.get(v.branch)
-        parent = by_id.get(v.parent) if v.parent is not None else None
-        if prev is None and parent is not None and parent.branch != v.branch:
-            move("branch", v.branch, parent.id, None, None, "branch")
-        elif prev is not None and v.parent is not None and v.parent != prev.id:
-            move("branch", v.branch, v.parent, prev.id, None, "rollback")
-        move("branch", v.branch, v.id, v.parent, _ts(v.created_at), "save")
-        last[v.branch] = v
-    for key, vid in sorted(refs.items()):
-        kind, _, name = key.partition("/")
-        if kind == "tag":
-            move("tag", name, vid, None, None, "tag")
-        elif name not in last:
-            move("branch", name, vid, None, None, "branch")
-        elif last[name].id != vid:
-            move("branch", name, vid, last[name].id, None, "rollback")
-    return moves
-
-
-def _reflog(cap: Capture) -> tuple[list[dict[str, Any]], str]:
-    if cap.reflog is None:
-        return _derived_reflog(cap.versions, cap.refs)[::-1], "derived"
+def _reflog(cap: Capture) -> list[dict[str, Any]]:
+    """The ref moves, newest first."""
     moves = [{"kind": m.kind, "name": m.name, "version": m.version, "previous": m.previous, "seq": m.seq,
               "at": _ts(m.at), "why": m.why} for m in cap.reflog]
-    moves.sort(key=lambda m: (m["at"] or 0.0, m["seq"] or 0), reverse=True)
-    return moves, "cache"
+    moves.sort(key=lambda m: m["at"] or 0.0, reverse=True)
+    return moves
 
 
 def _ancestors(head: str | None, by_id: Mapping[str, VersionInfo]) -> set[str]:
@@ -230,10 +184,8 @@ def lineage(cap: Capture) -> dict[str, Any]:
             "rolled_back": v.branch in reachable and v.id not in reachable[v.branch],
             "states": tier_states(v, cap.tiers, cap.status),
         })
-    moves, source = _reflog(cap)
-    real_states = bool(versions) and getattr(versions[0], "states", None) is not None
     return {"tiers": cap.tiers, "total": len(versions), "versions": rows, "branches": branches, "tags": tags,
-            "reflog": moves, "reflog_source": source, "states_source": "cache" if real_states else "derived"}
+            "reflog": _reflog(cap)}
 
 
 def version_summary(cap: Capture, version_id: str) -> dict[str, Any] | None:

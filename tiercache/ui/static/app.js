@@ -184,7 +184,7 @@ function renderResidency(lin) {
 }
 
 function renderReflog(lin) {
-  $("reflog-source").textContent = lin.reflog_source === "cache" ? "(kept by the cache)" : "(derived from versions and refs)";
+  $("reflog-source").textContent = "(saves, rollbacks, resumes, branches, tags)";
   const rows = lin.reflog.slice(0, 100).map((m) => el("tr", {},
     el("td", {}, clock(m.at)), el("td", {}, `${m.kind}/${m.name}`), el("td", {}, m.why),
     el("td", { class: "id" }, m.version.slice(0, 10)), el("td", { class: "id" }, m.previous ? m.previous.slice(0, 10) : "-")));
