@@ -152,3 +152,44 @@ def test_hf_callback_resume_is_identical(tmp_path: Path) -> None:
         resumed = _train(tmp_path / "again", [], resume=str(path))
     for name, tensor in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+# ------------------------------------------------------------------------- resuming from an older step
+
+
+def _resume_moves(cache: tiercache.TierCache) -> list[tuple[str, str | None]]:
+    return [(m.version, m.previous) for m in cache.reflog("main") if m.why == "resume"]
+
+
+def test_lightning_resume_from_an_older_checkpoint_moves_the_branch_truthfully(tmp_path: Path) -> None:
+    config = {"disk": {"path": str(tmp_path / "cache")}}
+    with tiercache.open(config) as cache:
+        _fit(tmp_path / "run", 3, TierCacheCheckpointIO(cache, wait="local"))
+        old = {v.step: v.id for v in cache.versions()}
+    assert sorted(old) == [4, 8, 12]
+    with tiercache.open(config) as cache:  # a new cache: nothing of the first run in memory
+        ckpt = tmp_path / "run" / "ckpt" / "epoch=0-step=4.ckpt"
+        _fit(tmp_path / "run", 3, TierCacheCheckpointIO(cache, wait="local"), ckpt_path=str(ckpt))
+    with tiercache.open(config) as fresh:
+        new = [v for v in fresh.versions() if v.id not in old.values()]
+        assert [(v.step, v.parent) for v in new] == [(8, old[4]), (12, new[0].id)]
+        assert fresh.refs()["branch/main"] == new[1].id
+        assert (fresh.resolve("main@8"), fresh.resolve("main~2")) == (new[0].id, old[4])
+        assert _resume_moves(fresh) == [(new[0].id, old[12])]
+        assert fresh.gc(grace=0).versions == ()  # what the resume left behind is in the reflog
+
+
+def test_hf_resume_from_an_older_checkpoint_moves_the_branch_truthfully(tmp_path: Path) -> None:
+    config = {"disk": {"path": str(tmp_path / "cache")}}
+    with tiercache.open(config) as cache:
+        _train(tmp_path / "run", [TierCacheCallback(cache)])
+        old = {v.step: v.id for v in cache.versions()}
+    assert sorted(old) == [3, 6]
+    with tiercache.open(config) as cache:
+        path = restore_checkpoint(cache, "main@3", tmp_path / "restored")
+        _train(tmp_path / "again", [TierCacheCallback(cache)], resume=str(path))
+    with tiercache.open(config) as fresh:
+        [new] = [v for v in fresh.versions() if v.id not in old.values()]
+        assert (new.step, new.parent) == (6, old[3])
+        assert fresh.resolve("main@6") == new.id and fresh.resolve("main~1") == old[3]
+        assert _resume_moves(fresh) == [(new.id, old[6])]

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import tiercache
+from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, TierUnavailableError
 from tiercache.testing import ThrottledProxy
@@ -70,6 +72,7 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
                 relay.mode = mode  # type: ignore[assignment]
             handles.append(cache.save(_state(step), step=step))  # never raises
             handles[-1].wait("local")  # every version is local: before, during and after the outage
+            handles[-1].future("remote").exception()  # a slow step: S3's outcome is known before the next
         cache.flush()  # no version was lost: nothing to report
         assert cache.stats()["errors"]["lost_versions"] == 0
         assert cache.stats()["tiers"]["s3"]["available"] is False
@@ -94,6 +97,17 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
         infos = {v.id: v for v in fresh.versions()}
         missed = [infos[h.version].states["s3"] for h in handles[3:-1]]
         assert {s.state for s in missed} <= {"failed", "skipped"} and all(s.reason for s in missed)
+    toml = tmp_path / "tiercache.toml"
+    toml.write_text(f'[disk]\npath = "{cfg["disk"]["path"]}"\n[s3]\nurl = "{cfg["s3"]["url"]}"\n'
+                    f'endpoint_url = "{cfg["s3"]["endpoint_url"]}"\nregion = "{cfg["s3"]["region"]}"\n')
+    shown = CliRunner().invoke(app, ["--config", str(toml), "ls"])
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[1:13]}
+    assert all(rows[h.version[:10]][-2] == "✓" for h in handles[:-1]), shown.stdout  # disk, then s3
+    assert all(rows[h.version[:10]][-1] in ("failed", "skipped") for h in handles[3:-1]), shown.stdout
+    assert rows[handles[-1].version[:10]][-2:] == ["✓", "✓"], shown.stdout
+    reasons = shown.stdout.split("why a tier lacks a version, newest first", 1)[1]
+    assert f"{handles[-2].version[:10]} s3 " in reasons and "unavailable" in reasons, shown.stdout
 
 
 def test_a_disk_that_fails_sends_versions_straight_to_s3(

@@ -10,18 +10,24 @@ truthfully and keeps what it left behind in the reflog.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import tiercache
+from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StateMismatchError
 from tiercache.policy.base import Placement, PolicyContext, TierPlan, VersionView
 
 MIB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _state(step: int, nbytes: int) -> dict[str, Any]:
@@ -118,11 +124,19 @@ def test_resuming_from_an_older_step_in_a_fresh_process_moves_the_branch_truthfu
     cfg = {"disk": {"path": str(tmp_path)}, "gc_grace": 0}
     with tiercache.open(cfg) as first:
         v = {s: first.save(_state(s, 4096), step=s).wait("local") for s in (10, 20, 30)}
-    with tiercache.open(cfg) as resumed:  # a loss spike: go back to step 10 and train on
-        got = resumed.restore("main@10")
-        assert got["step"] == 10
-        w15 = resumed.save(_state(15, 4096), step=15).wait("local")
-        w20 = resumed.save(_state(21, 4096), step=20).wait("local")
+    # A loss spike: a fresh process goes back to step 10 and trains on.
+    script = (
+        "import json, sys, torch, tiercache\n"
+        "from tests.test_trust import _state\n"
+        "with tiercache.open(json.loads(sys.argv[1])) as cache:\n"
+        "    assert cache.restore('main@10')['step'] == 10\n"
+        "    print(cache.save(_state(15, 4096), step=15).wait('local'))\n"
+        "    print(cache.save(_state(21, 4096), step=20).wait('local'))\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True,
+                         check=False, cwd=ROOT, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    w15, w20 = ran.stdout.split()
     with tiercache.open(cfg) as fresh:
         m = {x.id: x for x in fresh.versions()}
         assert m[w15].parent == v[10] and m[w20].parent == w15
@@ -136,6 +150,13 @@ def test_resuming_from_an_older_step_in_a_fresh_process_moves_the_branch_truthfu
         assert [(r.version, r.previous) for r in resume] == [(w15, v[30])]
         assert fresh.gc(grace=0).versions == ()
         assert fresh.restore(v[30])["step"] == 30
+    toml = tmp_path / "tiercache.toml"
+    toml.write_text(f'[disk]\npath = "{tmp_path}"\n')
+    shown = CliRunner().invoke(app, ["--config", str(toml), "log", "--reflog", "main"])
+    assert shown.exit_code == 0, shown.output
+    assert [line.split()[2:] for line in shown.stdout.splitlines()] == [
+        ["branch/main", "save", w20[:10]], ["branch/main", "resume", w15[:10], "(was", f"{v[30][:10]})"],
+        ["branch/main", "save", v[30][:10]], ["branch/main", "save", v[20][:10]], ["branch/main", "save", v[10][:10]]]
 
 
 def test_restoring_the_head_continues_the_branch_and_a_new_branch_starts_from_what_was_restored(

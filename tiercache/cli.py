@@ -337,8 +337,16 @@ def _version_json(v: VersionInfo, refs: Mapping[str, str]) -> dict[str, Any]:
         "nbytes": v.nbytes,
         "meta": v.meta,
         "tiers": list(v.tiers),
+        "states": {t: {"state": st.state, "reason": st.reason, "at": st.at.isoformat() if st.at else None}
+                   for t, st in v.states.items() if t != "ram"},
         "refs": sorted(key for key, vid in refs.items() if vid == v.id),
     }
+
+
+#: How ``ls`` marks a version's state on a tier (held, or why not).
+_MARKS = {"held": "✓", "pending": "…", "skipped": "skipped", "failed": "failed", "evicted": "evicted", "absent": ""}
+#: Versions whose reasons ``ls`` prints under its table, newest first.
+_WHY_SHOWN = 8
 
 
 def _echo_json(data: Any) -> None:
@@ -507,7 +515,9 @@ def ls(
     """List versions with step, size, age, refs and tiers.
 
     Oldest first, with one column per durable tier (a CLI process has no lasting RAM tier, so RAM
-    gets none). With --branch, only that branch's history: what `tiercache log BRANCH` walks.
+    gets none): ✓ where the tier holds the version, else why not (skipped by the policy, failed,
+    evicted), with the reasons of the newest such versions under the table. With --branch, only
+    that branch's history: what `tiercache log BRANCH` walks.
     """
     with _session(ctx) as cache:
         versions = cache.versions() if branch is None else _history(cache, branch)
@@ -525,29 +535,46 @@ def ls(
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for tier in tiers:
         table.add_column(tier, justify="center", no_wrap=True)
+    why: list[str] = []
     for v in versions:
+        states = {t: v.states[t].state if t in v.states else ("held" if t in v.tiers else "absent") for t in tiers}
         table.add_row(
             v.id[:width], str(v.step), v.branch, human_bytes(v.nbytes),
             human_age(v.created_at, now), ", ".join(labels.get(v.id, [])),
-            *("✓" if tier in v.tiers else "" for tier in tiers),
+            *(_MARKS[states[t]] for t in tiers),
         )
-    Console(highlight=False).print(table)
+        why += [f"  {v.id[:width]} {t} {st.state}: {st.reason}" for t, st in v.states.items()
+                if t in tiers and st.state in ("skipped", "failed", "evicted") and st.reason]
+    console = Console(highlight=False)
+    console.print(table)
+    if why:
+        more = f" (and {len(why) - _WHY_SHOWN} more: --json has them all)" if len(why) > _WHY_SHOWN else ""
+        console.print(f"why a tier lacks a version, newest first{more}:", markup=False)
+        for line in why[::-1][:_WHY_SHOWN]:
+            console.print(line, markup=False, soft_wrap=True)
 
 
-@app.command("log", epilog=_examples("tiercache log", "tiercache log --graph", "tiercache log ft-lr3e-5 --json"))
+@app.command("log", epilog=_examples("tiercache log", "tiercache log --graph", "tiercache log ft-lr3e-5 --json",
+                                     "tiercache log --reflog main"))
 def log(
     ctx: typer.Context,
     ref: Annotated[str | None, typer.Argument(help="Show only this version and its ancestors.", metavar="REF")] = None,
     graph: Annotated[bool, typer.Option("--graph", help="Draw the version DAG across branches.")] = False,
+    reflog: Annotated[bool, typer.Option("--reflog", help="Show the moves of the branches and tags instead.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
     """Show lineage, newest first.
 
-    Every version, or REF and its ancestors; --graph draws the DAG across branches.
+    Every version, or REF and its ancestors; --graph draws the DAG across branches. --reflog lists
+    the moves of every branch (or of the branch REF) and tag instead: saves, and the rollbacks,
+    resumes from an older version, new branches and tags, with the version each left behind.
     """
     with _cli_errors(ctx.obj.debug):
-        if graph and as_json:
-            raise InvalidArgumentError("--graph draws text: use --json alone (each version lists its parent)")
+        if graph and (as_json or reflog):
+            raise InvalidArgumentError("--graph draws text: use --json or --reflog without it")
+    if reflog:
+        _log_reflog(ctx, ref, as_json)
+        return
     with _session(ctx) as cache:
         versions = _lineage(cache, ref)
         refs = cache.refs()
@@ -571,6 +598,19 @@ def log(
             f"{v.id}  {_where(v)}  parent {v.parent or '-'}  meta {meta}"
             f"{_decoration(labels.get(v.id, []))}"
         )
+
+
+def _log_reflog(ctx: typer.Context, branch: str | None, as_json: bool) -> None:
+    with _session(ctx) as cache:
+        moves = cache.reflog(branch)[::-1]
+        width = short_id_length({*(m.version for m in moves), *(m.previous for m in moves if m.previous)})
+    if as_json:
+        _echo_json([{"kind": m.kind, "name": m.name, "version": m.version, "previous": m.previous,
+                     "at": m.at.isoformat(), "why": m.why} for m in moves])
+        return
+    for m in moves:
+        left = f" (was {m.previous[:width]})" if m.previous and m.why != "save" else ""
+        typer.echo(f"{m.at.strftime('%Y-%m-%d %H:%M:%S')}  {m.kind}/{m.name}  {m.why:<8} {m.version[:width]}{left}")
 
 
 #: File name ``restore --out DIR/`` writes inside the directory.

@@ -85,6 +85,9 @@ def restore_checkpoint(cache: TierCache, ref: str, directory: str | os.PathLike[
         ref: A ref: ``main``, ``main@300`` (the checkpoint of step 300), a tag, a version id.
         directory: Where to create the ``checkpoint-<step>`` directory.
 
+    The process resumes from that version: the next checkpoint :class:`TierCacheCallback` saves
+    on its branch names it as parent, and the branch moves there (see ``TierCache.restore``).
+
     Returns:
         The checkpoint directory, for ``trainer.train(resume_from_checkpoint=...)``.
 
@@ -103,4 +106,5 @@ def restore_checkpoint(cache: TierCache, ref: str, directory: str | os.PathLike[
             raise InvalidArgumentError(f"version {version.id} names a file outside its checkpoint: {rel!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.numpy().tobytes())
+    cache.note_restored(ref, version)
     return out
