@@ -198,7 +198,8 @@ def test_ls_json(repo: _Repo) -> None:
     assert rows == [
         {
             "id": vid, "step": step, "branch": branch, "parent": parent, "created_at": created[vid],
-            "nbytes": nbytes, "meta": meta, "tiers": ["disk"], "refs": refs,
+            "nbytes": nbytes, "meta": meta, "tiers": ["disk"],
+            "states": {"disk": {"state": "held", "reason": "", "at": None}}, "refs": refs,
         }
         for vid, step, branch, parent, meta, refs in expected
     ]
