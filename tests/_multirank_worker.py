@@ -1,8 +1,9 @@
 """One rank of the multi-rank tests: forked by the tests' fork server (:func:`forked`), or ``python _multirank_worker.py
 SCENARIO RANK WORLD PORT DIR`` by hand.
 
-Each rank joins a gloo group on loopback, opens its own cache from ``DIR/config.json`` (all ranks
-share the disk directory and the S3 prefix), runs the scenario and writes what it observed to
+Each rank joins a gloo group on loopback, opens its own cache from ``DIR/config.json`` (with the
+variables of ``DIR/env.json``, per rank, when the test gives each simulated node its own disk;
+otherwise all ranks share the disk directory) and the S3 prefix, runs the scenario and writes what it observed to
 ``DIR/rank<R>.json`` (and restored tensors to ``DIR/restored<R>.pt``) for the test to check.
 States are built by :func:`ddp_state` and :func:`full_tensors` so the test can rebuild them.
 """
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -184,19 +186,116 @@ def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out:
                 continue  # another rank moved it first: read again
 
 
+def replica_state(rank: int, step: int) -> dict[str, Any]:
+    """A 4 MiB DDP replica (the same on every rank) with a per-rank leaf."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(1024, 1024, generator=g)}, "rng": torch.full((4,), rank + step), "step": step}
+
+
+def node_state(rank: int, step: int) -> dict[str, Any]:
+    """A state with a part of its own on every rank (a shard) and a replicated part (same on every rank)."""
+    own = torch.Generator().manual_seed(1000 * step + rank)
+    shared = torch.Generator().manual_seed(step)
+    return {
+        "shard": torch.randn(64, 1024, generator=own),
+        "emb": torch.randn(128, 256, generator=shared),
+        "rng": torch.full((4,), rank * 1000 + step, dtype=torch.int64),
+        "step": step,
+    }
+
+
+def _levels(handle: Any) -> dict[str, Any]:
+    """Each durability level of a handle: the version id, or ``[error type, message]``."""
+    out: dict[str, Any] = {}
+    for lvl in ("local", "replicated", "remote", "durable"):
+        err = _error(lambda lvl=lvl: handle.wait(lvl))
+        out[lvl] = err if err is not None else handle.version
+    return out
+
+
+def _restored_equal(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and bool(torch.equal(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(_restored_equal(got[k], want[k]) for k in want)
+    return bool(got == want)
+
+
+def scenario_nodes_save(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Save two versions over nodes with their own disks, restore the newest in place."""
+    group = dist.group.WORLD
+    h1 = cache.save(node_state(rank, 1), step=1, group=group)
+    out["v1_levels"] = _levels(h1)
+    h2 = cache.save(node_state(rank, 2), step=2, group=group)
+    out["v2_levels"] = _levels(h2)
+    cache.flush()
+    into = node_state(rank, 0)
+    got = _restore(cache, "main", node_state(rank, 2), out, "restored", into=into)
+    out["restored_in_place"] = got["shard"] is into["shard"]
+
+
+def _restore(cache: tiercache.TierCache, ref: str, want: Any, out: dict[str, Any], key: str, into: Any = None) -> Any:
+    """Restore ``ref`` over the world; note whether it equals ``want`` and the bytes read per source."""
+    got = cache.restore(ref, into=into, group=dist.group.WORLD)
+    out[f"{key}_equal"] = _restored_equal(got, want)
+    assert cache.last_restore is not None
+    out[f"{key}_report"] = cache.last_restore.nbytes
+    return got
+
+
+def scenario_nodes_restore(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                           work: Path) -> None:
+    """Restore ``main`` as a restarted job would (some node may have lost its disk)."""
+    got = _restore(cache, "main", node_state(rank, 2), out, "restored")
+    torch.save(got, work / f"restored{rank}.pt")
+
+
+def scenario_ddp_restore(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                         work: Path) -> None:
+    """Restore ``main`` (saved by the ranks, a DDP replica each) and ``single`` (saved by one process)."""
+    _restore(cache, "main", replica_state(rank, 2), out, "main")
+    _restore(cache, "single", replica_state(0, 7), out, "single")
+
+
+def scenario_ddp_save(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    out["v"] = cache.save(replica_state(rank, 2), step=2, group=dist.group.WORLD).wait("remote")
+
+
+def scenario_peer_dies(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """The last rank dies while it sends its node's part to a peer; the others report what they see."""
+    if rank == world - 1:
+        read = cache.reader.read_chunk
+
+        def dying(*args: Any, **kw: Any) -> str:
+            if threading.current_thread().name.startswith("tiercache-send"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return read(*args, **kw)
+
+        cache.reader.read_chunk = dying  # type: ignore[method-assign]
+    h = cache.save(node_state(rank, 1), step=1, group=dist.group.WORLD)
+    out["levels"] = _levels(h)
+
+
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
-             "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load}
+             "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
+             "nodes_save": scenario_nodes_save, "nodes_restore": scenario_nodes_restore,
+             "ddp_save": scenario_ddp_save, "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies}
+#: Scenarios after which a rank is gone: tearing the group down would wait for it.
+_BROKEN = {"kill", "peer_dies"}
 
 
 def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``)."""
+    env = work / "env.json"
+    if env.exists():  # per-rank variables: the node (TIERCACHE_NODE) and its own disk directory
+        os.environ.update(json.loads(env.read_text())[rank])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
     cache = tiercache.open(json.loads((work / "config.json").read_text()))
     cache.distributed(timeout=timedelta(seconds=20))
     SCENARIOS[scenario](cache, rank, world, out, work)
     (work / f"rank{rank}.json").write_text(json.dumps(out))
-    if scenario == "kill":
+    if scenario in _BROKEN:
         return  # a peer is gone: tearing the group down would wait for it
     cache.close()
     dist.destroy_process_group()

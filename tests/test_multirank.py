@@ -32,8 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 120) -> list[int]:
+def run_ranks(
+    scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 120,
+    env: list[dict[str, str]] | None = None,
+) -> list[int]:
     """Run ``scenario`` on ``world`` ranks; return their exit codes (-9: killed).
+
+    ``env`` gives each rank environment variables of its own (its node, its disk directory).
 
     The ranks are forked by a fork server that imported torch and tiercache once for the whole
     session: spawning would cost each rank many seconds of imports on a loaded machine, and
@@ -41,6 +46,10 @@ def run_ranks(scenario: str, world: int, work: Path, config: dict[str, Any], tim
     """
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
+    # The fork server keeps the environment of the test that started it: pass the S3 server's
+    # credentials (set by the s3_server fixture, maybe after that) with each rank's own variables.
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    (work / "env.json").write_text(json.dumps([{**aws, **(env[r] if env else {})} for r in range(world)]))
     port = free_port()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
     ctx = multiprocessing.get_context("forkserver")

@@ -45,9 +45,10 @@ class Writes:
 
 
 def _handle(vid: str) -> tuple[SaveHandle, dict[str, Future[str]]]:
-    """A handle as a disk-only cache returns it: no remote level."""
+    """A handle as a disk-only cache returns it: no remote level, no replicated level."""
     futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
     futures["remote"].set_exception(ConfigError("no s3 tier configured, so no 'remote' level"))
+    futures["replicated"].set_exception(ConfigError("no 'replicated' level: it comes with multi-rank saves"))
     return SaveHandle(vid, futures), futures
 
 

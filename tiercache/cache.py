@@ -41,14 +41,14 @@ from tiercache.errors import (
     TierUnavailableError,
     VersionNotFoundError,
 )
-from tiercache.format import dtype_from_name, flatten, unflatten
+from tiercache.format import dtype_from_name, unflatten
 from tiercache.handle import TIER_LEVEL, SaveHandle
 from tiercache.health import TierHealth
 from tiercache.manifest import MoveReason, RefMove, RefRecord, TierState, Version, VersionInfo, parse_ref
 from tiercache.names import check_name, chunk_key, version_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.restore import Progress, Reader, empty_aligned, match_into
+from tiercache.restore import Fill, Progress, Reader, RestoreReport, empty_aligned, into_targets, match_into
 from tiercache.status import STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
@@ -170,6 +170,8 @@ class TierCache:
         self._step_guards = StepGuards(self.engine.wait_deferred)
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
+        #: What the last restore of this process read, from where (bytes per source).
+        self.last_restore: RestoreReport | None = None
         # Made by the first save (or advisor): a cache that only reads publishes nothing.
         self._recorder: StatusRecorder | None = None
         self._recorder_lock = threading.Lock()
@@ -388,14 +390,18 @@ class TierCache:
         map_location: str | torch.device = "cpu",
         progress: Progress | None = None,
         strict: bool = True,
+        fill: Fill | None = None,
     ) -> Any:
         """Return the state a manifest describes; :meth:`restore` with the version already resolved.
 
-        A version saved by several ranks restores as the list of the ranks' states.
+        A version saved by several ranks restores as the list of the ranks' states. ``fill``
+        reads the chunks into the new tensors in place of this cache's reader (a restore over a
+        process group passes one that gets chunks from the other ranks); what it reports read is
+        :attr:`last_restore`.
         """
         self._check_open()
         self.engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
-        targets = _into_map(into)
+        targets = into_targets(into)
         unmatched = match_into(version, targets, strict=strict)
         for key, _why in unmatched:
             targets.pop(key, None)
@@ -413,7 +419,9 @@ class TierCache:
                 finals.append((target, tmp))
                 continue
             dests.append(empty_aligned(entry.shape, dtype))
-        self.reader.read_version(version, dests, progress)
+        t0 = time.perf_counter()
+        read = (fill or self.reader.read_version)(version, dests, progress)
+        self.last_restore = RestoreReport(version.id, read, time.perf_counter() - t0)
         for target, tmp in finals:
             with torch.no_grad():
                 target.copy_(tmp)
@@ -948,10 +956,4 @@ def _json_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidArgumentError(f"meta must be JSON-able (plain numbers, strings, lists, dicts): {e}") from None
     return out
 
-
-def _into_map(into: Any) -> dict[str, torch.Tensor]:
-    if into is None:
-        return {}
-    flat = flatten(into, allow_pickle=True)
-    return {m.path: t for m, t in zip(flat.metas, flat.tensors, strict=True)}
 

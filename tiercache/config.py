@@ -98,6 +98,10 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: A node or failure-domain label (the same alphabet as branch names).
+_LABEL_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -140,12 +144,16 @@ class DiskConfig(_Model):
         o_direct: Write and read chunks with O_DIRECT (falls back to buffered I/O where the
             filesystem refuses it).
         io_threads: Threads writing chunks to this tier (restores use the top-level ``io_threads``).
+        shared: The directory is on a filesystem every node of a multi-rank job sees (NFS,
+            Lustre...): the ranks then split its writes as they do S3's, and rank 0 commits. By
+            default a disk is node-local: each node holds what its own ranks need.
     """
 
     path: Path
     capacity: ByteSize | None = None
     o_direct: bool = True
     io_threads: int = Field(default=4, ge=1, le=64)
+    shared: bool = False
 
 
 class S3Config(_Model):
@@ -209,6 +217,21 @@ class S3Config(_Model):
         """The key prefix part of ``url`` (no leading or trailing slash; may be empty)."""
         parts = self.url[5:].split("/", 1)
         return parts[1].strip("/") if len(parts) > 1 else ""
+
+
+class PeersConfig(_Model):
+    """Peer copies of multi-rank versions (see :mod:`tiercache.peers`).
+
+    Attributes:
+        copies: How many other nodes receive a copy of each node's part of a version on their
+            node-local disk, in the background after ``local``; the level ``replicated`` says
+            when every node's part is on ``copies + 1`` nodes. 0 turns peer copies off.
+        batch_bytes: Most bytes one rank receives from its peers at once (peer copies and
+            restores over the group): the memory a transfer holds.
+    """
+
+    copies: int = Field(default=0, ge=0, le=16)
+    batch_bytes: ByteSize = Field(default=256 * MIB, ge=64 * KIB)
 
 
 class EngineConfig(_Model):
@@ -305,6 +328,11 @@ class CacheConfig(_Model):
         engine: The save pipeline's error reporting and tier probes.
         ui: ``tiercache ui`` and the status a saving process publishes.
         advisor: The checkpoint-interval advisor's inputs and bounds.
+        peers: Peer copies of multi-rank versions.
+        node: The name of the node this process runs on, for multi-rank saves (``TIERCACHE_NODE``);
+            ``None``: torchrun's ``GROUP_RANK``, else the host name (see :func:`launcher_node`).
+        failure_domain: What this node fails together with (a rack, a switch:
+            ``TIERCACHE_FAILURE_DOMAIN``); peer copies of a node go to nodes of other domains.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -323,6 +351,16 @@ class CacheConfig(_Model):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     ui: UiConfig = Field(default_factory=UiConfig)
     advisor: AdvisorConfig = Field(default_factory=AdvisorConfig)
+    peers: PeersConfig = Field(default_factory=PeersConfig)
+    node: str | None = None
+    failure_domain: str | None = None
+
+    @field_validator("node", "failure_domain")
+    @classmethod
+    def _check_label(cls, v: str | None) -> str | None:
+        if v is not None and _LABEL_RE.fullmatch(v) is None:
+            raise ValueError("use 1-128 characters from A-Z a-z 0-9 . _ - (not starting with '.')")
+        return v
 
     @field_validator("chunk_bytes")
     @classmethod
@@ -451,6 +489,24 @@ def load_config(
     if (looked_up or label != "(dict)") and cfg.ram is None and not cfg.tier_names():
         raise ConfigError(_no_tier_message(label, Path.cwd()))
     return cfg
+
+
+def launcher_node(env: Mapping[str, str] | None = None) -> str | None:
+    """The node name a launcher gives this process, or ``None``.
+
+    torchrun (torchelastic) sets ``GROUP_RANK`` (the node's index among the nodes of the job)
+    with ``LOCAL_WORLD_SIZE`` for every worker: the node is then ``node<GROUP_RANK>``. This is
+    the one place that reads them; ``TIERCACHE_NODE`` (the ``node`` field) takes precedence, and
+    without either the ranks fall back to their host names.
+
+    Args:
+        env: The environment (defaults to ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    group = env.get("GROUP_RANK", "")
+    if group.isdigit() and env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return f"node{int(group)}"
+    return None
 
 
 def _no_tier_message(label: str, cwd: Path) -> str:

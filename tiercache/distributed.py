@@ -2,8 +2,13 @@
 
 Every rank of a process group calls ``cache.save(state, step=..., group=g)`` with its own part of
 the state (a DDP replica, its FSDP/DTensor shards: DTensors are saved as their local shards). Each
-rank's own :class:`~tiercache.cache.TierCache` (one per process; the ranks of a node may share one
-disk directory) stages and writes that part; the group commits one version for all of them.
+rank's own :class:`~tiercache.cache.TierCache` (one per process) stages and writes that part; the
+group commits one version for all of them.
+
+Nodes. RAM and disk are node-local, S3 is shared. Every rank knows the node it runs on
+(:mod:`tiercache.nodes`: ``TIERCACHE_NODE``, torchrun's ``GROUP_RANK``, else the host name); the
+ranks of one node share its disk directory. A disk on a filesystem every node sees is declared
+``disk.shared = true`` and is treated like S3.
 
 Protocol (one version, in save order on every rank):
 
@@ -16,32 +21,41 @@ Protocol (one version, in save order on every rank):
    trainer's groups, nor on the training thread after step 1) gathers every rank's partial tensor
    table once its chunks are hashed, merges them into the version manifest (the tensor table in
    rank order, :class:`~tiercache.manifest.RankPart` per rank, the object tree the list of the
-   ranks' states) and assigns each distinct chunk to one owner: a chunk only one rank holds is
-   its own; a chunk several ranks hold (a replicated tensor: same path, same bytes on every
-   rank) goes to the holder with the fewest bytes assigned so far, so a replicated tensor cut
-   into ``world_size`` chunks is written slice ``r`` by rank ``r``, in parallel (FastPersist).
-   Chunks are content-addressed, so the same chunk is never written by two ranks.
+   ranks' states, :class:`~tiercache.manifest.NodePart` per node) and assigns each distinct chunk
+   to one writer among the ranks that hold it: a chunk only one rank holds is its own; a chunk
+   several ranks hold (a replicated tensor: same path, same bytes on every rank) goes to the
+   holder with the fewest bytes assigned so far, so a replicated tensor cut into ``world_size``
+   chunks is written slice ``r`` by rank ``r``, in parallel (FastPersist). On a shared tier (S3)
+   the whole group splits each distinct chunk this way; on a node-local tier (the disk) each
+   node's ranks split the chunks that node's ranks need, so every node holds its own part and a
+   chunk is written once per node.
 3. Each rank's writer writes the chunks it owns; the coordinators then gather every rank's
-   status for that tier. Only if every rank's chunks are durable there does rank 0 write the
-   merged manifest and move the ref (compare-and-swap); its result is broadcast. Every rank's
-   level future then resolves with the version id, or fails with the same error: the first
-   failing rank's error as a :class:`GroupSaveError` (or a :class:`~tiercache.errors.SkippedError`
-   if some rank's policy skipped the tier), and nothing is committed on that tier. A rank that
-   dies or stops answering breaks the collective (gloo notices a closed connection; otherwise the
-   group's timeout fires): every survivor fails the version with the same :class:`GroupSaveError`,
-   and later saves through this group fail at once.
+   status for that tier. Only if every rank's chunks are durable there is the version committed:
+   on a shared tier rank 0 writes the merged manifest and moves the ref (compare-and-swap); on a
+   node-local tier each node's lowest rank does so on its node's disk, so every node can restore
+   on its own. The results are exchanged, and every rank's level future then resolves with the
+   version id, or fails with the same error: the first failing rank's error as a
+   :class:`GroupSaveError` (or a :class:`~tiercache.errors.SkippedError` if some rank's policy
+   skipped the tier). A rank that dies or stops answering breaks the collective (gloo notices a
+   closed connection; otherwise the group's timeout fires): every survivor fails the version with
+   the same :class:`GroupSaveError`, and later saves through this group fail at once.
+4. With ``[peers] copies = K``, once ``local``, each node's part is copied to K other nodes'
+   disks (:mod:`tiercache.peers`), level ``replicated``.
 
 Levels are settled per tier as in the single-process engine: ``local`` when the disk tier is
-committed for the group, ``remote`` for S3, ``durable`` for the first of them.
+committed for the group (on every node), ``remote`` for S3, ``durable`` for the first of them,
+and ``replicated`` by the peer copies.
 
 Chunk size. To split replicated tensors among the ranks, big tensors are cut into chunks of
 ``min(chunk_bytes, max(pack_below, largest tensor / world_size))`` (page rounded, agreed by all
 ranks in step 1); layouts, and so chunk ids, then match across ranks for identical tensors.
 
-Restore is collective too: rank 0 resolves the ref and broadcasts the manifest; each rank reads
-its own part (from the fastest tier holding each chunk) at the same world size, or the whole state
-when the version was saved by one process. Resharding to another world size goes through the
-DCP integration (:mod:`tiercache.integrations.dcp`).
+Restore is collective too: the ranks agree on the manifest (rank 0's resolution of the ref, or
+the first rank's that has it when rank 0's node lost it), and each rank restores its own part at
+the same world size, or the whole state when the version was saved by one process, reading each
+chunk from its own node, else from a peer, else from S3, and each chunk the group needs once
+(:mod:`tiercache.group_restore`). Resharding to another world size goes through the DCP
+integration (:mod:`tiercache.integrations.dcp`).
 """
 
 from __future__ import annotations
@@ -60,12 +74,18 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tiercache import errors
+from tiercache.agreement import Status, broken_group, rebuild_error, status_of, verdict
 from tiercache.cache import _json_meta
-from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, SkippedError, TierCacheError
+from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, TierCacheError
+from tiercache.group_restore import group_fill
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import PAGE, round_up
-from tiercache.manifest import Piece, RankPart, RefRecord, Version, new_version_id
+from tiercache.manifest import NodePart, Piece, RankPart, RefRecord, Version, new_version_id
 from tiercache.names import check_name, version_key
+from tiercache.nodes import Topology, choose_peers
+from tiercache.peers import LEVEL as REPLICATED
+from tiercache.peers import PeerRound, Replicator
+from tiercache.restore import into_targets, match_into
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
@@ -77,26 +97,6 @@ log = logging.getLogger("tiercache.distributed")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 _KEEP_ROUNDS = 64
-
-# A rank's status for one step: ("ok", payload) | ("skip", message) | ("error", "Type: message").
-_Status = tuple[str, Any]
-
-
-def _status_of(err: BaseException) -> _Status:
-    if isinstance(err, SkippedError):
-        return ("skip", str(err))
-    return ("error", f"{type(err).__name__}: {err}")
-
-
-def _verdict(statuses: list[_Status], vid: str, tier: str) -> BaseException | None:
-    """The group's outcome from every rank's status: the first error, else the first skip, else None."""
-    failed = [(rank, detail) for rank, (kind, detail) in enumerate(statuses) if kind == "error"]
-    if failed:
-        return GroupSaveError(f"version {vid} failed on {tier}: rank {failed[0][0]}: {failed[0][1]}")
-    skipped = [(rank, detail) for rank, (kind, detail) in enumerate(statuses) if kind == "skip"]
-    if skipped:
-        return SkippedError(f"version {vid} skipped for {tier} by rank {skipped[0][0]}: {skipped[0][1]}")
-    return None
 
 
 def local_state(state: Any) -> Any:
@@ -126,12 +126,12 @@ def _shift(node: Any, off: int) -> Any:
     return node  # scalar leaves hold no tensors
 
 
-def merge_parts(parts: list[Version]) -> Version:
+def merge_parts(parts: list[Version], nodes: tuple[NodePart, ...] = ()) -> Version:
     """Merge the ranks' partial manifests (rank order) into the group's version manifest.
 
     Chunks are deduplicated by id in first-seen order, tensors are concatenated in rank order
-    (paths prefixed with the rank, as in a list of the ranks' states), and the object tree is
-    the list of the ranks' trees.
+    (paths prefixed with the rank, as in a list of the ranks' states), the object tree is
+    the list of the ranks' trees, and ``nodes`` says which node each rank ran on.
 
     Raises:
         InvalidArgumentError: If the ranks hash chunks with different algorithms.
@@ -162,7 +162,7 @@ def merge_parts(parts: list[Version]) -> Version:
         id=head.id, parent=head.parent, branch=head.branch, step=head.step, created_at=head.created_at,
         meta=head.meta, hash_algo=head.hash_algo, chunks=tuple(chunks), tensors=tuple(tensors),
         tree=["list", *trees], pickled=any(p.pickled for p in parts), nbytes=sum(p.nbytes for p in parts),
-        parts=tuple(rank_parts),
+        parts=tuple(rank_parts), nodes=nodes,
     )
 
 
@@ -191,23 +191,48 @@ def assign_owners(parts: list[Version]) -> list[set[str]]:
     return owned
 
 
-def adopt(cache: TierCache, version: Version, tiers: Collection[str]) -> None:
-    """Make this process's catalog know ``version`` as committed, chunks included, on ``tiers``.
+def writers_by_node(parts: list[Version], topology: Topology) -> list[dict[str, int]]:
+    """Per node, each chunk its ranks need -> the rank of that node that writes it to the node's disk.
 
-    Other ranks wrote some of its chunks (and rank 0 its manifest), which this process's catalog
-    cannot have seen.
+    The ranks of each node split that node's chunks as :func:`assign_owners` splits a group's.
+    """
+    out: list[dict[str, int]] = []
+    for node in range(topology.count):
+        ranks = topology.ranks(node)
+        owned = assign_owners([parts[r] for r in ranks])
+        out.append({cid: ranks[i] for i, ids in enumerate(owned) for cid in ids})
+    return out
+
+
+def adopt(cache: TierCache, version: Version, tiers: Collection[str], chunks: Collection[str] | None = None) -> None:
+    """Make this process's catalog know ``version`` as committed on ``tiers``, with ``chunks`` there.
+
+    Other ranks wrote some of its chunks (and rank 0 or the node's leader its manifest), which
+    this process's catalog cannot have seen. ``chunks`` defaults to every chunk of the version
+    (true of a shared tier); a node-local tier holds only its node's part.
     """
     cache.catalog.add(version)
-    ids = [c.id for c in version.chunks]
+    ids = [c.id for c in version.chunks] if chunks is None else list(chunks)
     for name in tiers:
         cache.catalog.mark_on(name, version.id)
         cache.catalog.note_chunks(name, ids)
 
 
 def committed_on(cache: TierCache, version_id: str) -> list[str]:
-    """Durable tiers that hold ``version_id``'s manifest (asked of the tiers, not the catalog)."""
-    return [n for n, t in cache.engine.tiers.items()
-            if cache.catalog.manifest_on(n, version_id) or t.exists(version_key(version_id))]
+    """Durable tiers that hold ``version_id``'s manifest (asked of the tiers, not the catalog).
+
+    A tier that is down, or fails while asked, is left out: what it holds cannot be read now.
+    """
+    out = []
+    for name, tier in cache.engine.tiers.items():
+        if not cache.health.available(name):
+            continue
+        try:
+            if cache.catalog.manifest_on(name, version_id) or tier.exists(version_key(version_id)):
+                out.append(name)
+        except TierCacheError as e:
+            log.warning("cannot tell whether %s holds version %s: %s", name, version_id, e)
+    return out
 
 
 def commit(cache: TierCache, tier: str, version: Version, ref: RefRecord) -> None:
@@ -216,14 +241,6 @@ def commit(cache: TierCache, tier: str, version: Version, ref: RefRecord) -> Non
     cache.catalog.add(version)
     cache.catalog.mark_on(tier, version.id)
     cache.catalog.write_ref(tier, ref)
-
-
-def rebuild_error(type_name: str, message: str) -> TierCacheError:
-    """The tiercache error named ``type_name`` (a :class:`GroupSaveError` if it is not one)."""
-    cls = getattr(errors, type_name, None)
-    if isinstance(cls, type) and issubclass(cls, TierCacheError):
-        return cls(message)
-    return GroupSaveError(f"{type_name}: {message}")
 
 
 class _Round:
@@ -240,7 +257,9 @@ class _Round:
         self.futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
         self.local: SaveHandle | None = None
         self.stage_error: BaseException | None = None
-        self._partial: Future[_Status] | None = None
+        #: The peer copies of this version, when the group makes them.
+        self.peer: PeerRound | None = None
+        self._partial: Future[Status] | None = None
         self._lock = threading.Lock()
         self._settled: dict[str, BaseException | None] = {}
 
@@ -257,7 +276,7 @@ class _Round:
 
     # -- coordinator side --
 
-    def partial(self) -> _Status:
+    def partial(self) -> Status:
         """This rank's partial manifest once hashed (computed once: a commit later replaces it in the catalog)."""
         with self._lock:
             if self._partial is None:
@@ -269,13 +288,13 @@ class _Round:
             self._partial.set_result(self._read_partial())
         return self._partial.result()
 
-    def _read_partial(self) -> _Status:
+    def _read_partial(self) -> Status:
         if self.stage_error is not None:
-            return _status_of(self.stage_error)
+            return status_of(self.stage_error)
         assert self.local is not None
         staged = self.local.future("staged")
         if staged.exception() is not None:
-            return _status_of(staged.exception())
+            return status_of(staged.exception())
         cache = self.owner.cache
         cache.engine.wait_published()
         try:
@@ -283,18 +302,18 @@ class _Round:
         except TierCacheError as e:
             # Hashing failed: the engine failed every level, "durable" included, with the reason.
             durable = self.local.future("durable")
-            return _status_of((durable.exception() if durable.done() else None) or e)
+            return status_of((durable.exception() if durable.done() else None) or e)
 
-    def status(self, tier: str) -> _Status:
+    def status(self, tier: str) -> Status:
         """Block until this rank's chunks are durable on ``tier`` or its write there failed."""
         if self.stage_error is not None:
-            return _status_of(self.stage_error)
+            return status_of(self.stage_error)
         assert self.local is not None
         level = self.local.future(TIER_LEVEL[tier])  # type: ignore[arg-type]
         wait([self.ready[tier], level], return_when=FIRST_COMPLETED)
         if self.ready[tier].done():
             return ("ok", None)
-        return _status_of(level.exception() or TierCacheError(f"the write to {tier} ended without a commit"))
+        return status_of(level.exception() or TierCacheError(f"the write to {tier} ended without a commit"))
 
     def settle(self, tier: str, err: BaseException | None) -> None:
         """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict)."""
@@ -348,41 +367,66 @@ class _Coordinator:
             except Exception as e:  # a collective failed: a rank died or timed out
                 log.error("version %s on %s: process group failed: %s", rnd.vid, self.tier, e)
                 self.broken = e
-                err = GroupSaveError(f"version {rnd.vid} failed on {self.tier}: the process group failed while "
-                                     f"the ranks agreed on it (a rank died or did not answer in time)")
-                err.__cause__ = e
-                rnd.settle(self.tier, err)
+                rnd.settle(self.tier, broken_group(rnd.vid, self.tier, e))
 
-    def _gather(self, status: _Status) -> list[_Status]:
+    def _gather(self, status: Status) -> list[Status]:
         out: list[Any] = [None] * self.owner.world_size
         dist.all_gather_object(out, status, group=self.group)
         return out
 
     def _settle(self, rnd: _Round) -> None:
+        owner = self.owner
         tables = self._gather(rnd.partial())
-        err = _verdict(tables, rnd.vid, self.tier)
+        err = verdict(tables, rnd.vid, self.tier)
         if err is not None:
             rnd.settle(self.tier, err)
             return
         parts = [Version.from_json(t[1].encode(), source=f"rank {r}'s part") for r, t in enumerate(tables)]
-        merged = merge_parts(parts)
-        rnd.owners[self.tier].set_result(assign_owners(parts)[self.owner.rank])
-        err = _verdict(self._gather(rnd.status(self.tier)), rnd.vid, self.tier)
-        result: list[Any] = [None]
-        if self.owner.rank == 0:
-            result[0] = ("ok", None)
-            if err is None:
-                try:
-                    commit(self.owner.cache, self.tier, merged, rnd.ref)
-                except Exception as e:
-                    result[0] = _status_of(e)
-        dist.broadcast_object_list(result, src=self.src, group=self.group)
-        if err is None and result[0][0] != "ok":
-            err = GroupSaveError(f"version {rnd.vid} failed on {self.tier}: rank 0 could not commit it: "
-                                 f"{result[0][1]}")
+        merged = merge_parts(parts, owner.nodes)
+        by_node = self.tier in owner.node_local
+        if by_node:
+            writers = writers_by_node(parts, owner.topology)
+            node_chunks: Collection[str] | None = writers[owner.node]
+            rnd.owners[self.tier].set_result({c for c, r in writers[owner.node].items() if r == owner.rank})
+            if rnd.peer is not None:  # the peer copies start once this tier is settled
+                rnd.peer.version, rnd.peer.writers = merged, writers
+        else:
+            node_chunks = None
+            rnd.owners[self.tier].set_result(assign_owners(parts)[owner.rank])
+        err = verdict(self._gather(rnd.status(self.tier)), rnd.vid, self.tier)
+        err = self._commit(rnd, merged, err, by_node)
         if err is None:
-            adopt(self.owner.cache, merged, [self.tier])
+            adopt(owner.cache, merged, [self.tier], node_chunks)
         rnd.settle(self.tier, err)
+
+    def _commit(self, rnd: _Round, merged: Version, err: BaseException | None, by_node: bool) -> BaseException | None:
+        """Commit the merged manifest and the ref if every rank's chunks are durable; the group's outcome.
+
+        On a shared tier rank 0 commits and broadcasts how it went; on a node-local tier every
+        node's leader commits on its node and the ranks exchange how it went.
+        """
+        owner = self.owner
+        commits = owner.rank == 0 or (by_node and owner.topology.leads(owner.rank))
+        result: Status = ("ok", None)
+        if commits and err is None:
+            try:
+                commit(owner.cache, self.tier, merged, rnd.ref)
+            except Exception as e:
+                result = status_of(e)
+        if by_node:
+            results = self._gather(result)
+        else:
+            box: list[Any] = [result]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            results = [box[0]]
+        if err is not None:
+            return err
+        for rank, (kind, detail) in enumerate(results):
+            if kind != "ok":
+                node = owner.topology.names[owner.topology.node_of[rank]]
+                who = f"node {node} (rank {rank})" if by_node else "rank 0"
+                return GroupSaveError(f"version {rnd.vid} failed on {self.tier}: {who} could not commit it: {detail}")
+        return None
 
 
 class DistributedCache:
@@ -392,13 +436,22 @@ class DistributedCache:
     call :meth:`save` and :meth:`restore` in the same order, as with any collective.
 
     Args:
-        cache: This process's cache (each rank opens its own; the ranks of a node may share a
-            disk directory, and all share the S3 prefix).
+        cache: This process's cache (each rank opens its own with the same config; the ranks of
+            a node share its disk directory, and all share the S3 prefix).
         group: The process group whose ranks save together (default: the world).
         timeout: How long a rank waits for the others at each step before the version fails.
 
+    Attributes:
+        rank: This process's rank in the group.
+        world_size: The group's size.
+        topology: The group's nodes.
+        node_local: The durable tiers each node holds on its own (``{"disk"}`` unless the disk
+            is shared or absent).
+        nodes: What the manifests of this group's versions say about its nodes.
+
     Raises:
-        ConfigError: If torch.distributed is not initialized.
+        ConfigError: If torch.distributed is not initialized, or the ranks' configs disagree on
+            ``peers.copies`` or ``disk.shared`` (on every rank).
     """
 
     def __init__(
@@ -416,10 +469,40 @@ class DistributedCache:
 
         self._fg = new()
         self._src = dist.get_global_rank(self._fg, 0)
+        cfg = cache.config
+        self.node_local = frozenset(n for n in cache.engine.tiers if n == "disk" and cfg.disk and not cfg.disk.shared)
+        self.topology = Topology.gather(cfg, self._fg, self.world_size)
+        self.node = self.topology.node_of[self.rank]
+        settings = self._agree((cfg.peers.copies, sorted(self.node_local)))
+        if any(s != settings[0] for s in settings):
+            raise ConfigError(f"the ranks' configs differ ([peers] copies and node-local tiers per rank: {settings}): "
+                              "open every rank's cache with the same config")
+        peers, self._no_peers = self._choose_peers()
+        self.nodes = tuple(
+            NodePart(name=name, domain=self.topology.domains[i], ranks=self.topology.ranks(i),
+                     copies=tuple(self.topology.names[p] for p in peers[i]))
+            for i, name in enumerate(self.topology.names)
+        )
         self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.engine.tiers}
+        self._replicator = (Replicator(cache, new(), self.rank, self.topology, peers)
+                            if self._no_peers is None else None)
         # Recent versions saved through this view: restore waits for them and refuses failed ones.
         self._rounds: dict[str, _Round] = {}
         self._closed = False
+
+    def _choose_peers(self) -> tuple[list[tuple[int, ...]], ConfigError | None]:
+        """Per node, the nodes holding copies of its part; or why this group makes no peer copies."""
+        none: list[tuple[int, ...]] = [() for _ in range(self.topology.count)]
+        copies = self.cache.config.peers.copies
+        if copies == 0:
+            return none, ConfigError(f"no {REPLICATED!r} level: [peers] copies is 0 (set it to 1 or more)")
+        if "disk" not in self.node_local:
+            return none, ConfigError(f"no {REPLICATED!r} level: peer copies go to node-local disks, and this cache "
+                                     "has no [disk] or declares it shared")
+        try:
+            return choose_peers(self.topology, copies), None
+        except ConfigError as e:
+            return none, ConfigError(f"no {REPLICATED!r} level: {e}")
 
     def _chunk_bytes(self, state: Any) -> int:
         cfg = self.cache.config
@@ -481,8 +564,8 @@ class DistributedCache:
                 rnd.stage_error = e
                 self._submit(rnd)
                 raise
-            if self.rank == 0:
-                cache.catalog.note_move(ref, cur)
+            if self.rank == 0 or (self.node_local and self.topology.leads(self.rank)):
+                cache.catalog.note_move(ref, cur)  # this rank commits the move on a tier
             else:
                 cache.catalog.set_ref(ref)
         self._submit(rnd)
@@ -492,6 +575,11 @@ class DistributedCache:
         if len(self._rounds) >= _KEEP_ROUNDS:
             self._rounds.pop(next(iter(self._rounds)))
         self._rounds[rnd.vid] = rnd
+        if self._replicator is not None:
+            rnd.peer = PeerRound(rnd.vid, rnd.futures["local"], rnd.futures[REPLICATED])
+            self._replicator.submit(rnd.peer)
+        else:
+            rnd.futures[REPLICATED].set_exception(self._no_peers or ConfigError(f"no {REPLICATED!r} level"))
         for c in self._coordinators.values():
             c.queue.put(rnd)
 
@@ -504,6 +592,7 @@ class DistributedCache:
                    "durable": rnd.futures["durable"] if tiers else local.future("durable")}
         for tier, lvl in TIER_LEVEL.items():
             futures[lvl] = rnd.futures[lvl] if tier in tiers else local.future(lvl)  # type: ignore[arg-type]
+        futures[REPLICATED] = rnd.futures[REPLICATED]
         return SaveHandle(rnd.vid, futures)
 
     def restore(
@@ -536,18 +625,12 @@ class DistributedCache:
         """
         cache = self.cache
         cache._check_open()
-        found: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                found[0] = ("ok", self._resolve(ref).to_json().decode())
-            except TierCacheError as e:
-                found[0] = ("error", type(e).__name__, str(e))
-        dist.broadcast_object_list(found, src=self._src, group=self._fg)
-        if found[0][0] != "ok":
-            raise rebuild_error(found[0][1], found[0][2])
-        version = Version.from_json(found[0][1].encode(), source=f"manifest of {ref!r}")
+        version = self._agree_on_manifest(ref)
         # Another rank (or process) may have committed it since this process's catalog was loaded.
-        adopt(cache, version, committed_on(cache, version.id))
+        # A node-local tier holds only its node's part: its chunks are found by asking it.
+        tiers = committed_on(cache, version.id)
+        adopt(cache, version, [t for t in tiers if t not in self.node_local])
+        adopt(cache, version, [t for t in tiers if t in self.node_local], chunks=())
         if version.parts:
             if len(version.parts) != self.world_size:
                 raise InvalidArgumentError(
@@ -556,11 +639,55 @@ class DistributedCache:
                     "tiercache.integrations.dcp to reshard"
                 )
             version = rank_view(version, self.rank)
-        out = cache.restore_version(version, into=local_state(into), map_location=map_location, progress=progress,
-                                    strict=strict)
+        into = local_state(into)
+        self._check_into(version, into, strict)
+        fill = group_fill(cache, self._fg, self.rank, self.world_size, self.node_local)
+        out = cache.restore_version(version, into=into, map_location=map_location, progress=progress,
+                                    strict=strict, fill=fill)
         if resume:
             cache.note_restored(ref, version)
         return out
+
+    def _agree_on_manifest(self, ref: str) -> Version:
+        """The manifest ``ref`` resolves to: rank 0's answer, else the first rank's that has one.
+
+        A rank whose node lost its disk (and cannot reach S3) knows no version; the others'
+        nodes still do.
+
+        Raises:
+            VersionNotFoundError: If no rank resolves it (rank 0's error, on every rank).
+        """
+        try:
+            mine: Status = ("ok", self._resolve(ref).id)
+        except TierCacheError as e:
+            mine = ("error", (type(e).__name__, str(e)))
+        answers = self._agree(mine)
+        src = next((r for r, (kind, _) in enumerate(answers) if kind == "ok"), None)
+        if src is None:
+            raise rebuild_error(*answers[0][1])
+        box: list[Any] = [self.cache.catalog.get(answers[src][1]).to_json().decode() if self.rank == src else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._fg, src), group=self._fg)
+        return Version.from_json(box[0].encode(), source=f"manifest of {ref!r}")
+
+    def _check_into(self, version: Version, into: Any, strict: bool) -> None:
+        """Check ``into`` against the version on every rank before the collective read.
+
+        Raises:
+            StateMismatchError: This rank's own mismatch; GroupSaveError naming the rank if
+                another rank's ``into`` does not match (nothing is read on any rank).
+        """
+        try:
+            match_into(version, into_targets(into), strict=strict)
+            mine: Status = ("ok", None)
+        except TierCacheError as e:
+            mine, err = ("error", f"{type(e).__name__}: {e}"), e
+        answers = self._agree(mine)
+        if mine[0] != "ok":
+            raise err
+        bad = next(((r, detail) for r, (kind, detail) in enumerate(answers) if kind != "ok"), None)
+        if bad is not None:
+            raise GroupSaveError(f"restore of {version.id}: rank {bad[0]}'s into= does not match: {bad[1]}; "
+                                 "nothing was read")
 
     def _resolve(self, ref: str) -> Version:
         """The committed manifest ``ref`` resolves to (rank 0): a version still being saved is waited for."""
@@ -584,6 +711,8 @@ class DistributedCache:
             c.queue.put(None)
         for c in self._coordinators.values():
             c.thread.join()
+        if self._replicator is not None:
+            self._replicator.close()
 
 
 def rank_view(version: Version, rank: int) -> Version:
@@ -609,4 +738,6 @@ __all__ = [
     "local_state",
     "merge_parts",
     "rank_view",
+    "rebuild_error",
+    "writers_by_node",
 ]

@@ -54,7 +54,7 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
-from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.health import TierHealth, is_outage
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, TierOutcome, Version, new_version_id
@@ -303,6 +303,9 @@ class Engine(PolicyBridge):
                 futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
         if not self.tiers:
             futures["durable"].set_exception(ConfigError("no durable tier configured (only RAM)"))
+        for lvl in GROUP_LEVELS:
+            futures[lvl].set_exception(ConfigError(
+                f"no {lvl!r} level: it comes with multi-rank saves (save(group=...)) and [peers] copies >= 1"))
         with self._lock:
             self._jobs[vid] = job
         # The hasher and the writers start on each chunk as soon as it is copied, so the disk is

@@ -7,19 +7,24 @@ from typing import Literal
 
 from tiercache.errors import InvalidArgumentError
 
-Level = Literal["staged", "local", "remote", "durable"]
-LEVELS: tuple[str, ...] = ("staged", "local", "remote", "durable")
+Level = Literal["staged", "local", "replicated", "remote", "durable"]
+LEVELS: tuple[str, ...] = ("staged", "local", "replicated", "remote", "durable")
 #: The durability level each durable tier provides.
 TIER_LEVEL = {"disk": "local", "s3": "remote"}
+#: Levels that only a multi-rank save with peer copies provides (no tier of one process does).
+GROUP_LEVELS: tuple[str, ...] = ("replicated",)
 
 
 class SaveHandle:
     """The result of ``save()``: the version id and one future per durability level.
 
     Levels: ``staged`` (in the RAM arena; lost with the process), ``local`` (chunks, manifest and
-    ref durable on the disk tier), ``remote`` (durable in S3 with the ref committed), and
-    ``durable`` (whichever durable level is reached first). A level the cache has no tier for,
-    or that the policy skipped for this version, fails with a clear error instead of hanging.
+    ref durable on the disk tier; for a multi-rank version, on every node's disk), ``replicated``
+    (a multi-rank version with peer copies: every node's part also on ``peers.copies`` other
+    nodes), ``remote`` (durable in S3 with the ref committed), and ``durable`` (whichever of
+    ``local`` and ``remote`` is reached first). A level the cache has no tier for (``replicated``
+    for a single-process save), or that the policy skipped for this version, fails with a clear
+    error instead of hanging.
     """
 
     def __init__(self, version: str, futures: dict[str, Future[str]]) -> None:

@@ -123,6 +123,23 @@ class RankPart(_Model):
     pickled: bool = False
 
 
+class NodePart(_Model):
+    """One node of a multi-rank version: which ranks ran there and who holds copies of its part.
+
+    Attributes:
+        name: The node's name (``TIERCACHE_NODE``, torchrun's node, or the host name).
+        domain: Its failure domain (``TIERCACHE_FAILURE_DOMAIN``), ``""`` if none was given.
+        ranks: The ranks that ran on it; the node's part is their parts.
+        copies: The other nodes chosen to hold a copy of the node's part on their node-local
+            disk (``peers.copies`` of them); the save's ``replicated`` level says when they do.
+    """
+
+    name: str
+    domain: str = ""
+    ranks: tuple[int, ...]
+    copies: tuple[str, ...] = ()
+
+
 class Version(_Stored):
     """The manifest of one checkpoint version.
 
@@ -143,6 +160,8 @@ class Version(_Stored):
         parts: For a version saved by several ranks, each rank's part in rank order (the tree
             is then the list of the ranks' states); empty for a single-process version, and then
             left out of the stored JSON so that older readers still parse it.
+        nodes: For a multi-rank version, the nodes its ranks ran on (see :class:`NodePart`);
+            empty otherwise (and then left out of the stored JSON too).
     """
 
     schema_version: Literal[1] = MANIFEST_SCHEMA
@@ -159,6 +178,7 @@ class Version(_Stored):
     pickled: bool = False
     nbytes: int = Field(ge=0)
     parts: tuple[RankPart, ...] = ()
+    nodes: tuple[NodePart, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> Version:
@@ -192,13 +212,21 @@ class Version(_Stored):
             end = part.first + part.count
         if self.parts and end != len(self.tensors):
             raise ValueError(f"rank parts cover {end} of {len(self.tensors)} tensors")
+        if self.nodes:
+            names = [n.name for n in self.nodes]
+            ranks = sorted(r for n in self.nodes for r in n.ranks)
+            if ranks != list(range(len(self.parts))) or len(set(names)) != len(names):
+                raise ValueError("nodes must name each rank part once, under distinct node names")
+            if any(c not in names or c == n.name for n in self.nodes for c in n.copies):
+                raise ValueError("a node's copies must name other nodes of the version")
         return self
 
     _what: ClassVar[str] = "manifest"
 
     def to_json(self) -> bytes:
-        """Serialize for storage (without ``parts`` when empty, so older readers still parse it)."""
-        return self.model_dump_json(exclude=None if self.parts else {"parts"}).encode()
+        """Serialize for storage (without empty ``parts`` and ``nodes``, so older readers still parse it)."""
+        empty = {name for name in ("parts", "nodes") if not getattr(self, name)}
+        return self.model_dump_json(exclude=empty or None).encode()
 
 
 class RefRecord(_Stored):

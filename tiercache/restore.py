@@ -23,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from tiercache import codecs
 from tiercache.errors import IntegrityError, StateMismatchError, TierCacheError
-from tiercache.format import dtype_from_name
+from tiercache.format import dtype_from_name, flatten
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
@@ -38,6 +39,8 @@ from tiercache.tiers.ram import ALIGN, RamTier, aligned_buffer, copy_bytes
 log = logging.getLogger("tiercache.restore")
 
 Progress = Callable[[int], None]
+#: Reads a version's chunks into one new tensor per entry; returns raw bytes read per source.
+Fill = Callable[["Version", Sequence[torch.Tensor], "Progress | None"], dict[str, int]]
 
 #: New destinations at least this big are page-aligned (smaller ones are packed chunks' tensors,
 #: which are copied out of a buffer anyway).
@@ -76,6 +79,14 @@ def empty_aligned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     if pad % itemsize:  # torch's allocator aligns to 64 bytes, so this does not happen
         return torch.empty(tuple(shape), dtype=dtype)
     return raw[pad : pad + nbytes].view(dtype).view(tuple(shape))
+
+
+def into_targets(into: object) -> dict[str, torch.Tensor]:
+    """The tensors of a ``restore(into=...)`` state by key path (empty for ``None``)."""
+    if into is None:
+        return {}
+    flat = flatten(into, allow_pickle=True)
+    return {m.path: t for m, t in zip(flat.metas, flat.tensors, strict=True)}
 
 
 #: Keys named in a mismatch message, per side.
@@ -142,6 +153,43 @@ def _prefix_hint(missing: list[str], unused: list[str]) -> str:
     return ""
 
 
+#: Where one chunk's bytes go: ``(dest view, offset in chunk, length)`` per piece it holds.
+Targets = list[tuple[memoryview, int, int]]
+
+
+def chunk_targets(version: Version, dests: Sequence[torch.Tensor]) -> list[Targets]:
+    """Per chunk of ``version``, the pieces of ``dests`` (one tensor per entry) it fills; empty if none."""
+    targets: list[Targets] = [[] for _ in version.chunks]
+    views = [byte_view(t) for t in dests]
+    for ti, entry in enumerate(version.tensors):
+        for p in entry.pieces:
+            targets[p.chunk].append((views[ti][p.offset : p.offset + p.nbytes], p.chunk_offset, p.nbytes))
+    return targets
+
+
+def scatter(targets: Targets, data: memoryview) -> None:
+    """Copy a chunk's raw bytes ``data`` into its targets."""
+    _Scatter(targets).window(data, 0)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What one restore read, from where (``TierCache.last_restore``).
+
+    Attributes:
+        version: The version restored.
+        nbytes: Raw bytes of the chunks read, per source: ``ram``, ``disk`` (this node's own),
+            ``s3``, and for a restore over a process group ``peer`` (received from another rank:
+            from its node's copy, or read once from S3 for the whole group by that rank).
+            Sources that gave nothing are left out.
+        seconds: How long the reads took.
+    """
+
+    version: str
+    nbytes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
 class _Scatter:
     """Copies consecutive windows of a chunk's bytes into the targets that hold parts of them.
 
@@ -201,32 +249,50 @@ class Reader:
         # Until every candidate has been measured, keep the default RAM > disk > S3 order.
         return sorted(names, key=lambda n: _DEFAULT_ORDER.get(n, 9))
 
-    def read_version(self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None = None) -> None:
+    def read_version(
+        self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None = None
+    ) -> dict[str, int]:
         """Fill ``dests`` (contiguous CPU tensors, one per tensor entry) with the version's bytes.
+
+        Returns:
+            Raw chunk bytes read per tier.
 
         Raises:
             IntegrityError: If some chunk has no good copy on any tier.
         """
-        targets: list[list[tuple[memoryview, int, int]]] = [[] for _ in version.chunks]
-        views = [byte_view(t) for t in dests]
-        for ti, entry in enumerate(version.tensors):
-            for p in entry.pieces:
-                targets[p.chunk].append((views[ti][p.offset : p.offset + p.nbytes], p.chunk_offset, p.nbytes))
-        jobs = [i for i, c in enumerate(version.chunks) if targets[i]]
+        targets = chunk_targets(version, dests)
+        return self.read_chunks(version, [i for i, t in enumerate(targets) if t], targets, progress)
+
+    def read_chunks(
+        self, version: Version, indices: Sequence[int], targets: Sequence[Targets], progress: Progress | None = None
+    ) -> dict[str, int]:
+        """Read the chunks of ``version`` at ``indices`` into their ``targets`` (:func:`chunk_targets`), in parallel.
+
+        Returns:
+            Raw chunk bytes read per tier.
+
+        Raises:
+            IntegrityError: If some chunk has no good copy on any tier.
+        """
+        read: dict[str, int] = {}
+        lock = threading.Lock()
 
         def one(i: int) -> None:
             c = version.chunks[i]
-            self.read_chunk(c.id, c.nbytes, version.hash_algo, targets[i])
+            tier = self.read_chunk(c.id, c.nbytes, version.hash_algo, list(targets[i]))
+            with lock:
+                read[tier] = read.get(tier, 0) + c.nbytes
             if progress is not None:
                 progress(c.nbytes)
 
-        if len(jobs) <= 1:
-            for i in jobs:
+        if len(indices) <= 1:
+            for i in indices:
                 one(i)
-            return
-        with ThreadPoolExecutor(min(self._threads, len(jobs)), thread_name_prefix="tiercache-read") as pool:
-            for f in [pool.submit(one, i) for i in jobs]:
+            return read
+        with ThreadPoolExecutor(min(self._threads, len(indices)), thread_name_prefix="tiercache-read") as pool:
+            for f in [pool.submit(one, i) for i in indices]:
                 f.result()
+        return read
 
     def read_chunk(self, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]) -> str:
         """Read one chunk into its targets ``(dest view, offset in chunk, length)``.

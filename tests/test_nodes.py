@@ -1,0 +1,245 @@
+"""Many nodes (tiercache.nodes, tiercache.peers, tiercache.group_restore): node-local disks, peer copies, read once.
+
+Nodes are simulated on this machine: every rank gets ``TIERCACHE_NODE`` and a disk directory of
+its node (``TIERCACHE_DISK__PATH``), so the ranks of a node share a directory and nodes share
+nothing but the S3 prefix, reached through a relay that counts bytes and can refuse connections.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _multirank_worker import node_state, replica_state
+from test_multirank import rank_out, run_ranks
+
+import tiercache
+from tiercache.config import S3Config
+from tiercache.distributed import rank_view
+from tiercache.errors import ConfigError
+from tiercache.group_restore import plan_moves
+from tiercache.manifest import ChunkRef, NodePart, Version, utcnow
+from tiercache.names import chunk_key
+from tiercache.nodes import Topology, choose_peers
+from tiercache.peers import copy_moves
+from tiercache.restore import chunk_targets, empty_aligned
+from tiercache.testing import ThrottledProxy
+from tiercache.transfer import Move, batches
+
+
+def node_env(tmp_path: Path, nodes: list[str]) -> list[dict[str, str]]:
+    """Per rank: its node and that node's own disk directory."""
+    return [{"TIERCACHE_NODE": n, "TIERCACHE_DISK__PATH": str(tmp_path / f"disk-{n}")} for n in nodes]
+
+
+def base_config(**extra: Any) -> dict[str, Any]:
+    # The disk path is per node (TIERCACHE_DISK__PATH); this one is never used.
+    return {"disk": {"path": "unused"}, "ram": {"capacity": "16MiB"}, "chunk_bytes": "1MiB", "pack_below": "16KiB",
+            "policy": {"name": "write-through"}, **extra}
+
+
+def stored_chunks(disk: Path) -> set[str]:
+    return {p.name for p in (disk / "chunks").glob("*/*")}
+
+
+def part_chunks(version: Version, rank: int) -> set[str]:
+    """The chunks rank ``rank``'s part of ``version`` reads."""
+    view = rank_view(version, rank)
+    return {view.chunks[p.chunk].id for t in view.tensors for p in t.pieces}
+
+
+def part_bytes(version: Version, rank: int) -> int:
+    sizes = {c.id: c.nbytes for c in version.chunks}
+    return sum(sizes[c] for c in part_chunks(version, rank))
+
+
+def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
+    env = node_env(tmp_path, ["a", "b"])
+    work = tmp_path / "work"
+    assert run_ranks("nodes_save", 2, work, base_config(), env=env) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    v2 = outs[0]["v2_levels"]["local"]
+    for out in outs:
+        assert out["v2_levels"]["local"] == out["v2_levels"]["durable"] == v2
+        assert out["v2_levels"]["replicated"][0] == "ConfigError" and "copies is 0" in out["v2_levels"]["replicated"][1]
+        assert out["restored_equal"] is True and out["restored_in_place"] is True
+    # `local` is true on every node: each holds the manifest, the ref, and the chunks of its own part.
+    disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
+    with tiercache.open({"disk": {"path": str(disks["a"])}}) as cache:
+        version = cache.manifest("main")
+    assert version.id == v2
+    assert version.nodes == (NodePart(name="a", ranks=(0,)), NodePart(name="b", ranks=(1,)))
+    for rank, node in enumerate("ab"):
+        assert (disks[node] / "versions" / f"{v2}.json").read_bytes() == version.to_json()
+        with tiercache.open({"disk": {"path": str(disks[node])}}) as cache:
+            assert cache.resolve("main") == v2
+        assert part_chunks(version, rank) <= stored_chunks(disks[node])
+    # The shards of one node are not on the other (nobody asked for peer copies).
+    assert not part_chunks(version, 0) - part_chunks(version, 1) & stored_chunks(disks["b"])
+
+    # A restarted job restores on every node from that node's own disk, nothing else.
+    assert run_ranks("nodes_restore", 2, work, base_config(), env=env) == [0, 0]
+    for rank in range(2):
+        out = rank_out(work, rank)
+        assert out["restored_equal"] is True
+        assert out["restored_report"] == {"disk": part_bytes(version, rank)}
+        restored = torch.load(work / f"restored{rank}.pt", weights_only=True)
+        want = node_state(rank, 2)
+        assert torch.equal(restored["shard"], want["shard"]) and torch.equal(restored["emb"], want["emb"])
+
+
+def test_four_ranks_on_two_nodes_peer_copies_restore_a_lost_node_without_s3(
+    tmp_path: Path, s3_config: S3Config
+) -> None:
+    with ThrottledProxy(s3_config.endpoint_url or "") as relay:
+        s3 = s3_config.model_copy(update={"endpoint_url": relay.url}).model_dump(mode="json")
+        config = base_config(s3=s3, peers={"copies": 1})
+        env = node_env(tmp_path, ["a", "a", "b", "b"])
+        work = tmp_path / "work"
+        assert run_ranks("nodes_save", 4, work, config, env=env) == [0, 0, 0, 0]
+        outs = [rank_out(work, r) for r in range(4)]
+        v2 = outs[0]["v2_levels"]["local"]
+        for out in outs:
+            assert out["v2_levels"] == {"local": v2, "replicated": v2, "remote": v2, "durable": v2}
+            assert out["restored_equal"] is True
+            assert set(out["restored_report"]) <= {"ram", "disk"}  # restored on each node from its own tiers
+        disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
+        with tiercache.open({"disk": {"path": str(disks["a"])}}) as cache:
+            version = cache.manifest("main")
+        assert version.nodes == (NodePart(name="a", ranks=(0, 1), copies=("b",)),
+                                 NodePart(name="b", ranks=(2, 3), copies=("a",)))
+        # Each node holds its own part and, as the other's peer, the other's part.
+        everything = {c.id for c in version.chunks}
+        assert everything <= stored_chunks(disks["a"]) and everything <= stored_chunks(disks["b"])
+
+        # Node b is lost with its disk; the job restarts on a replacement with an empty disk while
+        # S3 refuses every connection.
+        shutil.rmtree(disks["b"])
+        relay.mode = "refuse"
+        assert run_ranks("nodes_restore", 4, work, config, env=env) == [0, 0, 0, 0]
+        for rank in range(4):
+            out = rank_out(work, rank)
+            assert out["restored_equal"] is True
+            source = "disk" if rank < 2 else "peer"
+            assert out["restored_report"] == {source: part_bytes(version, rank)}
+            restored = torch.load(work / f"restored{rank}.pt", weights_only=True)
+            assert torch.equal(restored["shard"], node_state(rank, 2)["shard"])
+
+
+def test_a_peer_dying_mid_copy_fails_replicated_only_with_one_error(tmp_path: Path) -> None:
+    env = node_env(tmp_path, ["a", "b", "c", "d"])
+    work = tmp_path / "work"
+    codes = run_ranks("peer_dies", 4, work, base_config(peers={"copies": 1}), env=env)
+    assert codes == [0, 0, 0, -9]
+    outs = [rank_out(work, r) for r in range(3)]
+    vid = outs[0]["levels"]["local"]
+    errors = {tuple(o["levels"]["replicated"]) for o in outs}
+    assert len(errors) == 1
+    [(name, message)] = errors
+    assert name == "GroupSaveError" and vid in message and "peers" in message and "process group failed" in message
+    for out in outs:
+        assert out["levels"]["local"] == out["levels"]["durable"] == vid
+        assert out["levels"]["remote"][0] == "ConfigError"
+    # Every node, the dead one's included, committed the version before the copies started.
+    for node in "abcd":
+        assert (tmp_path / f"disk-{node}" / "versions" / f"{vid}.json").exists()
+
+
+def test_four_replicas_restore_from_s3_reading_each_chunk_once(tmp_path: Path, s3_config: S3Config) -> None:
+    with ThrottledProxy(s3_config.endpoint_url or "") as relay:
+        s3 = s3_config.model_copy(update={"endpoint_url": relay.url})
+        config = {"s3": s3.model_dump(mode="json"), "chunk_bytes": "1MiB", "pack_below": "16KiB",
+                  "policy": {"name": "write-through"}}
+        work = tmp_path / "work"
+        assert run_ranks("ddp_save", 4, work, config) == [0, 0, 0, 0]
+        with tiercache.open(config) as cache:
+            cache.save(replica_state(0, 7), step=7, branch="single").wait("remote")
+            stored = [cache.manifest("main"), cache.manifest("single")]
+        one_copy = sum(c.nbytes for v in stored for c in v.chunks)
+        before = relay.bytes_forwarded("down")
+        assert run_ranks("ddp_restore", 4, work, config) == [0, 0, 0, 0]
+        got = relay.bytes_forwarded("down") - before
+    outs = [rank_out(work, r) for r in range(4)]
+    assert all(o["main_equal"] and o["single_equal"] for o in outs)
+    # Every chunk was read from S3 by exactly one rank and received by the others over the group.
+    assert sum(o[k].get("s3", 0) for o in outs for k in ("main_report", "single_report")) == one_copy
+    for o in outs:
+        assert set(o["main_report"]) | set(o["single_report"]) <= {"s3", "peer"}
+    # What S3 sent (chunks, manifests, listings, headers) stays near one copy of the state.
+    assert one_copy <= got <= 1.1 * one_copy, (got, one_copy)
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_peers_are_chosen_across_failure_domains() -> None:
+    # Two racks of three nodes: every node's copy goes to the other rack, each node holds one other part.
+    topo = Topology.of([("n0", "r1"), ("n1", "r1"), ("n2", "r1"), ("n3", "r2"), ("n4", "r2"), ("n5", "r2")])
+    peers = choose_peers(topo, 1)
+    for node, chosen in enumerate(peers):
+        assert len(chosen) == 1 and topo.domains[chosen[0]] != topo.domains[node]
+    assert sorted(p for chosen in peers for p in chosen) == list(range(6))
+    # Three racks, two copies: the three holders of every part are in three racks.
+    topo = Topology.of([(f"n{i}", f"r{i % 3}") for i in range(6)])
+    for node, chosen in enumerate(choose_peers(topo, 2)):
+        assert len({topo.domains[n] for n in (node, *chosen)}) == 3
+    # Without domains, nodes are their own: the next ones on the ring.
+    topo = Topology.of([("a", ""), ("a", ""), ("b", ""), ("c", "")])
+    assert topo.node_of == (0, 0, 1, 2) and topo.ranks(0) == (0, 1) and topo.leader(1) == 2
+    assert choose_peers(topo, 1) == [(1,), (2,), (0,)]
+    with pytest.raises(ConfigError, match="needs at least 4 nodes"):
+        choose_peers(topo, 3)
+    with pytest.raises(ConfigError, match="same TIERCACHE_FAILURE_DOMAIN"):
+        Topology.of([("a", "r1"), ("a", "r2")])
+
+
+def _version(chunks: list[tuple[str, int]]) -> Version:
+    return Version(id="01J0000000000000000000000A", parent=None, branch="main", step=1, created_at=utcnow(),
+                   chunks=tuple(ChunkRef(id=c, nbytes=n) for c, n in chunks), tensors=(), tree=["dict", {}], nbytes=0)
+
+
+def test_copy_moves_send_what_a_peer_lacks_once_from_its_writer() -> None:
+    a, b, c = ("a" * 32, "b" * 32, "c" * 32)
+    topo = Topology.of([("n0", ""), ("n0", ""), ("n1", ""), ("n2", "")])
+    version = _version([(a, 10), (b, 20), (c, 30)])
+    writers = [{a: 0, b: 1}, {a: 2}, {c: 3}]
+    moves = copy_moves(topo, [(1, 2), (2,), (0,)], writers, version)
+    # n0's b goes to n1 and n2 from its writer, rank 1, read once; n1 holds a already, n2 lacks it;
+    # n2's c goes to n0.
+    assert moves == [Move(b, 20, 1, (2, 3)), Move(a, 10, 0, (3,)), Move(c, 30, 3, (0,))]
+    # The ranks of a receiving node take turns.
+    topo = Topology.of([("n0", ""), ("n1", ""), ("n1", "")])
+    assert copy_moves(topo, [(1,), (0,)], [{a: 0, b: 0}, {}], version) == [Move(a, 10, 0, (1,)), Move(b, 20, 0, (2,))]
+
+
+def test_restore_plan_reads_each_missing_chunk_once() -> None:
+    a, b, c = ("a" * 32, "b" * 32, "c" * 32)
+    version = _version([(a, 100), (b, 100), (c, 50)])
+    # Four replicas need everything, nobody holds anything: one reader per chunk, spread.
+    moves = plan_moves(version, [{a, b, c}] * 4, [set()] * 4)
+    assert moves == [Move(a, 100, 0, (1, 2, 3)), Move(b, 100, 1, (0, 2, 3)), Move(c, 50, 2, (0, 1, 3))]
+    # A lost node's rank 1 lacks its shard b, which rank 0 holds as a peer copy: rank 0 sends it.
+    assert plan_moves(version, [set(), {b}], [{b}, set()]) == [Move(b, 100, 0, (1,))]
+    # Batches: no rank receives more than the budget at once, yet a chunk over it still goes.
+    assert [len(x) for x in batches(moves, 150)] == [1, 2]
+    assert [len(x) for x in batches(moves, 50)] == [1, 1, 1]
+
+
+def test_chunk_targets_and_a_single_process_cache_have_no_replicated_level(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        h = cache.save({"w": torch.arange(10.0)}, step=1)
+        assert h.wait("local") == h.version
+        with pytest.raises(ConfigError, match="'replicated' level"):
+            h.wait("replicated")
+        got = cache.restore("main")
+        assert torch.equal(got["w"], torch.arange(10.0))
+        assert cache.last_restore is not None and cache.last_restore.version == h.version
+        assert cache.last_restore.nbytes == {"disk": 40}
+        version = cache.manifest("main")
+    dests = [empty_aligned((10,), torch.float32)]
+    [targets] = chunk_targets(version, dests)
+    assert [(off, n) for _, off, n in targets] == [(0, 40)]
+    assert chunk_key(version.chunks[0].id).startswith("chunks/")

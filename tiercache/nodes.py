@@ -1,0 +1,148 @@
+"""Which node each rank of a group runs on, and which nodes hold copies of which (DESIGN.md section 7).
+
+RAM and disk are node-local: a multi-rank version is ``local`` when every node holds what its own
+ranks need, and peer copies put each node's part on other nodes too. So every rank needs the
+same picture of the nodes: :func:`this_node` names the node of this process (``TIERCACHE_NODE``,
+else the launcher's node, else the host name) and its failure domain, and :meth:`Topology.gather`
+collects them over a group. :func:`choose_peers` is a pure function of that picture.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiercache.config import CacheConfig, launcher_node
+from tiercache.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+log = logging.getLogger("tiercache.nodes")
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def this_node(config: CacheConfig) -> tuple[str, str]:
+    """This process's node name and failure domain (``""`` when none is configured).
+
+    The name is ``config.node`` (``TIERCACHE_NODE``), else the launcher's node (torchrun's
+    ``GROUP_RANK``, see :func:`tiercache.config.launcher_node`), else the host name.
+    """
+    name = config.node or launcher_node() or _UNSAFE.sub("-", socket.gethostname()).lstrip(".")[:128] or "localhost"
+    return name, config.failure_domain or ""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The nodes of a process group, as every rank of it sees them.
+
+    Attributes:
+        names: Each node's name, nodes in the order of their first rank.
+        domains: Each node's failure domain (``""``: none given).
+        node_of: The node index of each group rank.
+    """
+
+    names: tuple[str, ...]
+    domains: tuple[str, ...]
+    node_of: tuple[int, ...]
+
+    @classmethod
+    def of(cls, labels: Sequence[tuple[str, str]]) -> Topology:
+        """The topology of ranks labelled ``(node name, failure domain)`` in rank order.
+
+        Raises:
+            ConfigError: If two ranks of one node give it different failure domains.
+        """
+        names: list[str] = []
+        domains: list[str] = []
+        node_of: list[int] = []
+        for rank, (name, domain) in enumerate(labels):
+            if name not in names:
+                names.append(name)
+                domains.append(domain)
+            i = names.index(name)
+            if domains[i] != domain:
+                raise ConfigError(f"rank {rank} puts node {name!r} in failure domain {domain!r}, an earlier rank "
+                                  f"in {domains[i]!r}: give every rank of a node the same TIERCACHE_FAILURE_DOMAIN")
+            node_of.append(i)
+        return cls(tuple(names), tuple(domains), tuple(node_of))
+
+    @classmethod
+    def gather(cls, config: CacheConfig, group: dist.ProcessGroup, world_size: int) -> Topology:
+        """Collect every rank's :func:`this_node` over ``group`` (a collective: call it on every rank)."""
+        import torch.distributed as dist
+
+        labels: list[tuple[str, str] | None] = [None] * world_size
+        dist.all_gather_object(labels, this_node(config), group=group)
+        return cls.of([label for label in labels if label is not None])
+
+    @property
+    def count(self) -> int:
+        """The number of nodes."""
+        return len(self.names)
+
+    def ranks(self, node: int) -> tuple[int, ...]:
+        """The group ranks on node ``node``, lowest first."""
+        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+
+    def leader(self, node: int) -> int:
+        """The lowest group rank on node ``node``: it commits that node's manifest and ref."""
+        return self.node_of.index(node)
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's leader."""
+        return self.leader(self.node_of[rank]) == rank
+
+
+def choose_peers(topology: Topology, copies: int) -> list[tuple[int, ...]]:
+    """For each node, the ``copies`` other nodes that hold a copy of its part.
+
+    Nodes are laid on a ring that alternates failure domains (the first node of each domain,
+    then the second of each...); a node's peers are the next nodes along the ring whose domain
+    is not yet among the holders', so that with balanced domains every node holds exactly
+    ``copies`` other parts and no two holders of a part share a domain. A node without a domain
+    is a domain of its own. Where there are not enough domains, the nearest remaining nodes are
+    taken (logged).
+
+    Every rank computes the same answer from the same topology.
+
+    Raises:
+        ConfigError: If the group has fewer than ``copies + 1`` nodes.
+    """
+    n = topology.count
+    if copies <= 0:
+        return [() for _ in range(n)]
+    if copies > n - 1:
+        raise ConfigError(f"peers.copies = {copies} needs at least {copies + 1} nodes; this group has {n} "
+                          f"({', '.join(topology.names)}): lower [peers] copies or run on more nodes")
+    domain = [d or f"\0{topology.names[i]}" for i, d in enumerate(topology.domains)]
+    by_domain: dict[str, list[int]] = {}
+    for i, d in enumerate(domain):
+        by_domain.setdefault(d, []).append(i)
+    ring: list[int] = []
+    depth = max(len(v) for v in by_domain.values())
+    for k in range(depth):
+        ring.extend(members[k] for members in by_domain.values() if k < len(members))
+    out: list[tuple[int, ...]] = [()] * n
+    for pos, node in enumerate(ring):
+        following = [ring[(pos + j) % n] for j in range(1, n)]
+        chosen: list[int] = []
+        seen = {domain[node]}
+        for cand in following:
+            if len(chosen) < copies and domain[cand] not in seen:
+                chosen.append(cand)
+                seen.add(domain[cand])
+        if len(chosen) < copies:
+            log.warning("node %s: not enough failure domains for %d copies in other domains; some share one",
+                        topology.names[node], copies)
+            chosen += [c for c in following if c not in chosen][: copies - len(chosen)]
+        out[node] = tuple(chosen)
+    return out
+
+
+__all__ = ["Topology", "choose_peers", "this_node"]
