@@ -272,7 +272,9 @@ def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:
     out = tmp_path / "ckpt.pt"
     result = _run(repo, "restore", "best", "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert (result.stdout, result.stderr) == (f"restored {repo.v2} (main@200) -> {out} (8.2 KiB)\n", "")
+    # The bytes read per source follow (a fresh process: from the disk).
+    want = f"restored {repo.v2} (main@200) -> {out} (8.2 KiB; read 8.2 KiB from disk)\n"
+    assert (result.stdout, result.stderr) == (want, "")
     with out.open("rb") as fh:
         _assert_state_equal(torch.load(fh, weights_only=True), repo.states["v2"])
 
@@ -292,6 +294,7 @@ def test_restore_into_a_directory_named_with_a_trailing_slash(repo: _Repo, tmp_p
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {
         "version": repo.v3, "branch": "main", "step": 300, "path": str(outdir / "state.pt"), "nbytes": 8448,
+        "read": {"disk": 8448},
     }
     assert sorted(p.name for p in outdir.iterdir()) == ["state.pt"]
     with (outdir / "state.pt").open("rb") as fh:

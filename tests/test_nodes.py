@@ -91,16 +91,16 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
         assert torch.equal(restored["shard"], want["shard"]) and torch.equal(restored["emb"], want["emb"])
 
 
-def test_four_ranks_on_two_nodes_peer_copies_restore_a_lost_node_without_s3(
-    tmp_path: Path, s3_config: S3Config
-) -> None:
+@pytest.mark.parametrize("nodes", [["a", "b"], ["a", "a", "b", "b"]], ids=["2-ranks-2-nodes", "4-ranks-2-nodes"])
+def test_peer_copies_restore_a_lost_node_without_s3(tmp_path: Path, s3_config: S3Config, nodes: list[str]) -> None:
+    world = len(nodes)
     with ThrottledProxy(s3_config.endpoint_url or "") as relay:
         s3 = s3_config.model_copy(update={"endpoint_url": relay.url}).model_dump(mode="json")
         config = base_config(s3=s3, peers={"copies": 1})
-        env = node_env(tmp_path, ["a", "a", "b", "b"])
+        env = node_env(tmp_path, nodes)
         work = tmp_path / "work"
-        assert run_ranks("nodes_save", 4, work, config, env=env) == [0, 0, 0, 0]
-        outs = [rank_out(work, r) for r in range(4)]
+        assert run_ranks("nodes_save", world, work, config, env=env) == [0] * world
+        outs = [rank_out(work, r) for r in range(world)]
         v2 = outs[0]["v2_levels"]["local"]
         for out in outs:
             assert out["v2_levels"] == {"local": v2, "replicated": v2, "remote": v2, "durable": v2}
@@ -109,8 +109,9 @@ def test_four_ranks_on_two_nodes_peer_copies_restore_a_lost_node_without_s3(
         disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
         with tiercache.open({"disk": {"path": str(disks["a"])}}) as cache:
             version = cache.manifest("main")
-        assert version.nodes == (NodePart(name="a", ranks=(0, 1), copies=("b",)),
-                                 NodePart(name="b", ranks=(2, 3), copies=("a",)))
+        half = world // 2
+        assert version.nodes == (NodePart(name="a", ranks=tuple(range(half)), copies=("b",)),
+                                 NodePart(name="b", ranks=tuple(range(half, world)), copies=("a",)))
         # Each node holds its own part and, as the other's peer, the other's part.
         everything = {c.id for c in version.chunks}
         assert everything <= stored_chunks(disks["a"]) and everything <= stored_chunks(disks["b"])
@@ -119,11 +120,11 @@ def test_four_ranks_on_two_nodes_peer_copies_restore_a_lost_node_without_s3(
         # S3 refuses every connection.
         shutil.rmtree(disks["b"])
         relay.mode = "refuse"
-        assert run_ranks("nodes_restore", 4, work, config, env=env) == [0, 0, 0, 0]
-        for rank in range(4):
+        assert run_ranks("nodes_restore", world, work, config, env=env) == [0] * world
+        for rank in range(world):
             out = rank_out(work, rank)
             assert out["restored_equal"] is True
-            source = "disk" if rank < 2 else "peer"
+            source = "disk" if rank < half else "peer"
             assert out["restored_report"] == {source: part_bytes(version, rank)}
             restored = torch.load(work / f"restored{rank}.pt", weights_only=True)
             assert torch.equal(restored["shard"], node_state(rank, 2)["shard"])

@@ -693,13 +693,15 @@ def restore(
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"restore {info.id[:SHORT_ID]}", info.nbytes) as progress:
             state = cache.restore(info.id, progress=progress)
+        read = cache.last_restore.nbytes if cache.last_restore is not None else {}
         target.parent.mkdir(exist_ok=True)  # DIR/ names a directory that may not exist yet
         _atomic_torch_save(state, target)
     if as_json:
         _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "path": str(target),
-                    "nbytes": info.nbytes})
+                    "nbytes": info.nbytes, "read": read})
     else:
-        typer.echo(f"restored {info.id} ({_where(info)}) -> {target} ({human_bytes(info.nbytes)})")
+        sources = ", ".join(f"{human_bytes(n)} from {src}" for src, n in sorted(read.items(), key=lambda kv: -kv[1]))
+        typer.echo(f"restored {info.id} ({_where(info)}) -> {target} ({human_bytes(info.nbytes)}; read {sources})")
 
 
 @app.command("promote", epilog=_examples("tiercache promote main --to disk", "tiercache promote best --to disk --json"))
