@@ -105,6 +105,28 @@ def scenario_ddp(cache: tiercache.TierCache, rank: int, world: int, out: dict[st
     torch.save({"main": restored, "v1_into": v1}, work / f"restored{rank}.pt")
 
 
+def scenario_ddp_declared(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """A DDP save that declares the model replicated: count the bytes each rank's hasher hashes."""
+    from tiercache import codecs
+
+    hashed = [0]
+    content_id = codecs.content_id
+
+    def counting(data: Any, algo: str) -> str:
+        if threading.current_thread().name.startswith("tiercache-hash"):
+            hashed[0] += memoryview(data).nbytes
+        return content_id(data, algo)
+
+    codecs.content_id = counting  # type: ignore[assignment]
+    puts: list[str] = []
+    _record_chunk_puts(cache, puts)
+    h = cache.save(ddp_state(rank, 1), step=1, group=dist.group.WORLD, replicated=("model",))
+    out["v1"], out["remote"] = h.wait("local"), h.wait("remote")
+    out["hashed"], out["puts"] = hashed[0], sorted(puts)
+    got = cache.restore("main", group=dist.group.WORLD)
+    out["restored_equal"] = _restored_equal(got, ddp_state(rank, 1))
+
+
 def scenario_kill(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     group = dist.group.WORLD
     out["v1"] = cache.save(ddp_state(rank, 1), step=1, group=group).wait("durable")
@@ -278,8 +300,9 @@ def scenario_peer_dies(cache: tiercache.TierCache, rank: int, world: int, out: d
 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
-             "nodes_save": scenario_nodes_save, "nodes_restore": scenario_nodes_restore,
-             "ddp_save": scenario_ddp_save, "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies}
+             "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
+             "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
+             "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies}
 #: Scenarios after which a rank is gone: tearing the group down would wait for it.
 _BROKEN = {"kill", "peer_dies"}
 

@@ -24,6 +24,7 @@ from tiercache.config import S3Config
 from tiercache.distributed import _Round, assign_owners, merge_parts
 from tiercache.errors import GroupSaveError, InvalidArgumentError
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, utcnow
+from tiercache.names import chunk_key
 
 
 def free_port() -> int:
@@ -146,6 +147,33 @@ def test_ddp_two_ranks_all_tiers_dedup_failure_and_restore(tmp_path: Path, s3_co
         assert_state_equal(restored["v1_into"], ddp_state(rank, 1))
 
 
+def test_declared_replicated_chunks_are_hashed_and_written_once_in_the_group(
+    tmp_path: Path, s3_config: S3Config
+) -> None:
+    config = cache_config(tmp_path, s3_config)
+    work = tmp_path / "work"
+    assert run_ranks("ddp_declared", 2, work, config) == [0, 0]
+    r0, r1 = rank_out(work, 0), rank_out(work, 1)
+    assert r0["v1"] == r1["v1"] == r0["remote"] and r0["restored_equal"] and r1["restored_equal"]
+    with one_tier(config, "s3") as cache:
+        version = cache.manifest("main")
+        whole = cache.restore("main")  # every chunk verified against its id: the traded ids are right
+    for rank in range(2):
+        assert_state_equal(whole[rank], ddp_state(rank, 1))
+    # The model's weight (256 KiB, two chunks) was hashed half by each rank; each rank hashed its
+    # own pack of small tensors (the bias and its rng) itself.
+    w = next(t for t in version.tensors if t.path == "0/model/w")
+    packs = [next(t for t in version.tensors if t.path == f"{r}/rng").pieces[0].chunk for r in range(2)]
+    assert len(w.pieces) == 2 and len(set(packs)) == 2
+    for rank, out in enumerate((r0, r1)):
+        assert out["hashed"] == 128 * 1024 + version.chunks[packs[rank]].nbytes
+    # Each weight chunk was written to each tier by the rank that hashed it, and by no other.
+    w_keys = {chunk_key(version.chunks[p.chunk].id) for p in w.pieces}
+    for tier in ("disk", "s3"):
+        mine = [{k.split(":", 1)[1] for k in out["puts"] if k.startswith(tier)} & w_keys for out in (r0, r1)]
+        assert len(mine[0]) == len(mine[1]) == 1 and mine[0] != mine[1]
+
+
 def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Config) -> None:
     config = cache_config(tmp_path, s3_config)
     work = tmp_path / "work"
@@ -243,3 +271,17 @@ def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles
     rnd.settle("disk", on_disk)
     assert rnd.futures["durable"].exception() is on_disk
     assert rnd.futures["remote"].exception() is on_s3 and rnd.futures["local"].exception() is on_disk
+
+
+def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:
+    from tiercache.hash_split import declared_chunks, owners_by_position
+    from tiercache.layout import plan_layout
+
+    # model/w: 3 chunks of 64 KiB; model/b and rng (small) share one pack chunk.
+    layout = plan_layout([192 << 10, 1024, 32], [4, 4, 8], chunk_bytes=64 << 10, pack_below=16 << 10)
+    paths = ["model/w", "model/b", "rng"]
+    shared = declared_chunks(layout, paths, ["model"])
+    assert [pos for pos, _ in shared] == [i for i, c in enumerate(layout.chunks) if not c.packed]
+    assert declared_chunks(layout, paths, ["model/"]) == shared and declared_chunks(layout, paths, ["mod"]) == []
+    assert len(declared_chunks(layout, paths, ["model", "rng"])) == len(layout.chunks)
+    assert owners_by_position([(0, 10), (1, 10), (2, 10), (3, 5)], 2) == {0: 0, 1: 1, 2: 0, 3: 1}

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -207,6 +207,7 @@ class TierCache:
         meta: Mapping[str, Any] | None = None,
         group: ProcessGroup | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        replicated: Collection[str] = (),
     ) -> SaveHandle:
         """Snapshot ``state`` into RAM and write it to the durable tiers in the background.
 
@@ -227,6 +228,9 @@ class TierCache:
                 parameters and state until its next call: their copy is deferred to overlap the
                 next forward and backward. Anything else that changes them in between (in-place
                 edits, EMA swaps, loading weights) must call ``handle.wait("staged")`` first.
+            replicated: With ``group``, key paths of ``state`` that are the same on every rank
+                (a DDP model and its optimizer state): each rank hashes and writes only its share
+                of them; see :meth:`tiercache.distributed.DistributedCache.save`.
 
         Returns:
             A :class:`SaveHandle` with the version id and one future per durability level.
@@ -243,8 +247,12 @@ class TierCache:
             if optimizer is not None:
                 raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
                                            "before returning; leave optimizer out")
-            handle = self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta))
+            handle = self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta),
+                                                  replicated=replicated)
         else:
+            if replicated:
+                raise InvalidArgumentError("save(replicated=...) declares what the ranks of a group hold alike: "
+                                           "pass group= too")
             handle = self._save_here(state, step=step, branch=branch, meta=meta, optimizer=optimizer)
         self._status_recorder().note_save(handle, step=step, branch=branch, started_at=started,
                                           wait_s=time.perf_counter() - t0)

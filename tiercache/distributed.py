@@ -79,7 +79,8 @@ from tiercache.cache import _json_meta
 from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, TierCacheError
 from tiercache.group_restore import group_fill
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
-from tiercache.layout import PAGE, round_up
+from tiercache.hash_split import SharedHashing
+from tiercache.layout import PAGE, Layout, round_up
 from tiercache.manifest import NodePart, Piece, RankPart, RefRecord, Version, new_version_id
 from tiercache.names import check_name, version_key
 from tiercache.nodes import Topology, choose_peers
@@ -89,6 +90,7 @@ from tiercache.restore import into_targets, match_into
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
+    from tiercache.engine import HashSplit
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.distributed")
@@ -166,10 +168,12 @@ def merge_parts(parts: list[Version], nodes: tuple[NodePart, ...] = ()) -> Versi
     )
 
 
-def assign_owners(parts: list[Version]) -> list[set[str]]:
+def assign_owners(parts: list[Version], preset: Mapping[str, int] | None = None) -> list[set[str]]:
     """Give each distinct chunk one writer rank; see the module docstring.
 
-    Every rank computes the same answer from the same partial manifests.
+    ``preset`` names the writer of some chunks (the rank that hashed a replicated chunk, see
+    :mod:`tiercache.hash_split`), where that rank holds it. Every rank computes the same answer
+    from the same partial manifests.
     """
     holders: dict[str, list[int]] = {}
     size: dict[str, int] = {}
@@ -181,25 +185,30 @@ def assign_owners(parts: list[Version]) -> list[set[str]]:
                 ranks.append(rank)
     owned: list[set[str]] = [set() for _ in parts]
     load = [0] * len(parts)
+    preset = preset or {}
     for single in (True, False):  # a rank's own chunks first: only it can write them
         for cid, ranks in holders.items():
             if (len(ranks) == 1) != single:
                 continue
-            rank = min(ranks, key=lambda r: (load[r], r))
+            rank = preset[cid] if preset.get(cid) in ranks else min(ranks, key=lambda r: (load[r], r))
             owned[rank].add(cid)
             load[rank] += size[cid]
     return owned
 
 
-def writers_by_node(parts: list[Version], topology: Topology) -> list[dict[str, int]]:
+def writers_by_node(
+    parts: list[Version], topology: Topology, preset: Mapping[str, int] | None = None
+) -> list[dict[str, int]]:
     """Per node, each chunk its ranks need -> the rank of that node that writes it to the node's disk.
 
-    The ranks of each node split that node's chunks as :func:`assign_owners` splits a group's.
+    The ranks of each node split that node's chunks as :func:`assign_owners` splits a group's
+    (a ``preset`` writer counts where it is on the node).
     """
     out: list[dict[str, int]] = []
     for node in range(topology.count):
         ranks = topology.ranks(node)
-        owned = assign_owners([parts[r] for r in ranks])
+        local = {cid: ranks.index(r) for cid, r in (preset or {}).items() if r in ranks}
+        owned = assign_owners([parts[r] for r in ranks], local)
         out.append({cid: ranks[i] for i, ids in enumerate(owned) for cid in ids})
     return out
 
@@ -259,6 +268,10 @@ class _Round:
         self.stage_error: BaseException | None = None
         #: The peer copies of this version, when the group makes them.
         self.peer: PeerRound | None = None
+        #: Key paths this rank declared the same on every rank (``None``: no rank declared any).
+        self.declared: tuple[str, ...] | None = None
+        #: Who hashed which chunk, when the ranks split the hashing of declared chunks.
+        self.split: HashSplit | None = None
         self._partial: Future[Status] | None = None
         self._lock = threading.Lock()
         self._settled: dict[str, BaseException | None] = {}
@@ -273,6 +286,17 @@ class _Round:
         """See :meth:`tiercache.engine.Committer.commit`."""
         self.ready[tier].set_result(None)
         self.outcome[tier].result()
+
+    def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:
+        """See :meth:`tiercache.engine.Committer.split_hashing` and :mod:`tiercache.hash_split`."""
+        if self.declared is None:
+            return None
+        self.split = self.owner.hashing.split(layout, paths, self.declared)
+        return self.split
+
+    def hashed_by(self) -> dict[str, int]:
+        """Replicated chunk id -> the rank that hashed it (empty if the ranks did not split hashing)."""
+        return self.split.hashed_by if self.split is not None else {}
 
     # -- coordinator side --
 
@@ -385,14 +409,14 @@ class _Coordinator:
         merged = merge_parts(parts, owner.nodes)
         by_node = self.tier in owner.node_local
         if by_node:
-            writers = writers_by_node(parts, owner.topology)
+            writers = writers_by_node(parts, owner.topology, rnd.hashed_by())
             node_chunks: Collection[str] | None = writers[owner.node]
             rnd.owners[self.tier].set_result({c for c, r in writers[owner.node].items() if r == owner.rank})
             if rnd.peer is not None:  # the peer copies start once this tier is settled
                 rnd.peer.version, rnd.peer.writers = merged, writers
         else:
             node_chunks = None
-            rnd.owners[self.tier].set_result(assign_owners(parts)[owner.rank])
+            rnd.owners[self.tier].set_result(assign_owners(parts, rnd.hashed_by())[owner.rank])
         err = verdict(self._gather(rnd.status(self.tier)), rnd.vid, self.tier)
         err = self._commit(rnd, merged, err, by_node)
         if err is None:
@@ -448,6 +472,7 @@ class DistributedCache:
         node_local: The durable tiers each node holds on its own (``{"disk"}`` unless the disk
             is shared or absent).
         nodes: What the manifests of this group's versions say about its nodes.
+        hashing: How the ranks split the hashing of chunks they declare alike.
 
     Raises:
         ConfigError: If torch.distributed is not initialized, or the ranks' configs disagree on
@@ -486,6 +511,7 @@ class DistributedCache:
         self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.engine.tiers}
         self._replicator = (Replicator(cache, new(), self.rank, self.topology, peers)
                             if self._no_peers is None else None)
+        self.hashing = SharedHashing(new(), self.rank, self.world_size)
         # Recent versions saved through this view: restore waits for them and refuses failed ones.
         self._rounds: dict[str, _Round] = {}
         self._closed = False
@@ -516,7 +542,10 @@ class DistributedCache:
         dist.all_gather_object(out, value, group=self._fg)
         return out
 
-    def save(self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None,
+        replicated: Collection[str] = (),
+    ) -> SaveHandle:
         """Save this rank's part of a version of the group; call it on every rank.
 
         Returns as soon as this rank's part is copied into its RAM arena; see the module
@@ -527,6 +556,10 @@ class DistributedCache:
             step: The training step; the same on every rank.
             branch: The branch; the same on every rank.
             meta: JSON-able metadata; rank 0's is kept.
+            replicated: Key paths of ``state`` (``"model"``, ``"optim/state"``) whose tensors are
+                the same on every rank, as a DDP model and its optimizer state are: each rank
+                hashes and writes only its share of their chunks (:mod:`tiercache.hash_split`).
+                A promise: a declared tensor that differs between ranks is saved as one rank's.
 
         Returns:
             A handle whose levels resolve (or fail with the same error) on every rank together.
@@ -547,7 +580,7 @@ class DistributedCache:
             cur = cache.catalog.ref("branch", branch)
             if self.rank == 0:
                 proposal = (new_version_id(), cur.version if cur else None, cur.seq + 1 if cur else 0)
-            votes = self._agree((step, branch, self._chunk_bytes(part), proposal))
+            votes = self._agree((step, branch, self._chunk_bytes(part), proposal, bool(replicated)))
             if any(v[:2] != (step, branch) for v in votes):
                 seen = sorted({f"step {v[0]} on {v[1]!r}" for v in votes})
                 raise InvalidArgumentError(f"the ranks save different versions ({', '.join(seen)}): "
@@ -555,6 +588,8 @@ class DistributedCache:
             vid, parent, seq = votes[0][3]
             ref = RefRecord(kind="branch", name=branch, version=vid, seq=seq)
             rnd = _Round(self, vid, ref)
+            if any(v[4] for v in votes):
+                rnd.declared = tuple(replicated)
             try:
                 rnd.local = cache.engine.stage(
                     part, step=step, branch=branch, meta=_json_meta(meta), parent=parent, seq=seq,

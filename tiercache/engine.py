@@ -19,6 +19,7 @@ first when a new save needs room.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -91,6 +92,26 @@ class Committer(Protocol):
 
     def commit(self, tier: str) -> None:
         """Return once the group's manifest and ref are committed on ``tier``; raise if they are not."""
+        ...
+
+    def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:
+        """Which chunks this process hashes itself (``None``: all); called once per version by the hasher."""
+        ...
+
+
+class HashSplit(Protocol):
+    """Chunks whose bytes are the same in every process of a group are hashed by one of them only.
+
+    The hasher hashes :attr:`mine` (in that order), then trades ids with :meth:`exchange` and
+    takes the ids of :attr:`theirs` from the answer. ``exchange`` is called exactly once per
+    version, with ``None`` if hashing failed here, so the other processes never wait in vain.
+    """
+
+    mine: list[int]
+    theirs: list[int]
+
+    def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
+        """Give the ids this process computed, get every id of :attr:`theirs`; raise if the group failed."""
         ...
 
 
@@ -486,32 +507,69 @@ class Engine(PolicyBridge):
         assert self.arena is not None and self.ram is not None
         algo = self.config.hash
         hdr = codecs.HEADER_BYTES
-        ids: list[str] = []
+        chunks = job.layout.chunks
+        ids: list[str] = [""] * len(chunks)
+        # A multi-rank version may leave chunks every rank holds alike to one rank's hasher.
+        split = job.committer.split_hashing(job.layout, [m.path for m in job.flat.metas]) if job.committer else None
+        theirs = frozenset(split.theirs) if split is not None else frozenset()
+        given: dict[int, str] = {}
+        traded = split is None
+
+        def trade(mine: dict[int, str] | None) -> dict[int, str]:
+            nonlocal traded
+            traded = True
+            assert split is not None
+            return split.exchange(mine)
+
         if self._stager.saturates:
             # Every core is copying for the training thread: hashing now would only slow it.
             for e in job.copied:
                 e.wait()
-        for i, c in enumerate(job.layout.chunks):
-            job.copied[i].wait()
-            if job.copy_error is not None:
-                raise job.copy_error
-            region = job.regions[i]
-            assert region is not None
-            buf = self.arena.buffer(region)
-            cid = codecs.content_id(buf[hdr : hdr + c.nbytes], algo)
-            codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, "raw/1", c.itemsize, algo))
-            key = chunk_key(cid)
-            with self._lock:
-                # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
-                # (An early disk write still reading our copy retained it: it goes back after.)
-                self.ram.adopt(key, region, hdr + c.nbytes)
-                job.regions[i] = None
-                self._pins[key] = self._pins.get(key, 0) + 1
-                self._ram_lru.pop(key, None)
-                job.chunk_keys.append(key)
-            self.catalog.note_chunks("ram", [cid])
-            ids.append(cid)
-            job.ready[i].set_result(cid)
+        try:
+            for i in range(len(chunks)) if split is None else [*split.mine, *split.theirs]:
+                c = chunks[i]
+                job.copied[i].wait()
+                if job.copy_error is not None:
+                    raise job.copy_error
+                region = job.regions[i]
+                assert region is not None
+                buf = self.arena.buffer(region)
+                if not traded and i in theirs:
+                    given = trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
+                cid = given.get(i) or codecs.content_id(buf[hdr : hdr + c.nbytes], algo)
+                self._name_chunk(job, i, cid, buf, region)
+                ids[i] = cid
+            if not traded:
+                trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
+        except BaseException:
+            if not traded:
+                # The group's other hashers are waiting for this one's ids; this error is the one to report.
+                with contextlib.suppress(Exception):
+                    trade(None)
+            raise
+        self._publish(job, ids)
+
+    def _name_chunk(self, job: _Job, i: int, cid: str, buf: memoryview, region: Region) -> None:
+        """Write chunk ``i``'s header (its id ``cid``) in place and hand its region to the RAM tier."""
+        c = job.layout.chunks[i]
+        algo = self.config.hash
+        hdr = codecs.HEADER_BYTES
+        codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, "raw/1", c.itemsize, algo))
+        key = chunk_key(cid)
+        with self._lock:
+            # A chunk already in RAM (an earlier version's) is kept and our copy freed: dedup.
+            # (An early disk write still reading our copy retained it: it goes back after.)
+            self.ram.adopt(key, region, hdr + c.nbytes)
+            job.regions[i] = None
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._ram_lru.pop(key, None)
+            job.chunk_keys.append(key)
+        self.catalog.note_chunks("ram", [cid])
+        job.ready[i].set_result(cid)
+
+    def _publish(self, job: _Job, ids: list[str]) -> None:
+        """Build the version's manifest from its chunk ids and make it known (RAM tier, catalog)."""
+        algo = self.config.hash
         tensors = []
         for i, m in enumerate(job.flat.metas):
             pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
