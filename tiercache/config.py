@@ -168,8 +168,13 @@ class S3Config(_Model):
         region: AWS region name.
         verify_tls: Verify the endpoint's TLS certificate (turn off only for self-signed tests).
         part_size: Multipart part size for large objects.
-        max_concurrency: Parallel part uploads/downloads.
+        max_concurrency: Parallel part uploads/downloads; in a multi-rank job, per node (the
+            ranks of a node share it).
         max_attempts: Attempts per request for retryable errors (throttling, 5xx, resets).
+        throttle_retries: Further tries of a write the store keeps throttling (``503 SlowDown``)
+            after ``max_attempts``, each after halving the writes in flight and a longer wait:
+            a throttled store slows saves down instead of failing them (``deadline_s`` still
+            bounds a version).
         connect_timeout: Seconds to wait for a connection.
         read_timeout: Seconds a request may wait for the server's next bytes before it counts as
             failed (and is retried); an endpoint that accepts connections and never answers
@@ -193,6 +198,7 @@ class S3Config(_Model):
     part_size: ByteSize = 16 * MIB
     max_concurrency: int = Field(default=8, ge=1, le=64)
     max_attempts: int = Field(default=5, ge=1, le=20)
+    throttle_retries: int = Field(default=8, ge=0, le=100)
     connect_timeout: float = Field(default=3.0, gt=0)
     read_timeout: float = Field(default=20.0, gt=0)
     probe_timeout: float = Field(default=3.0, gt=0)

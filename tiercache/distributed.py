@@ -417,11 +417,27 @@ class _Coordinator:
         else:
             node_chunks = None
             rnd.owners[self.tier].set_result(assign_owners(parts, rnd.hashed_by())[owner.rank])
-        err = verdict(self._gather(rnd.status(self.tier)), rnd.vid, self.tier)
+        err = verdict(self._gather_status(rnd), rnd.vid, self.tier)
         err = self._commit(rnd, merged, err, by_node)
         if err is None:
             adopt(owner.cache, merged, [self.tier], node_chunks)
         rnd.settle(self.tier, err)
+
+    def _gather_status(self, rnd: _Round) -> list[Status]:
+        """Every rank's status for this tier; when the store throttled some rank, every rank slows down.
+
+        The ranks share the store's key prefixes, so one rank's ``SlowDown`` is the group's (see
+        :mod:`tiercache.tiers._s3pacing`); the count rides with the status.
+        """
+        status = rnd.status(self.tier)
+        pacer = getattr(self.owner.cache.engine.tiers[self.tier], "pacer", None)
+        mine = pacer.take_throttled() if pacer is not None else 0
+        if status[0] == "ok":
+            status = ("ok", mine)
+        statuses = self._gather(status)
+        if pacer is not None and not mine and any(kind == "ok" and n for kind, n in statuses):
+            pacer.slow_down()
+        return statuses
 
     def _commit(self, rnd: _Round, merged: Version, err: BaseException | None, by_node: bool) -> BaseException | None:
         """Commit the merged manifest and the ref if every rank's chunks are durable; the group's outcome.
@@ -512,6 +528,10 @@ class DistributedCache:
         self._replicator = (Replicator(cache, new(), self.rank, self.topology, peers)
                             if self._no_peers is None else None)
         self.hashing = SharedHashing(new(), self.rank, self.world_size)
+        for tier in cache.engine.tiers.values():  # a node sends the requests one process would
+            pacer = getattr(tier, "pacer", None)
+            if pacer is not None:
+                pacer.share(len(self.topology.ranks(self.node)))
         # Recent versions saved through this view: restore waits for them and refuses failed ones.
         self._rounds: dict[str, _Round] = {}
         self._closed = False

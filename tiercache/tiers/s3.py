@@ -45,6 +45,7 @@ from tiercache.errors import (
 from tiercache.failpoints import failpoint
 from tiercache.names import check_key
 from tiercache.tiers._s3buffers import ViewReader, byte_view, crc32_b64, fresh_bytes, writable_view
+from tiercache.tiers._s3pacing import Pacer
 from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
 
 log = logging.getLogger("tiercache.s3")
@@ -69,6 +70,8 @@ _FULL_CODES = frozenset({"EntityTooLarge", "QuotaExceeded", "XMinioStorageFull",
 _PRECONDITION_CODES = frozenset({"PreconditionFailed"})
 _CONCURRENT_CODES = frozenset({"ConditionalRequestConflict", "ConcurrentModification"})
 _MISSING_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                             "TooManyRequests", "RequestThrottled"})
 #: Failures after which a request may have been carried out although we got no answer.
 _AMBIGUOUS = (bce.HTTPClientError,)  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError...
 _TRANSPORT = (bce.ConnectionError, bce.HTTPClientError)  # ...plus EndpointConnectionError, ConnectTimeoutError
@@ -80,6 +83,15 @@ def _code_status(err: bce.ClientError) -> tuple[str, int]:
     code = str(resp.get("Error", {}).get("Code", ""))
     status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     return code, status
+
+
+def _throttled(err: BaseException) -> bool:
+    """Whether ``err`` (or the boto error behind a tiercache one) is the store asking to slow down."""
+    cause = err if isinstance(err, bce.ClientError) else err.__cause__
+    if not isinstance(cause, bce.ClientError):
+        return False
+    code, status = _code_status(cause)
+    return code in _THROTTLE_CODES or status in (429, 503)
 
 
 def _retried(err: bce.ClientError) -> bool:
@@ -160,6 +172,8 @@ class S3Tier(Tier):
             # fast instead of retrying (or waiting on) a dead endpoint.
             self._once = self._make_client(session, region, attempts=1, timeout=cfg.probe_timeout)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="tiercache-s3")
+        #: Bounds the puts and part uploads in flight and slows them down when the store throttles.
+        self.pacer = Pacer(cfg.max_concurrency, cfg.throttle_retries)
         self._cond_delete: bool | None = None
         self._cas_ok: bool | None = None  # conditional PUTs enforced? probed before the first ref write
         self._probe_lock = threading.Lock()
@@ -427,7 +441,8 @@ class S3Tier(Tier):
         view = byte_view(data)
         if len(view) <= self._part_size:
             body: Any = data if isinstance(data, bytes) else ViewReader(view) if len(view) else b""
-            self._call("put", key, self._client.put_object, Key=full, Body=body, ChecksumAlgorithm=_CHECKSUM)
+            self.pacer.run(lambda: self._call("put", key, self._client.put_object, Key=full, Body=body,
+                                              ChecksumAlgorithm=_CHECKSUM), _throttled)
         else:
             self._put_multipart(full, key, view)
 
@@ -463,10 +478,10 @@ class S3Tier(Tier):
     ) -> dict[str, Any]:
         if cancel.is_set():
             raise _Cancelled
-        resp = self._client.upload_part(
+        resp = self.pacer.run(lambda: self._client.upload_part(
             Bucket=self._bucket, Key=full, UploadId=upload_id, PartNumber=num, Body=ViewReader(part),
             ChecksumAlgorithm=_CHECKSUM,
-        )
+        ), _throttled)
         if num == 1:
             failpoint("s3.after_first_part")
         # The server echoes the CRC32 it verified; compute it only for a server that does not.
