@@ -77,9 +77,10 @@ from tiercache import errors
 from tiercache.agreement import Status, broken_group, rebuild_error, status_of, verdict
 from tiercache.cache import _json_meta
 from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, TierCacheError
+from tiercache.format import flatten
 from tiercache.group_restore import group_fill
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
-from tiercache.hash_split import SharedHashing
+from tiercache.hash_split import SharedHashing, signature
 from tiercache.layout import PAGE, Layout, round_up
 from tiercache.manifest import NodePart, Piece, RankPart, RefRecord, Version, new_version_id
 from tiercache.names import check_name, version_key
@@ -557,6 +558,19 @@ class DistributedCache:
         share = round_up(math.ceil(largest / self.world_size), PAGE)
         return min(cfg.chunk_bytes, max(round_up(cfg.pack_below, PAGE), share))
 
+    def _signature(self, part: Any, replicated: Collection[str]) -> str | None:
+        """This rank's :func:`~tiercache.hash_split.signature`, or ``None`` if it declares nothing.
+
+        A state that cannot be flattened gets none either: the engine then refuses it (on this
+        rank, and the version fails on the others) as without a declaration.
+        """
+        if not replicated:
+            return None
+        try:
+            return signature(flatten(part, allow_pickle=self.cache.config.allow_pickle), list(replicated))
+        except TierCacheError:
+            return None
+
     def _agree(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._fg)
@@ -600,7 +614,7 @@ class DistributedCache:
             cur = cache.catalog.ref("branch", branch)
             if self.rank == 0:
                 proposal = (new_version_id(), cur.version if cur else None, cur.seq + 1 if cur else 0)
-            votes = self._agree((step, branch, self._chunk_bytes(part), proposal, bool(replicated)))
+            votes = self._agree((step, branch, self._chunk_bytes(part), proposal, self._signature(part, replicated)))
             if any(v[:2] != (step, branch) for v in votes):
                 seen = sorted({f"step {v[0]} on {v[1]!r}" for v in votes})
                 raise InvalidArgumentError(f"the ranks save different versions ({', '.join(seen)}): "
@@ -608,8 +622,10 @@ class DistributedCache:
             vid, parent, seq = votes[0][3]
             ref = RefRecord(kind="branch", name=branch, version=vid, seq=seq)
             rnd = _Round(self, vid, ref)
-            if any(v[4] for v in votes):
-                rnd.declared = tuple(replicated)
+            if votes[0][4] is not None and all(v[4] == votes[0][4] for v in votes):
+                rnd.declared = tuple(replicated)  # every rank's layout splits the same way
+            elif any(v[4] is not None for v in votes):
+                log.info("version %s: the ranks' states or replicated= differ; every rank hashes all of its part", vid)
             try:
                 rnd.local = cache.engine.stage(
                     part, step=step, branch=branch, meta=_json_meta(meta), parent=parent, seq=seq,

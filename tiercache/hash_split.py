@@ -14,18 +14,23 @@ The declaration is a promise: a tensor declared replicated that differs between 
 as the owner's bytes on every rank. Nothing is split when no rank declares anything, or when
 the ranks' declared chunks do not line up (then every rank hashes all of its own, as before).
 
-Both collectives of a version (:meth:`SharedHashing.split` and the trade) run on the engine's
-hasher thread, on a private gloo group of their own, in save order on every rank.
+The ranks agree at ``save()`` that their states have the same structure and declare the same
+key paths (:func:`signature`, exchanged with the save's first collective), so each rank derives
+the same owners from its own layout without asking the others. The one collective of a version,
+the trade of ids, runs on the engine's hasher thread, on a private gloo group of its own, in save
+order on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from tiercache.errors import GroupSaveError
+from tiercache.format import Flat
 from tiercache.layout import Layout
 
 
@@ -91,18 +96,24 @@ class SharedHashing:
         self.world_size = world_size
 
     def split(self, layout: Layout, paths: Sequence[str], declared: Sequence[str]) -> _Split | None:
-        """Agree with the other ranks on who hashes which chunk of this version (a collective).
+        """Who hashes which chunk of this version (the same on every rank: their signatures matched).
 
         Returns:
-            The split, or ``None`` (on every rank) when nothing is declared or the ranks'
-            declared chunks differ in position or size.
+            The split, or ``None`` (on every rank) when no chunk holds only declared tensors.
         """
-        mine = (len(layout.chunks), declared_chunks(layout, paths, declared))
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.group)
-        if not mine[1] or any(e != mine for e in every):
+        shared = declared_chunks(layout, paths, declared)
+        if not shared:
             return None
-        return _Split(self, owners_by_position(mine[1], self.world_size), len(layout.chunks))
+        return _Split(self, owners_by_position(shared, self.world_size), len(layout.chunks))
 
 
-__all__ = ["SharedHashing", "declared_chunks", "owners_by_position"]
+def signature(flat: Flat, declared: Sequence[str]) -> str:
+    """What must be equal on every rank for the ranks to split hashing: the state's structure and the declaration.
+
+    Two states with the same structure (containers, keys, tensor dtypes and shapes) have the same
+    layout for the same chunk size, so the same chunks hold only declared tensors.
+    """
+    return hashlib.blake2b(repr((flat.structure_key, sorted(declared))).encode(), digest_size=16).hexdigest()
+
+
+__all__ = ["SharedHashing", "declared_chunks", "owners_by_position", "signature"]
