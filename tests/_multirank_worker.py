@@ -127,6 +127,21 @@ def scenario_ddp_declared(cache: tiercache.TierCache, rank: int, world: int, out
     out["restored_equal"] = _restored_equal(got, ddp_state(rank, 1))
 
 
+def scenario_throttled(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """The store throttles rank 1's first chunk uploads; every rank's S3 pacing is reported."""
+    from _s3faults import SlowDownChunks
+
+    pacer = cache.engine.tiers["s3"].pacer  # type: ignore[attr-defined]
+    out["limit_before"] = pacer.limit
+    throttle = SlowDownChunks(cache.engine.tiers["s3"]._client, 2) if rank == 1 else None  # type: ignore[attr-defined]
+    h = cache.save(ddp_state(rank, 1), step=1, group=dist.group.WORLD)
+    out["remote"] = h.wait("remote") == h.version
+    out["limit_after"], out["throttled"] = pacer.limit, pacer.throttled_total
+    out["answered"] = throttle.answered if throttle is not None else 0
+    got = cache.restore("main", group=dist.group.WORLD)
+    out["restored_equal"] = _restored_equal(got, ddp_state(rank, 1))
+
+
 def scenario_kill(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     group = dist.group.WORLD
     out["v1"] = cache.save(ddp_state(rank, 1), step=1, group=group).wait("durable")
@@ -302,7 +317,8 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
-             "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies}
+             "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
+             "throttled": scenario_throttled}
 #: Scenarios after which a rank is gone: tearing the group down would wait for it.
 _BROKEN = {"kill", "peer_dies"}
 

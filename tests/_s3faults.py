@@ -25,6 +25,8 @@ from typing import Any
 from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.exceptions import ConnectionClosedError
 
+from tiercache.names import CHUNKS
+
 SLOWDOWN = (503, "SlowDown")
 
 #: Operations never faulted unless named: an abort that keeps failing leaves an upload behind by
@@ -128,3 +130,24 @@ class S3Faults:
             self._count("reset", op)
             raise ConnectionClosedError(endpoint_url=request.url)
         return None
+
+
+class SlowDownChunks:
+    """Answers ``503 SlowDown`` to the first ``n`` chunk uploads of one client, then lets them through."""
+
+    def __init__(self, client: Any, n: int) -> None:
+        self.left = n
+        self.answered = 0
+        self._lock = threading.Lock()
+        client.meta.events.register_first("before-send.s3", self._before_send, unique_id="test-slowdown-chunks")
+
+    def _before_send(self, request: AWSPreparedRequest, event_name: str, **_: Any) -> AWSResponse | None:
+        if f"/{CHUNKS}" not in request.url or request.method != "PUT":
+            return None
+        with self._lock:
+            if self.left <= 0:
+                return None
+            self.left -= 1
+            self.answered += 1
+        body = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+        return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))

@@ -174,6 +174,21 @@ def test_declared_replicated_chunks_are_hashed_and_written_once_in_the_group(
         assert len(mine[0]) == len(mine[1]) == 1 and mine[0] != mine[1]
 
 
+def test_a_rank_throttled_by_s3_slows_every_rank_down(tmp_path: Path, s3_config: S3Config) -> None:
+    config = cache_config(tmp_path, s3_config)
+    config["s3"]["max_attempts"] = 1  # the pacer does the retrying, with short waits
+    work = tmp_path / "work"
+    assert run_ranks("throttled", 2, work, config) == [0, 0]
+    r0, r1 = rank_out(work, 0), rank_out(work, 1)
+    assert r0["remote"] and r1["remote"] and r0["restored_equal"] and r1["restored_equal"]
+    # Both ranks run on this machine's one node: they share s3.max_concurrency (8).
+    assert r0["limit_before"] == r1["limit_before"] == 4
+    assert (r1["answered"], r1["throttled"], r0["throttled"]) == (2, 2, 0)
+    # Rank 1 halved its writes in flight on each SlowDown; rank 0, never throttled, halved its own
+    # once when the group learnt of it.
+    assert r1["limit_after"] < 4 and r0["limit_after"] == 2
+
+
 def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Config) -> None:
     config = cache_config(tmp_path, s3_config)
     work = tmp_path / "work"

@@ -8,13 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from _s3faults import _Body
-from botocore.awsrequest import AWSPreparedRequest, AWSResponse
+from _s3faults import SlowDownChunks
 
 import tiercache
 from tiercache.config import S3Config
 from tiercache.errors import StorageError
-from tiercache.names import CHUNKS
 from tiercache.tiers._s3pacing import Pacer
 
 
@@ -78,27 +76,6 @@ def test_pacer_bounds_requests_in_flight_and_shares_a_node() -> None:
     assert sorted(inside) == [0, 1, 2]
 
 
-class _SlowDownChunks:
-    """Answers ``503 SlowDown`` to the first ``n`` chunk uploads of one client, then lets them through."""
-
-    def __init__(self, client: Any, n: int) -> None:
-        self.left = n
-        self.answered = 0
-        self._lock = threading.Lock()
-        client.meta.events.register_first("before-send.s3", self._before_send, unique_id="test-slowdown-chunks")
-
-    def _before_send(self, request: AWSPreparedRequest, event_name: str, **_: Any) -> AWSResponse | None:
-        if f"/{CHUNKS}" not in request.url or request.method != "PUT":
-            return None
-        with self._lock:
-            if self.left <= 0:
-                return None
-            self.left -= 1
-            self.answered += 1
-        body = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-        return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))
-
-
 def _config(tmp_path: Path, s3_config: S3Config, **s3: Any) -> dict[str, Any]:
     # One attempt per botocore call, so the pacer's own retries (short waits) do all the retrying.
     return {"disk": {"path": str(tmp_path / "disk")}, "policy": {"name": "write-through"},
@@ -111,7 +88,7 @@ def test_a_throttling_store_slows_the_save_down_and_it_still_reaches_remote(
     state = {"w": torch.arange(4096, dtype=torch.float32)}  # one chunk: one PutObject, so the count is exact
     with tiercache.open(_config(tmp_path, s3_config)) as cache:
         tier = cache.engine.tiers["s3"]
-        throttle = _SlowDownChunks(tier._client, 4)
+        throttle = SlowDownChunks(tier._client, 4)
         h = cache.save(state, step=1)
         assert h.wait("remote") == h.version
         assert throttle.answered == 4 and tier.pacer.throttled_total == 4
@@ -124,7 +101,7 @@ def test_a_store_that_keeps_throttling_fails_remote_only_after_the_retries(
     tmp_path: Path, s3_config: S3Config
 ) -> None:
     with tiercache.open(_config(tmp_path, s3_config, throttle_retries=2)) as cache:
-        throttle = _SlowDownChunks(cache.engine.tiers["s3"]._client, 100)
+        throttle = SlowDownChunks(cache.engine.tiers["s3"]._client, 100)
         h = cache.save({"w": torch.ones(16)}, step=1)
         assert h.wait("local") == h.version
         with pytest.raises(StorageError, match="SlowDown"):
