@@ -269,6 +269,9 @@ def scenario_nodes_save(cache: tiercache.TierCache, rank: int, world: int, out: 
     into = node_state(rank, 0)
     got = _restore(cache, "main", node_state(rank, 2), out, "restored", into=into)
     out["restored_in_place"] = got["shard"] is into["shard"]
+    if rank == world - 1:  # the last rank's into= has a tensor of another shape: every rank refuses
+        into["shard"] = torch.zeros(2, 2)
+    out["mismatch"] = _error(lambda: cache.restore("main", into=into, group=group))
 
 
 def _restore(cache: tiercache.TierCache, ref: str, want: Any, out: dict[str, Any], key: str, into: Any = None) -> Any:

@@ -66,6 +66,9 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
         assert out["v2_levels"]["local"] == out["v2_levels"]["durable"] == v2
         assert out["v2_levels"]["replicated"][0] == "ConfigError" and "copies is 0" in out["v2_levels"]["replicated"][1]
         assert out["restored_equal"] is True and out["restored_in_place"] is True
+    # A rank whose into= does not match fails with its own error, the others name it; nothing is read.
+    assert outs[1]["mismatch"][0] == outs[0]["mismatch"][0] == "StateMismatchError"
+    assert "'shard'" in outs[1]["mismatch"][1] and "rank 1's into= does not match" in outs[0]["mismatch"][1]
     # `local` is true on every node: each holds the manifest, the ref, and the chunks of its own part.
     disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
     with tiercache.open({"disk": {"path": str(disks["a"])}}) as cache:

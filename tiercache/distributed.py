@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tiercache import errors
 from tiercache.agreement import Status, broken_group, rebuild_error, status_of, verdict
 from tiercache.cache import _json_meta
-from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, TierCacheError
+from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, StateMismatchError, TierCacheError
 from tiercache.format import flatten
 from tiercache.group_manifest import adopt, assign_owners, commit, committed_on, merge_parts, rank_view, writers_by_node
 from tiercache.group_restore import group_fill
@@ -605,21 +605,20 @@ class DistributedCache:
         """Check ``into`` against the version on every rank before the collective read.
 
         Raises:
-            StateMismatchError: This rank's own mismatch; GroupSaveError naming the rank if
-                another rank's ``into`` does not match (nothing is read on any rank).
+            StateMismatchError: If this rank's ``into`` does not match (its own message), or another
+                rank's does not (naming that rank); nothing is read on any rank.
         """
         try:
             match_into(version, into_targets(into), strict=strict)
             mine: Status = ("ok", None)
         except TierCacheError as e:
-            mine, err = ("error", f"{type(e).__name__}: {e}"), e
+            mine, err = ("error", str(e)), e
         answers = self._agree(mine)
         if mine[0] != "ok":
             raise err
         bad = next(((r, detail) for r, (kind, detail) in enumerate(answers) if kind != "ok"), None)
         if bad is not None:
-            raise GroupSaveError(f"restore of {version.id}: rank {bad[0]}'s into= does not match: {bad[1]}; "
-                                 "nothing was read")
+            raise StateMismatchError(f"rank {bad[0]}'s into= does not match version {version.id}: {bad[1]}")
 
     def _resolve(self, ref: str) -> Version:
         """The committed manifest ``ref`` resolves to (rank 0): a version still being saved is waited for."""
