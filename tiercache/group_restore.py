@@ -60,13 +60,17 @@ def plan_moves(version: Version, missing: Sequence[Collection], holding: Sequenc
     """
     load = [0] * len(missing)
     moves: list[Move] = []
-    planned: set[str] = set()
+    needing: dict[str, list[int]] = {}
+    held: dict[str, list[int]] = {}
+    for index, per_rank in ((needing, missing), (held, holding)):
+        for rank, ids in enumerate(per_rank):
+            for cid in ids:
+                index.setdefault(cid, []).append(rank)
     for c in version.chunks:
-        needers = [r for r, m in enumerate(missing) if c.id in m]
-        if not needers or c.id in planned:
+        needers = needing.pop(c.id, None)  # popped: a chunk the version names twice moves once
+        if not needers:
             continue
-        planned.add(c.id)
-        holders = [r for r, h in enumerate(holding) if c.id in h]
+        holders = held.get(c.id, [])
         src = min(holders or needers, key=lambda r: (load[r], r))
         dsts = tuple(r for r in needers if r != src)
         load[src] += c.nbytes * max(1, len(dsts))

@@ -50,6 +50,15 @@ class Topology:
     names: tuple[str, ...]
     domains: tuple[str, ...]
     node_of: tuple[int, ...]
+    #: Each node's ranks, lowest first (derived from ``node_of``).
+    members: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            members: list[list[int]] = [[] for _ in self.names]
+            for rank, node in enumerate(self.node_of):
+                members[node].append(rank)
+            object.__setattr__(self, "members", tuple(tuple(m) for m in members))
 
     @classmethod
     def of(cls, labels: Sequence[tuple[str, str]]) -> Topology:
@@ -61,11 +70,13 @@ class Topology:
         names: list[str] = []
         domains: list[str] = []
         node_of: list[int] = []
+        index: dict[str, int] = {}
         for rank, (name, domain) in enumerate(labels):
-            if name not in names:
+            if name not in index:
+                index[name] = len(names)
                 names.append(name)
                 domains.append(domain)
-            i = names.index(name)
+            i = index[name]
             if domains[i] != domain:
                 raise ConfigError(f"rank {rank} puts node {name!r} in failure domain {domain!r}, an earlier rank "
                                   f"in {domains[i]!r}: give every rank of a node the same TIERCACHE_FAILURE_DOMAIN")
@@ -88,11 +99,11 @@ class Topology:
 
     def ranks(self, node: int) -> tuple[int, ...]:
         """The group ranks on node ``node``, lowest first."""
-        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+        return self.members[node]
 
     def leader(self, node: int) -> int:
         """The lowest group rank on node ``node``: it commits that node's manifest and ref."""
-        return self.node_of.index(node)
+        return self.members[node][0]
 
     def leads(self, rank: int) -> bool:
         """Whether ``rank`` is its node's leader."""

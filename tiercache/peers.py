@@ -66,15 +66,16 @@ def copy_moves(
         once and sent to each.
     """
     sizes = {c.id: c.nbytes for c in version.chunks}
-    order = list(sizes)
+    position = {cid: i for i, cid in enumerate(sizes)}
     moves: dict[tuple[str, int], list[int]] = {}
     sent: set[tuple[str, int]] = set()
     for node, holders in enumerate(peers):
+        part = sorted(writers[node], key=position.__getitem__)  # the node's chunks, in manifest order
         for peer in holders:
             receivers = topology.ranks(peer)
             turn = 0
-            for cid in order:
-                if cid not in writers[node] or cid in writers[peer] or (cid, peer) in sent:
+            for cid in part:
+                if cid in writers[peer] or (cid, peer) in sent:
                     continue
                 sent.add((cid, peer))
                 moves.setdefault((cid, writers[node][cid]), []).append(receivers[turn % len(receivers)])
