@@ -45,7 +45,7 @@ def full_tensors(step: int) -> dict[str, torch.Tensor]:
 
 
 def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
-    for tier in cache.engine.tiers.values():
+    for tier in cache.repo.durable.values():
         put = tier.put
 
         def recording(
@@ -59,7 +59,7 @@ def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
 
 
 def _fail_chunk_puts(cache: tiercache.TierCache, action: Callable[[], None]) -> None:
-    for tier in cache.engine.tiers.values():
+    for tier in cache.repo.durable.values():
         put = tier.put
 
         def failing(key: str, data: Any, _put: Callable[..., None] = put, **kw: bool) -> None:
@@ -167,7 +167,7 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
 
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
-    disk = cache.engine.tiers["disk"]
+    disk = cache.repo.durable["disk"]
     blob = bytes(range(256)) * 4096
     dist.barrier()
     for _ in range(20):

@@ -184,7 +184,7 @@ def test_node_local_disk_shared_by_four_processes(tmp_path: Path) -> None:
     assert not list(disk.rglob(".tmp-*"))
     # 4 processes x 10 compare-and-swap increments of one ref: none lost.
     with tiercache.open(config) as cache:
-        assert cache.engine.tiers["disk"].read_ref("refs/branch/shared").data == b"40"
+        assert cache.repo.durable["disk"].read_ref("refs/branch/shared").data == b"40"
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -227,7 +227,7 @@ def test_merge_refuses_mixed_hash_algorithms() -> None:
 def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles_first() -> None:
     # Each rank settles its tiers in the order their coordinators finish, which differs between
     # ranks; the durable error must not, or the ranks report different errors for one version.
-    owner = SimpleNamespace(cache=SimpleNamespace(engine=SimpleNamespace(tiers={"disk": None, "s3": None})))
+    owner = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None})))
     rnd = _Round(owner, "v", RefRecord(kind="branch", name="main", version="v", seq=0))  # type: ignore[arg-type]
     on_disk, on_s3 = GroupSaveError("failed on disk"), GroupSaveError("failed on s3")
     rnd.settle("s3", on_s3)

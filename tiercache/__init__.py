@@ -13,9 +13,10 @@ Example:
     >>> cache.restore("main")["w"]
 """
 
+from typing import TYPE_CHECKING
+
 from tiercache.cache import TierCache, open
 from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
-from tiercache.distributed import DistributedCache
 from tiercache.errors import (
     AccessDeniedError,
     AmbiguousRefError,
@@ -41,10 +42,23 @@ from tiercache.errors import (
     VersionNotFoundError,
 )
 from tiercache.handle import SaveHandle
-from tiercache.manifest import VersionInfo
+from tiercache.manifest import RefMove, TierState, VersionInfo
 from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
 
+if TYPE_CHECKING:
+    from tiercache.distributed import DistributedCache
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # DistributedCache needs torch.distributed: imported on first use, so that `import tiercache`
+    # (and `tiercache ls`) never pays for torch.
+    if name == "DistributedCache":
+        from tiercache.distributed import DistributedCache
+
+        return DistributedCache
+    raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
 
 __all__ = [
     "AccessDeniedError",
@@ -69,6 +83,7 @@ __all__ = [
     "PolicyContext",
     "RamConfig",
     "RefExistsError",
+    "RefMove",
     "S3Config",
     "SaveHandle",
     "SkippedError",
@@ -78,6 +93,7 @@ __all__ = [
     "TierCacheError",
     "TierFullError",
     "TierPlan",
+    "TierState",
     "TierStats",
     "TierUnavailableError",
     "UnsupportedStateError",

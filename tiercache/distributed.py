@@ -10,7 +10,7 @@ Protocol (one version, in save order on every rank):
 1. On the training thread, one collective on a private gloo group: rank 0 proposes the version
    id, the parent and the ref ``seq`` from its view of the branch; every rank checks that all
    ranks save the same step and branch, and all take the same chunk size (below). The engine then
-   stages the rank's part (the memcpy) with a :class:`~tiercache.engine.Committer`, and ``save``
+   stages the rank's part (the memcpy) with a :class:`~tiercache.pipeline.job.Committer`, and ``save``
    returns.
 2. Per durable tier, a coordinator thread with its own gloo group (collectives never run on the
    trainer's groups, nor on the training thread after step 1) gathers every rank's partial tensor
@@ -65,7 +65,7 @@ from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, 
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import PAGE, round_up
 from tiercache.manifest import Piece, RankPart, RefRecord, Version, new_version_id
-from tiercache.names import check_name, version_key
+from tiercache.names import check_name
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
@@ -191,33 +191,6 @@ def assign_owners(parts: list[Version]) -> list[set[str]]:
     return owned
 
 
-def adopt(cache: TierCache, version: Version, tiers: Collection[str]) -> None:
-    """Make this process's catalog know ``version`` as committed, chunks included, on ``tiers``.
-
-    Other ranks wrote some of its chunks (and rank 0 its manifest), which this process's catalog
-    cannot have seen.
-    """
-    cache.catalog.add(version)
-    ids = [c.id for c in version.chunks]
-    for name in tiers:
-        cache.catalog.mark_on(name, version.id)
-        cache.catalog.note_chunks(name, ids)
-
-
-def committed_on(cache: TierCache, version_id: str) -> list[str]:
-    """Durable tiers that hold ``version_id``'s manifest (asked of the tiers, not the catalog)."""
-    return [n for n, t in cache.engine.tiers.items()
-            if cache.catalog.manifest_on(n, version_id) or t.exists(version_key(version_id))]
-
-
-def commit(cache: TierCache, tier: str, version: Version, ref: RefRecord) -> None:
-    """Write ``version``'s manifest to ``tier`` and move ``ref`` there (chunks must be durable)."""
-    cache.engine.tiers[tier].put(version_key(version.id), version.to_json())
-    cache.catalog.add(version)
-    cache.catalog.mark_on(tier, version.id)
-    cache.catalog.write_ref(tier, ref)
-
-
 def rebuild_error(type_name: str, message: str) -> TierCacheError:
     """The tiercache error named ``type_name`` (a :class:`GroupSaveError` if it is not one)."""
     cls = getattr(errors, type_name, None)
@@ -233,7 +206,7 @@ class _Round:
         self.owner = owner
         self.vid = vid
         self.ref = ref
-        tiers = list(owner.cache.engine.tiers)
+        tiers = list(owner.cache.repo.durable)
         self.owners: dict[str, Future[Collection[str]]] = {t: Future() for t in tiers}
         self.ready: dict[str, Future[None]] = {t: Future() for t in tiers}
         self.outcome: dict[str, Future[None]] = {t: Future() for t in tiers}
@@ -247,11 +220,11 @@ class _Round:
     # -- engine side (writer threads) --
 
     def owned(self, tier: str) -> Collection[str]:
-        """See :meth:`tiercache.engine.Committer.owned`."""
+        """See :meth:`tiercache.pipeline.job.Committer.owned`."""
         return self.owners[tier].result()
 
     def commit(self, tier: str) -> None:
-        """See :meth:`tiercache.engine.Committer.commit`."""
+        """See :meth:`tiercache.pipeline.job.Committer.commit`."""
         self.ready[tier].set_result(None)
         self.outcome[tier].result()
 
@@ -373,7 +346,7 @@ class _Coordinator:
             result[0] = ("ok", None)
             if err is None:
                 try:
-                    commit(self.owner.cache, self.tier, merged, rnd.ref)
+                    self.owner.cache.repo.commit(self.tier, merged, rnd.ref)
                 except Exception as e:
                     result[0] = _status_of(e)
         dist.broadcast_object_list(result, src=self.src, group=self.group)
@@ -381,7 +354,7 @@ class _Coordinator:
             err = GroupSaveError(f"version {rnd.vid} failed on {self.tier}: rank 0 could not commit it: "
                                  f"{result[0][1]}")
         if err is None:
-            adopt(self.owner.cache, merged, [self.tier])
+            self.owner.cache.repo.adopt(merged, [self.tier])
         rnd.settle(self.tier, err)
 
 
@@ -416,7 +389,7 @@ class DistributedCache:
 
         self._fg = new()
         self._src = dist.get_global_rank(self._fg, 0)
-        self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.engine.tiers}
+        self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.repo.durable}
         # Recent versions saved through this view: restore waits for them and refuses failed ones.
         self._rounds: dict[str, _Round] = {}
         self._closed = False
@@ -454,16 +427,15 @@ class DistributedCache:
                 then fails on the other ranks too).
         """
         cache = self.cache
-        cache._check_open()
+        cache.check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
         part = local_state(state)
-        with cache._save_lock:
-            proposal = None
-            cur = cache.catalog.ref("branch", branch)
-            if self.rank == 0:
-                proposal = (new_version_id(), cur.version if cur else None, cur.seq + 1 if cur else 0)
+        engine = cache.engine
+        with cache.next_version(branch) as nxt:
+            # Rank 0's view decides the parent (the head, or what it resumed from) for the group.
+            proposal = (new_version_id(), nxt.parent, nxt.seq) if self.rank == 0 else None
             votes = self._agree((step, branch, self._chunk_bytes(part), proposal))
             if any(v[:2] != (step, branch) for v in votes):
                 seen = sorted({f"step {v[0]} on {v[1]!r}" for v in votes})
@@ -473,7 +445,7 @@ class DistributedCache:
             ref = RefRecord(kind="branch", name=branch, version=vid, seq=seq)
             rnd = _Round(self, vid, ref)
             try:
-                rnd.local = cache.engine.stage(
+                rnd.local = engine.stage(
                     part, step=step, branch=branch, meta=_json_meta(meta), parent=parent, seq=seq,
                     version_id=vid, chunk_bytes=max(v[2] for v in votes), committer=rnd,
                 )
@@ -482,9 +454,9 @@ class DistributedCache:
                 self._submit(rnd)
                 raise
             if self.rank == 0:
-                cache.catalog.note_move(ref, cur)
+                nxt.version = vid
             else:
-                cache.catalog.set_ref(ref)
+                cache.catalog.set_ref(ref)  # follow the group's head (rank 0 moves the ref)
         self._submit(rnd)
         return self._handle(rnd)
 
@@ -535,7 +507,7 @@ class DistributedCache:
                 through :mod:`tiercache.integrations.dcp` to reshard).
         """
         cache = self.cache
-        cache._check_open()
+        cache.check_open()
         found: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -547,7 +519,7 @@ class DistributedCache:
             raise rebuild_error(found[0][1], found[0][2])
         version = Version.from_json(found[0][1].encode(), source=f"manifest of {ref!r}")
         # Another rank (or process) may have committed it since this process's catalog was loaded.
-        adopt(cache, version, committed_on(cache, version.id))
+        cache.repo.adopt(version, cache.repo.committed_on(version.id))
         if version.parts:
             if len(version.parts) != self.world_size:
                 raise InvalidArgumentError(
@@ -602,10 +574,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DistributedCache",
     "GroupSaveError",
-    "adopt",
     "assign_owners",
-    "commit",
-    "committed_on",
     "local_state",
     "merge_parts",
     "rank_view",

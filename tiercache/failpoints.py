@@ -31,7 +31,7 @@ ENV_VAR = "TIERCACHE_FAILPOINTS"
 #: Every failpoint the code calls, in write-path order.
 FAILPOINTS: tuple[str, ...] = (
     "engine.after_chunk_write",  # one chunk of a version is on the tier, the others may not be
-    "engine.after_manifest_write",  # chunks and manifest are on the tier, the ref not yet
+    "repo.after_manifest_write",  # chunks and manifest are on the tier, the ref not yet
     "disk.after_tmp_write",  # tmp file written, not yet fsynced
     "disk.after_fsync",  # tmp file durable, not yet renamed
     "disk.after_rename",  # final name in place, directory not yet fsynced

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import NamedTuple
 
 #: Anything exposing the buffer protocol that ``put`` accepts.
@@ -63,6 +64,18 @@ class Tier(ABC):
     name: str
     durable: bool
     capacity: int | None = None
+    #: Whether a put with ``sync_name=False`` needs :meth:`sync_names` before its name is durable
+    #: (a directory-based tier); the repo then also syncs, once, names it found but did not write.
+    names_need_sync: bool = False
+    #: Whether a chunk's payload can be written before its name (hash) is known (``begin_put``):
+    #: the engine then starts writing while the rest of the state is still being copied.
+    early_writes: bool = False
+    #: Whether reads may borrow the stored bytes in place (``borrow``) instead of copying them out.
+    lends: bool = False
+    #: Threads the engine writes this tier's chunks with (``None``: the config's ``io_threads``).
+    write_threads: int | None = None
+    #: Seconds a version's chunk writes may take here, retries included (``None``: no limit).
+    deadline_s: float | None = None
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -125,6 +138,15 @@ class Tier(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Return every stored key starting with ``prefix``, sorted."""
+
+    def list_dated(self, prefix: str = "") -> list[tuple[str, int, datetime]]:
+        """``(key, size, last modified)`` of every stored key starting with ``prefix``, sorted.
+
+        A tier that cannot tell an object's age reports it as written now, so only ``gc`` with no
+        grace period collects there.
+        """
+        now = datetime.now(UTC)
+        return [(key, self.size(key) or 0, now) for key in self.list(prefix)]
 
     @abstractmethod
     def read_ref(self, key: str) -> RefValue | None:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,9 +39,9 @@ from tiercache.names import CHUNKS, REFLOG, REFS, STATUS, VERSIONS, ref_key, ref
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiercache.health import TierHealth
+    from tiercache.repo.health import TierHealth
 
-log = logging.getLogger("tiercache.catalog")
+log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
@@ -60,12 +60,13 @@ class Catalog:
     """Versions, refs and chunk residency across the tiers of one cache.
 
     Args:
-        tiers: Every configured tier by name, fastest first (the RAM tier included).
+        tiers: Returns every tier by name, fastest first (the RAM tier included once it exists).
+        health: Which durable tiers answer now (a down one is left out of loads and listings).
     """
 
-    def __init__(self, tiers: dict[str, Tier], health: TierHealth | None = None) -> None:
-        self._tiers = tiers
-        self._durable = [n for n, t in tiers.items() if t.durable]
+    def __init__(self, tiers: Callable[[], Mapping[str, Tier]], health: TierHealth | None = None) -> None:
+        self._tiers_now = tiers
+        self._durable = [n for n, t in tiers().items() if t.durable]
         self._health = health
         self._lock = threading.RLock()
         self._versions: dict[str, Version] = {}
@@ -94,6 +95,11 @@ class Catalog:
         self._outcomes: dict[str, dict[str, TierOutcome]] = {}
         self._status_listed: set[str] | None = None
         self._loaded = False
+
+    @property
+    def _tiers(self) -> Mapping[str, Tier]:
+        """The tiers now (the RAM tier joins once the engine has an arena)."""
+        return self._tiers_now()
 
     # ------------------------------------------------------------------ loading
 
