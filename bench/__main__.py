@@ -21,13 +21,14 @@ from typing import Any
 from rich.console import Console
 
 from bench.baselines import BASELINE_GROUPS, S3Endpoint, run_baselines
+from bench.cli import CLI_GROUPS, run_cli
 from bench.report import evaluate, machine_info, render, write_json, write_png
 from bench.save_restore import TIERCACHE_GROUPS, ram_capacity, run_tiercache
 from bench.state import make_state, state_nbytes, state_summary
 from tiercache.config import DiskConfig, S3Config, parse_size
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS
+GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS + CLI_GROUPS
 _S3_GROUPS = frozenset({"s3", "s3torch", "save", "restore", "rss"})
 
 
@@ -113,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  dcp_threads=DiskConfig.model_fields["io_threads"].default)
             rows += run_tiercache(state, work, repeat=args.repeat, groups=args.groups, s3=s3,
                                   policy=args.policy)
+            if "cli" in args.groups:
+                rows += run_cli(work, repeat=args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     verdicts = evaluate(rows)

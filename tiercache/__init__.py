@@ -15,8 +15,6 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from tiercache.cache import TierCache, open
-from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
 from tiercache.errors import (
     AccessDeniedError,
     AmbiguousRefError,
@@ -41,24 +39,41 @@ from tiercache.errors import (
     UnsupportedStateError,
     VersionNotFoundError,
 )
-from tiercache.handle import SaveHandle
-from tiercache.manifest import RefMove, TierState, VersionInfo
-from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
 
 if TYPE_CHECKING:
+    from tiercache.cache import TierCache, open
+    from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
     from tiercache.distributed import DistributedCache
+    from tiercache.handle import SaveHandle
+    from tiercache.manifest import RefMove, TierState, VersionInfo
+    from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
 
 __version__ = "0.1.0"
 
+#: Where each public name lives: imported on first use, so that `import tiercache` (and with it
+#: `tiercache --help` or `tiercache ls`) pays only for what it touches, never for torch.
+_HOME = {
+    "TierCache": "cache", "open": "cache",
+    "CacheConfig": "config", "DiskConfig": "config", "PolicyConfig": "config", "RamConfig": "config",
+    "S3Config": "config", "load_config": "config",
+    "DistributedCache": "distributed",
+    "SaveHandle": "handle",
+    "RefMove": "manifest", "TierState": "manifest", "VersionInfo": "manifest",
+    "Placement": "policy.base", "Policy": "policy.base", "PolicyContext": "policy.base", "TierPlan": "policy.base",
+    "TierStats": "policy.base", "VersionView": "policy.base",
+}
+
 
 def __getattr__(name: str) -> object:
-    # DistributedCache needs torch.distributed: imported on first use, so that `import tiercache`
-    # (and `tiercache ls`) never pays for torch.
-    if name == "DistributedCache":
-        from tiercache.distributed import DistributedCache
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
+    import importlib
 
-        return DistributedCache
-    raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tiercache.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AccessDeniedError",

@@ -37,7 +37,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from tiercache.config import CacheConfig, PolicyConfig, load_config
 from tiercache.errors import (
     AmbiguousRefError,
     BranchNotFoundError,
@@ -53,6 +52,7 @@ from tiercache.names import check_name
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
+    from tiercache.config import CacheConfig
     from tiercache.manifest import VersionInfo
 
 __all__ = ["GraphRow", "app", "layout_graph", "main"]
@@ -208,6 +208,8 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
 
 def _config(opts: _Options) -> CacheConfig:
     """The config the global options name, with ``--policy`` applied."""
+    from tiercache.config import PolicyConfig, load_config  # not at import: `--help` stays quick
+
     cfg = load_config(opts.config)
     if opts.policy is not None:
         cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
