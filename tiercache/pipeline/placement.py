@@ -42,6 +42,8 @@ class Placement:
         self.policy = policy
         self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         self.last_remote: float | None = None
+        # Remote tiers count for residency only once listed: a decision never waits on a bucket.
+        self._remote = frozenset(n for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote")
 
     # ------------------------------------------------------------------ what the policy sees
 
@@ -94,7 +96,7 @@ class Placement:
         fresh: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         for v in cat.all():
             job = by_job.get(v.id)
-            resid = cat.residency(v)
+            resid = cat.residency(v, self._remote)
             pending = job_pending.get(v.id, frozenset())
             # The job knows when save() was called; the manifest only when hashing finished.
             created = job.created_at if job is not None else v.created_at.timestamp()
@@ -121,7 +123,7 @@ class Placement:
     def view(self, job: Job) -> VersionView:
         """The policy's view of one job: where it lives now, what it waits for, whether it is pinned."""
         cat = self.engine.repo.catalog
-        tiers = frozenset(cat.residency(job.manifest)) if job.manifest is not None else frozenset()
+        tiers = frozenset(cat.residency(job.manifest, self._remote)) if job.manifest is not None else frozenset()
         pinned = job.version_id in {r.version for r in cat.refs().values()}
         with self.engine.jobs.lock:
             return dataclasses.replace(job.view(tiers), pinned=pinned)

@@ -12,7 +12,7 @@ A pending version is also *open* from ``save()`` until it settles, with its pare
 the parents of open versions, so a version in flight never commits naming a collected parent.
 
 Leases are per process; across processes ``gc_grace`` protects young objects (see
-:mod:`tiercache.repo.maintenance`).
+:mod:`tiercache.repo.gc`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import TypeVar
+
+from tiercache.failpoints import failpoint
 
 T = TypeVar("T")
 
@@ -66,6 +68,7 @@ class Leases:
         with self._lock:
             # A chunk being deleted right now: wait until it is gone (then the check sees it absent).
             while any((tier, cid) in self._deleting for cid in wanted):
+                failpoint("leases.claim_waits", tier, wanted)
                 self._lock.wait()
             for cid in wanted:
                 self._held[(tier, cid)].add(owner)
@@ -84,15 +87,20 @@ class Leases:
                     if not users:
                         del self._held[key]
 
-    def deletable(self, tier: str, ids: Iterable[str], delete: Callable[[set[str]], T]) -> T:
-        """Run ``delete(unleased)`` with the ``ids`` no pending version leases on ``tier``.
+    def deletable(self, tier: str, ids: Iterable[str], delete: Callable[[set[str]], T],
+                  named: Callable[[set[str]], set[str]] = lambda ids: set()) -> T:
+        """Run ``delete(free)`` with the ``ids`` no pending version leases on ``tier`` and ``named`` keeps.
 
-        Claims of those chunks wait until ``delete`` returns (it runs without the lock: deletes
-        are I/O), so a save either leased a chunk first (and it is kept) or finds it gone (and
-        writes it again); ``delete`` must note the chunks absent before it returns.
+        ``named(ids)`` (run under the lock) returns those of ``ids`` a committed version names
+        now: a version whose lease ended since the caller decided what to delete committed
+        first, so its manifest keeps them. Claims of the chunks deleted wait until ``delete``
+        returns (it runs without the lock: deletes are I/O), so a save either leased a chunk
+        first (and it is kept) or finds it gone (and writes it again); ``delete`` must note the
+        chunks absent before it returns.
         """
         with self._lock:
             free = {cid for cid in ids if (tier, cid) not in self._held}
+            free -= named(free)
             self._deleting |= {(tier, cid) for cid in free}
         try:
             return delete(free)

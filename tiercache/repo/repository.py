@@ -108,7 +108,9 @@ class Repo:
         there, and ends with :meth:`commit` or :meth:`release`.
         """
         self.catalog.chunks_on(tier)  # listed first, outside the leases' lock: a listing may take a while
-        return self.leases.claim(owner, tier, ids, lambda wanted: wanted - self.catalog.chunks_on(tier))
+        missing = self.leases.claim(owner, tier, ids, lambda wanted: wanted - self.catalog.chunks_on(tier))
+        failpoint("repo.after_claim", tier, missing)
+        return missing
 
     def stored(self, tier: str, ids: Iterable[str]) -> None:
         """Note chunks just written to ``tier`` (names not necessarily synced yet)."""
@@ -322,8 +324,15 @@ class Repo:
             The ids deleted, with their stored sizes.
         """
         t = self._all[tier]
+        cat = self.catalog
+
+        def named(ids: set[str]) -> set[str]:
+            # A version committed on the tier since the caller decided (its lease has ended):
+            # its manifest names what it relies on.
+            return {c.id for v in cat.all() if cat.manifest_on(tier, v.id) for c in v.chunks} & ids
 
         def delete(free: set[str]) -> dict[str, int]:
+            failpoint("repo.chunks_doomed", tier, free)
             gone = {}
             for cid in sorted(free):
                 size = sizes[cid] if sizes is not None and cid in sizes else t.size(chunk_key(cid)) or 0
@@ -332,7 +341,7 @@ class Repo:
             self.catalog.note_chunks(tier, free, present=False)
             return gone
 
-        return self.leases.deletable(tier, ids, delete)
+        return self.leases.deletable(tier, ids, delete, named)
 
     def forget(self, version_ids: Iterable[str]) -> None:
         """Drop collected versions from the catalog, so listing and resolution no longer see them."""
