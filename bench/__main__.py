@@ -65,12 +65,12 @@ def _empty_bucket(client: Any, bucket: str) -> None:
 
 @contextmanager
 def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
-    """A fresh bucket on ``TIERCACHE_TEST_S3_ENDPOINT``, or on a local S3 server started for the run."""
+    """A fresh bucket on ``TEST_TIERCACHE_S3_ENDPOINT``, or on a local S3 server started for the run."""
     bucket = f"tiercache-bench-{secrets.token_hex(4)}"
     with ExitStack() as stack:
-        url = os.environ.get("TIERCACHE_TEST_S3_ENDPOINT")
+        url = os.environ.get("TEST_TIERCACHE_S3_ENDPOINT")
         if url:
-            console.print(f"S3: {url} (TIERCACHE_TEST_S3_ENDPOINT)")
+            console.print(f"S3: {url} (TEST_TIERCACHE_S3_ENDPOINT)")
         else:
             from tiercache.testing import LocalS3
 
@@ -82,7 +82,7 @@ def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
         defaults = S3Config.model_fields
         endpoint = S3Endpoint(url, bucket, part_size=defaults["part_size"].default,
                               concurrency=defaults["max_concurrency"].default)
-        if os.environ.get("TIERCACHE_TEST_S3_ENDPOINT"):
+        if os.environ.get("TEST_TIERCACHE_S3_ENDPOINT"):
             client = endpoint.client()
             client.create_bucket(Bucket=bucket)
             stack.callback(_empty_bucket, client, bucket)
