@@ -2,7 +2,7 @@
 # One entry point for a fresh clone: sets up .venv (torch pinned to the CPU build first, so pip
 # never pulls a CUDA build), then runs what you ask for.
 #   ./dev.sh demo    run the demo (train, checkpoint through RAM -> disk -> local S3, kill, resume, branch)
-#   ./dev.sh test    run the test suite (add --slow, or TIERCACHE_SLOW=1, for the large trial counts)
+#   ./dev.sh test    run the test suite (add --slow, or TEST_TIERCACHE_SLOW=1, for the large trial counts)
 #   ./dev.sh bench   run the benchmark against the baselines (options: ./dev.sh bench --help)
 #   ./dev.sh setup   only set up .venv
 set -euo pipefail

@@ -21,13 +21,14 @@ from typing import Any
 from rich.console import Console
 
 from bench.baselines import BASELINE_GROUPS, S3Endpoint, run_baselines
+from bench.cli import CLI_GROUPS, run_cli
 from bench.report import evaluate, machine_info, render, write_json, write_png
 from bench.save_restore import TIERCACHE_GROUPS, ram_capacity, run_tiercache
 from bench.state import make_state, state_nbytes, state_summary
 from tiercache.config import DiskConfig, S3Config, parse_size
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS
+GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS + CLI_GROUPS
 _S3_GROUPS = frozenset({"s3", "s3torch", "save", "restore", "rss"})
 
 
@@ -64,12 +65,12 @@ def _empty_bucket(client: Any, bucket: str) -> None:
 
 @contextmanager
 def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
-    """A fresh bucket on ``TIERCACHE_TEST_S3_ENDPOINT``, or on a local S3 server started for the run."""
+    """A fresh bucket on ``TEST_TIERCACHE_S3_ENDPOINT``, or on a local S3 server started for the run."""
     bucket = f"tiercache-bench-{secrets.token_hex(4)}"
     with ExitStack() as stack:
-        url = os.environ.get("TIERCACHE_TEST_S3_ENDPOINT")
+        url = os.environ.get("TEST_TIERCACHE_S3_ENDPOINT")
         if url:
-            console.print(f"S3: {url} (TIERCACHE_TEST_S3_ENDPOINT)")
+            console.print(f"S3: {url} (TEST_TIERCACHE_S3_ENDPOINT)")
         else:
             from tiercache.testing import LocalS3
 
@@ -81,7 +82,7 @@ def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
         defaults = S3Config.model_fields
         endpoint = S3Endpoint(url, bucket, part_size=defaults["part_size"].default,
                               concurrency=defaults["max_concurrency"].default)
-        if os.environ.get("TIERCACHE_TEST_S3_ENDPOINT"):
+        if os.environ.get("TEST_TIERCACHE_S3_ENDPOINT"):
             client = endpoint.client()
             client.create_bucket(Bucket=bucket)
             stack.callback(_empty_bucket, client, bucket)
@@ -113,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  dcp_threads=DiskConfig.model_fields["io_threads"].default)
             rows += run_tiercache(state, work, repeat=args.repeat, groups=args.groups, s3=s3,
                                   policy=args.policy)
+            if "cli" in args.groups:
+                rows += run_cli(work, repeat=args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     verdicts = evaluate(rows)

@@ -111,6 +111,8 @@ TARGETS: tuple[Target, ...] = (
     Target("tc.rss_peak", ("tc.rss_budget",), (), 1.0, None, "<= RAM capacity x1.05 + state"),
     Target("tc.loop_slowdown", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
     Target("tc.loop_slowdown_deferred", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
+    Target("tc.cli_help", ("cli.help_budget",), (), 1.0, None, "< 0.3 s"),
+    Target("tc.cli_ls", ("cli.ls_budget",), (), 1.0, None, "< 0.5 s on a disk-only cache"),
 )
 
 

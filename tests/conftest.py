@@ -1,7 +1,7 @@
 """Shared fixtures: the ``--slow`` switch and a real S3 server for the integration tests.
 
-The S3 server is the one named by ``TIERCACHE_TEST_S3_ENDPOINT`` (for example MinIO from
-``docker compose up -d``, with ``TIERCACHE_TEST_S3_BUCKET`` and the ``AWS_*`` credentials of the
+The S3 server is the one named by ``TEST_TIERCACHE_S3_ENDPOINT`` (for example MinIO from
+``docker compose up -d``, with ``TEST_TIERCACHE_S3_BUCKET`` and the ``AWS_*`` credentials of the
 environment, minioadmin/minioadmin by default), or else an embedded SeaweedFS started on free
 loopback ports the first time a test asks for it and stopped at the end of the session.
 """
@@ -31,12 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--slow",
         action="store_true",
         default=False,
-        help="run the slow tests and the large trial counts (also: TIERCACHE_SLOW=1)",
+        help="run the slow tests and the large trial counts (also: TEST_TIERCACHE_SLOW=1)",
     )
 
 
 def _slow_enabled(config: pytest.Config) -> bool:
-    return bool(config.getoption("--slow")) or os.environ.get("TIERCACHE_SLOW", "") == "1"
+    return bool(config.getoption("--slow")) or os.environ.get("TEST_TIERCACHE_SLOW", "") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,13 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def slow(pytestconfig: pytest.Config) -> bool:
-    """Whether large trial counts were asked for (``--slow`` or ``TIERCACHE_SLOW=1``)."""
+    """Whether large trial counts were asked for (``--slow`` or ``TEST_TIERCACHE_SLOW=1``)."""
     return _slow_enabled(pytestconfig)
 
 
 @dataclass(frozen=True)
 class ExternalS3:
-    """An S3 server the developer runs (``TIERCACHE_TEST_S3_ENDPOINT``), same shape as LocalS3."""
+    """An S3 server the developer runs (``TEST_TIERCACHE_S3_ENDPOINT``), same shape as LocalS3."""
 
     endpoint_url: str
     bucket: str
@@ -103,11 +103,11 @@ def s3_server() -> Iterator[object]:
     Yields an object with ``endpoint_url``, ``bucket``, ``access_key``, ``secret_key``, ``region``
     and ``env()``.
     """
-    endpoint = os.environ.get("TIERCACHE_TEST_S3_ENDPOINT")
+    endpoint = os.environ.get("TEST_TIERCACHE_S3_ENDPOINT")
     if endpoint:
         server: object = ExternalS3(
             endpoint_url=endpoint,
-            bucket=os.environ.get("TIERCACHE_TEST_S3_BUCKET", DEFAULT_TEST_BUCKET),
+            bucket=os.environ.get("TEST_TIERCACHE_S3_BUCKET", DEFAULT_TEST_BUCKET),
             access_key=os.environ.get("AWS_ACCESS_KEY_ID", "minioadmin"),
             secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "minioadmin"),
             region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
@@ -126,7 +126,7 @@ def s3_server() -> Iterator[object]:
 
     from tiercache.testing import LocalS3
 
-    local = LocalS3(bucket=os.environ.get("TIERCACHE_TEST_S3_BUCKET", DEFAULT_TEST_BUCKET))
+    local = LocalS3(bucket=os.environ.get("TEST_TIERCACHE_S3_BUCKET", DEFAULT_TEST_BUCKET))
     local.start()
     try:
         with _patched_env(local.env()):

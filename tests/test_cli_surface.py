@@ -88,7 +88,7 @@ def cfg(tmp_path: Path) -> Path:
     return config
 
 
-GC_INFO = "INFO tiercache.maintenance: gc (dry run): 0 versions, 0 chunk objects, 0 bytes"
+GC_INFO = "INFO tiercache.repo.gc: gc (dry run): 0 versions, 0 chunk objects, 0 bytes"
 
 
 @pytest.mark.parametrize(

@@ -241,7 +241,7 @@ def test_kill_mid_gc_keeps_every_live_version(server: ForkServer, tmp_path: Path
         assert torch.equal(cache.restore("main")["v"], state_for(1)["v"])
 
 
-@pytest.mark.parametrize("name", ["disk.after_fsync", "engine.after_manifest_write", "catalog.before_ref_write"])
+@pytest.mark.parametrize("name", ["disk.after_fsync", "repo.after_manifest_write", "catalog.before_ref_write"])
 def test_a_raising_failpoint_fails_the_level_and_keeps_the_previous_version(tmp_path: Path, name: str) -> None:
     with tiercache.open(config_for({"root": str(tmp_path)})) as cache:
         good = cache.save(state_for(1), step=1)

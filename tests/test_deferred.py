@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import tiercache
-from tiercache.deferred import deferrable, owned_by
 from tiercache.errors import InvalidArgumentError
 from tiercache.format import flatten
-from tiercache.staging import Stager
+from tiercache.pipeline.deferred import deferrable, owned_by
+from tiercache.pipeline.staging import Stager
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -8,6 +8,7 @@ A store that ignores conditional writes is simulated on the same real server by 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 import tiercache
 from tiercache.cli import app
 from tiercache.config import S3Config
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, StorageError
 from tiercache.tiers.s3 import S3Tier
 
 pytestmark = pytest.mark.s3
@@ -53,16 +54,46 @@ def _toml(tmp_path: Path, s3_config: S3Config, **s3: object) -> Path:
 
 def test_real_server_enforces_conditional_writes(s3_config: S3Config) -> None:
     with tiercache.open({"s3": s3_config.model_dump()}) as cache:
-        report = cache.doctor()
+        unknown = cache.doctor()  # nobody saved yet, and plain doctor writes nothing: nothing probed
+        assert unknown.probe == {} and unknown.probed_at is None and not unknown.ok
+        assert "never probed" in unknown.problems[0] and "tiercache doctor --probe" in unknown.problems[0]
+        report = cache.doctor(probe=True)
     assert report.probe == {"if_none_match": True, "if_match": True, "delete_if_match": report.probe["delete_if_match"],
                             "read_after_write": True}
     assert report.conditional_writes and report.ok and report.problems == []
     assert report.uploads == ()
 
 
+def test_doctor_reports_the_probe_a_saving_process_recorded(s3_config: S3Config) -> None:
+    with tiercache.open({"s3": s3_config.model_dump()}) as trainer:
+        trainer.save({"w": torch.ones(4)}, step=1).wait("remote")  # probes before its first ref write
+    with tiercache.open({"s3": s3_config.model_dump()}) as viewer:
+        report = viewer.doctor()
+    assert report.probed_at is not None and report.ok and report.probe["if_match"] is True
+
+
+def test_abort_stale_refuses_a_store_whose_upload_times_are_fixed(
+    s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = S3Tier.list_multipart_uploads
+
+    def fixed_dates(tier: S3Tier) -> list[tuple[str, str, datetime]]:
+        return [(k, u, datetime(2010, 1, 1, tzinfo=UTC)) for k, u, _ in real(tier)]  # an emulator's fixed date
+
+    with tiercache.open({"s3": s3_config.model_dump()}) as cache:
+        tier = cache.repo.durable["s3"]
+        upload = tier._client.create_multipart_upload(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/chunks/x")
+        monkeypatch.setattr(S3Tier, "list_multipart_uploads", fixed_dates)
+        with pytest.raises(StorageError, match=r"refusing to abort uploads by age: the store reports upload start "
+                                               r"times -\d+ s off this clock"):
+            cache.doctor(abort_stale=3600)
+        monkeypatch.undo()
+        assert [u for _, u, _ in tier.list_multipart_uploads()] == [upload["UploadId"]]  # nothing aborted
+
+
 def test_doctor_lists_and_aborts_stale_multipart_uploads(s3_config: S3Config) -> None:
     with tiercache.open({"s3": s3_config.model_dump()}) as cache:
-        tier = cache.engine.tiers["s3"]
+        tier = cache.repo.durable["s3"]
         client, bucket, prefix = tier._client, s3_config.bucket, s3_config.prefix
         ids = [client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab{i:030d}")["UploadId"]
                for i in range(2)]
@@ -81,15 +112,16 @@ def test_doctor_lists_and_aborts_stale_multipart_uploads(s3_config: S3Config) ->
 @pytest.mark.usefixtures("ignores_conditions")
 def test_store_ignoring_conditional_writes_is_refused_unless_unsafe(s3_config: S3Config) -> None:
     with tiercache.open({"s3": s3_config.model_dump()}) as cache:
-        report = cache.doctor()
+        report = cache.doctor(probe=True)
         assert report.probe["if_none_match"] is False and report.probe["if_match"] is False
         assert not report.conditional_writes and not report.ok
         assert "ignores conditional writes" in report.problems[0]
         assert "s3.allow_unsafe_refs = true" in report.problems[0]
-        assert cache.doctor(unsafe=True).ok
+        assert cache.doctor(unsafe=True, probe=True).ok
     unsafe_cfg = {"s3": {**s3_config.model_dump(), "allow_unsafe_refs": True}}
     with tiercache.open(unsafe_cfg) as cache:
-        assert cache.doctor().ok and not cache.doctor().conditional_writes
+        report = cache.doctor(probe=True)
+        assert report.ok and not report.conditional_writes
 
 
 def test_doctor_without_s3_is_a_config_error(tmp_path: Path) -> None:
@@ -99,22 +131,22 @@ def test_doctor_without_s3_is_a_config_error(tmp_path: Path) -> None:
 
 def test_cli_doctor_ok_on_the_real_server(tmp_path: Path, s3_config: S3Config) -> None:
     cfg = _toml(tmp_path, s3_config)
-    result = CliRunner().invoke(app, ["--config", str(cfg), "doctor"])
+    result = CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--probe"])
     assert result.exit_code == 0, result.output
     assert "ok   if_none_match" in result.output and "doctor: OK" in result.output
-    as_json = CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--json"])
+    as_json = CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--probe", "--json"])
     assert json.loads(as_json.stdout)["conditional_writes"] is True
 
 
 @pytest.mark.usefixtures("ignores_conditions")
 def test_cli_doctor_refuses_a_store_ignoring_conditions(tmp_path: Path, s3_config: S3Config) -> None:
     cfg = _toml(tmp_path, s3_config)
-    result = CliRunner().invoke(app, ["--config", str(cfg), "doctor"])
+    result = CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--probe"])
     assert result.exit_code == 1
     assert "FAIL if_none_match" in result.output and "remote ref commits are refused" in result.output
-    assert CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--unsafe"]).exit_code == 0
+    assert CliRunner().invoke(app, ["--config", str(cfg), "doctor", "--probe", "--unsafe"]).exit_code == 0
     unsafe = _toml(tmp_path, s3_config, allow_unsafe_refs=True)
-    assert CliRunner().invoke(app, ["--config", str(unsafe), "doctor"]).exit_code == 0
+    assert CliRunner().invoke(app, ["--config", str(unsafe), "doctor", "--probe"]).exit_code == 0
 
 
 def test_cli_doctor_bad_age_is_bad_input(tmp_path: Path, s3_config: S3Config) -> None:
@@ -133,7 +165,7 @@ def test_remote_ref_commits_are_refused_on_such_a_store_unless_unsafe(s3_config:
     assert "s3.allow_unsafe_refs = true" in str(refused.value)
     with pytest.raises(ConfigError):
         cache.close()  # the background failure is reported once more on close
-    assert cache.engine.tiers["s3"].list("refs/") == []
+    assert cache.repo.durable["s3"].list("refs/") == []
     with tiercache.open({"s3": {**s3_config.model_dump(), "allow_unsafe_refs": True}}) as unsafe:
         h2 = unsafe.save(state, step=2)
         assert h2.wait("remote") == h2.version

@@ -88,7 +88,8 @@ def test_full_arena_makes_save_wait_for_a_writer(tmp_path: Path, monkeypatch: py
         t.start()
         t.join(0.5)
         assert t.is_alive(), "save() must wait while the arena holds two unwritten versions"
-        assert cache.engine.arena is not None and cache.engine.arena.used_bytes <= cache.engine.arena.capacity
+        arena = cache.engine.ramcache.arena
+        assert arena is not None and arena.used_bytes <= arena.capacity
         gated.gate.set()
         t.join(30)
         assert not t.is_alive()
@@ -255,7 +256,7 @@ def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeyp
             cache.save(_state(2, 1 << 20), step=1)
         monkeypatch.undo()
         cache.flush()
-        assert cache.engine.arena is not None and cache.engine.arena.used_bytes == 0
+        assert cache.engine.ramcache.arena is not None and cache.engine.ramcache.arena.used_bytes == 0
         state = _state(2, 1 << 20, seed=7)
         h = cache.save(state, step=2)  # the copy error is not raised a second time
         assert h.wait("local") == h.version
@@ -303,13 +304,13 @@ def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path:
             state["w0"][0] = step
             cache.save(state, step=step)
         cache.flush()
-        first = cache.engine.context().versions
-        again = cache.engine.context().versions
+        first = cache.engine.placement.context().versions
+        again = cache.engine.placement.context().versions
         # Nothing moved: every view is the same object (a decision costs no rebuild per version).
         assert len(first) == 6 and all(a is b for a, b in zip(first, again, strict=True))
         oldest = first[0]
         cache.evict(oldest.id, "ram")
-        after = cache.engine.context().versions
+        after = cache.engine.placement.context().versions
         assert after[0] is not oldest and after[0].tiers == frozenset({"disk"})
         assert oldest.tiers == frozenset({"ram", "disk"})
         assert all(a is b for a, b in zip(first[1:], after[1:], strict=True))
@@ -318,15 +319,16 @@ def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path:
 def test_prepare_faults_the_arena_in_before_the_first_save(tmp_path: Path) -> None:
     state = _state(2, 1 << 18)
     with tiercache.open({"ram": {"capacity": "32MiB"}, "disk": {"path": str(tmp_path)}}) as cache:
-        assert cache.engine.arena is None or not cache.engine.arena.is_allocated  # opening allocates nothing
+        arena = cache.engine.ramcache.arena
+        assert arena is None or not arena.is_allocated  # opening allocates nothing
         cache.prepare(wait=True)
-        arena = cache.engine.arena
+        arena = cache.engine.ramcache.arena
         assert arena is not None and arena.is_allocated and arena.capacity == 32 << 20
         h = cache.save(state, step=1)
-        assert cache.engine.arena is arena and h.wait("local") == h.version
+        assert cache.engine.ramcache.arena is arena and h.wait("local") == h.version
         assert torch.equal(cache.restore(h.version)["w1"], state["w1"])
         cache.prepare()  # again: nothing to do
-        assert cache.engine.arena is arena
+        assert cache.engine.ramcache.arena is arena
 
 
 def test_prepare_in_the_background_races_the_first_save_safely(tmp_path: Path) -> None:
@@ -345,9 +347,9 @@ def test_prepare_with_auto_capacity_needs_a_state(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         with pytest.raises(tiercache.InvalidArgumentError, match=r"ram\.capacity is 'auto'"):
             cache.prepare()
-        assert cache.engine.arena is None or not cache.engine.arena.is_allocated
+        assert cache.engine.ramcache.arena is None or not cache.engine.ramcache.arena.is_allocated
         cache.prepare(_state(2, 1 << 20), wait=True)  # two versions of 8 MiB, at least 64 MiB
-        assert cache.engine.arena is not None and cache.engine.arena.capacity == 64 << 20
+        assert cache.engine.ramcache.arena is not None and cache.engine.ramcache.arena.capacity == 64 << 20
     with pytest.raises(tiercache.CacheClosedError):
         cache.prepare()
 
@@ -419,7 +421,7 @@ def test_early_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
         assert len(begun) == 20  # every chunk, the twin's too, was written before it was hashed
         files = _chunk_files(tmp_path)
         assert len(files) == 16  # ... and the twin's four were dropped as w0's
-        arena = cache.engine.arena
+        arena = cache.engine.ramcache.arena
         held = arena.capacity - arena.free_bytes
         # Identical: every chunk is in RAM already, so the hasher hands each staged copy to the
         # early write still reading it, which frees it.
@@ -448,13 +450,13 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
         for step in (1, 2, 3):
             state["trained"].add_(1)
             cache.save(state, step=step).wait("local")
-        disk = engine.tiers["disk"]
+        disk = engine.repo.durable["disk"]
         layout = engine._last_hashed[0]
         job = SimpleNamespace(layout=layout, ready=[None] * 5, committer=None)
-        assert engine._early_hint(job, disk, "raw/1") == [False, False, False, True, True]
-        assert engine._early_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown
+        assert engine.early_hint(job, disk, "raw/1") == [False, False, False, True, True]
+        assert engine.early_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown
         other = SimpleNamespace(layout=object(), ready=[None] * 2, committer=None)
-        assert engine._early_hint(other, disk, "raw/1") == [True, True]  # no history: all
+        assert engine.early_hint(other, disk, "raw/1") == [True, True]  # no history: all
         assert len(_chunk_files(tmp_path)) == 3 + 2 * 3
         # The writer follows the hint: the trained chunks go early (their hashing waits for
         # that), the frozen ones are hashed first, found stored, and never written.
@@ -463,7 +465,9 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
 
         lent: list[int] = []
         hinted = threading.Event()
-        real_lend, real_hint, gated_id = type(engine)._lend_region, type(engine)._early_hint, codecs.content_id
+        from tiercache.pipeline.writer import TierWriter
+
+        real_lend, real_hint, gated_id = TierWriter._lend_region, type(engine).early_hint, codecs.content_id
 
         def lend(self: object, job: object, i: int) -> object:
             lent.append(i)
@@ -481,8 +485,8 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
                 time.sleep(0.2)
             return gated_id(data, algo)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(type(engine), "_lend_region", lend)
-        monkeypatch.setattr(type(engine), "_early_hint", hint)
+        monkeypatch.setattr(TierWriter, "_lend_region", lend)
+        monkeypatch.setattr(type(engine), "early_hint", hint)
         monkeypatch.setattr(codecs, "content_id", content_id)
         state["trained"].add_(1)
         cache.save(state, step=4).wait("local")
@@ -575,10 +579,10 @@ def test_a_failed_chunk_write_fails_the_level_only_after_the_other_writes_end(
 def test_chunks_written_before_their_hash_hold_a_bounded_number_of_open_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tiercache.engine as engine_mod
+    import tiercache.pipeline.writer as writer_mod
     import tiercache.tiers.disk as diskmod
 
-    monkeypatch.setattr(engine_mod, "_EARLY_AHEAD", 2)
+    monkeypatch.setattr(writer_mod, "EARLY_AHEAD", 2)
     begun = _hash_after_begun(monkeypatch)
     open_now, most = [0], [0]
     lock = threading.Lock()

@@ -234,7 +234,7 @@ def test_gc_on_disk_and_s3(tmp_path: Path, s3_config: S3Config) -> None:
         report = cache.gc(grace=0)
         assert report.versions == (v2, v3)
         assert report.chunks == {"disk": 2, "s3": 2} and report.manifests == {"disk": 2, "s3": 2}
-        s3 = cache.engine.tiers["s3"]
+        s3 = cache.repo.durable["s3"]
         assert s3.list("chunks/") == sorted(chunk_key(c) for c in _chunk_ids(cache, v1))
         assert s3.list("versions/") == [version_key(v1)]
         young = cache.gc(dry_run=True)  # S3 objects carry their age too: nothing is old enough

@@ -185,8 +185,9 @@ def test_a_rank_throttled_by_s3_slows_every_rank_down(tmp_path: Path, s3_config:
     assert r0["limit_before"] == r1["limit_before"] == 4
     assert (r1["answered"], r1["throttled"], r0["throttled"]) == (2, 2, 0)
     # Rank 1 halved its writes in flight on each SlowDown; rank 0, never throttled, halved its own
-    # once when the group learnt of it.
-    assert r1["limit_after"] < 4 and r0["limit_after"] == 2
+    # once when the group learnt of it (4 -> 2), and its commit's puts since (the manifest, the
+    # probe record for doctor) may have raised it by one.
+    assert r1["limit_after"] < 4 and r0["limit_after"] in (2, 3)
 
 
 def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Config) -> None:
@@ -236,7 +237,7 @@ def test_node_local_disk_shared_by_four_processes(tmp_path: Path) -> None:
     assert not list(disk.rglob(".tmp-*"))
     # 4 processes x 10 compare-and-swap increments of one ref: none lost.
     with tiercache.open(config) as cache:
-        assert cache.engine.tiers["disk"].read_ref("refs/branch/shared").data == b"40"
+        assert cache.repo.durable["disk"].read_ref("refs/branch/shared").data == b"40"
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -279,7 +280,7 @@ def test_merge_refuses_mixed_hash_algorithms() -> None:
 def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles_first() -> None:
     # Each rank settles its tiers in the order their coordinators finish, which differs between
     # ranks; the durable error must not, or the ranks report different errors for one version.
-    owner = SimpleNamespace(cache=SimpleNamespace(engine=SimpleNamespace(tiers={"disk": None, "s3": None})))
+    owner = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None})))
     rnd = _Round(owner, "v", RefRecord(kind="branch", name="main", version="v", seq=0))  # type: ignore[arg-type]
     on_disk, on_s3 = GroupSaveError("failed on disk"), GroupSaveError("failed on s3")
     rnd.settle("s3", on_s3)

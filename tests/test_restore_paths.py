@@ -79,7 +79,7 @@ def test_new_destinations_are_page_aligned_and_filled_without_bounce_copies(
         assert cache.manifest("main") == version
         monkeypatch.setattr(disk_module, "copy_bytes", counting_copy)
         out = cache.restore_version(version)
-        assert cache.engine.tiers["disk"].o_direct_active
+        assert cache.repo.durable["disk"].o_direct_active
 
     _assert_same(out, state)
     # Only each chunk's header and sub-page tail pass through the bounce buffer: the payloads

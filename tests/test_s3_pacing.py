@@ -87,7 +87,7 @@ def test_a_throttling_store_slows_the_save_down_and_it_still_reaches_remote(
 ) -> None:
     state = {"w": torch.arange(4096, dtype=torch.float32)}  # one chunk: one PutObject, so the count is exact
     with tiercache.open(_config(tmp_path, s3_config)) as cache:
-        tier = cache.engine.tiers["s3"]
+        tier = cache.repo.durable["s3"]
         throttle = SlowDownChunks(tier._client, 4)
         h = cache.save(state, step=1)
         assert h.wait("remote") == h.version
@@ -101,7 +101,7 @@ def test_a_store_that_keeps_throttling_fails_remote_only_after_the_retries(
     tmp_path: Path, s3_config: S3Config
 ) -> None:
     with tiercache.open(_config(tmp_path, s3_config, throttle_retries=2)) as cache:
-        throttle = SlowDownChunks(cache.engine.tiers["s3"]._client, 100)
+        throttle = SlowDownChunks(cache.repo.durable["s3"]._client, 100)
         h = cache.save({"w": torch.ones(16)}, step=1)
         assert h.wait("local") == h.version
         with pytest.raises(StorageError, match="SlowDown"):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tiercache
-from tiercache import staging
 from tiercache.codecs import HEADER_BYTES
 from tiercache.format import flatten
 from tiercache.layout import Layout, plan_layout
-from tiercache.staging import Stager, plan_copy
+from tiercache.pipeline import staging
+from tiercache.pipeline.staging import Stager, plan_copy
 
 
 def _odd_state() -> dict:

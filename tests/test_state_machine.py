@@ -3,12 +3,22 @@
 After every step the cache's refs, every version's parent and the restored bytes of every ref
 equal the model's. A restore is a resume: the next save on that version's branch continues from
 it; a save on a new branch starts from what the process last saved or restored.
+
+Saves may stay pending: ``hold`` stops the disk writer right after it leased the chunks of the
+version it writes (the ``repo.after_claim`` failpoint), so the saves that follow queue behind it
+while evict, gc, rollback, branch, tag and restore run; ``settle`` lets them all finish, and each
+must then reach ``local`` as the version it was staged as. The process's view (refs, parents,
+bytes) already includes a staged version, so the invariant holds while saves are pending too; a
+reopen settles first and then checks what the disk holds. States take few distinct values, so
+saves deduplicate against chunks that gc or evict may be deleting at that moment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 import pytest
@@ -18,10 +28,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tiercache
+from tiercache import failpoints
 from tiercache.errors import ConflictError
+from tiercache.handle import SaveHandle
 
 BRANCHES = ("main", "dev", "ft")
 TAGS = ("best", "v1")
+VALUES = st.integers(0, 4)  # few distinct states: saves deduplicate against existing chunks
+HOLD_S = 60.0  # the longest a held writer waits: a liveness bound, never reached when the test passes
 
 
 def _state(value: int) -> dict[str, Any]:
@@ -37,6 +51,11 @@ class CacheModel(RuleBasedStateMachine):
         self.cfg = {"ram": {"capacity": "8MiB"}, "disk": {"path": self.dir}, "policy": {"name": "write-through"},
                     "reflog_keep": 0}
         self.cache = tiercache.open(self.cfg)
+        self.go = threading.Event()  # clear: the disk writer stops after its next claim
+        self.go.set()
+        self.hooks = contextlib.ExitStack()
+        self.hooks.enter_context(failpoints.hooked("repo.after_claim", self._disk_claimed))
+        self.pending: list[tuple[SaveHandle, str]] = []
         self.refs: dict[str, str] = {}
         self.parents: dict[str, str | None] = {}
         self.values: dict[str, int] = {}
@@ -45,14 +64,39 @@ class CacheModel(RuleBasedStateMachine):
         self.last: str | None = None  # what this process last saved or restored
         self.step = 0
 
-    def teardown(self) -> None:
-        self.cache.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def _disk_claimed(self, tier: str, missing: set[str]) -> None:
+        if tier == "disk" and not self.go.is_set():
+            assert self.go.wait(HOLD_S), "the held disk writer was never let go"
 
-    @rule(branch=st.sampled_from(BRANCHES), value=st.integers(-1000, 1000))
+    def teardown(self) -> None:
+        self.go.set()
+        try:
+            self.cache.close()
+        finally:
+            self.hooks.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    @precondition(lambda self: self.go.is_set())
+    @rule()
+    def hold(self) -> None:
+        self.go.clear()
+
+    @rule()
+    def settle(self) -> None:
+        self.go.set()
+        for handle, vid in self.pending:
+            assert handle.wait("local") == vid
+        self.pending.clear()
+
+    @rule(branch=st.sampled_from(BRANCHES), value=VALUES)
     def save(self, branch: str, value: int) -> None:
         self.step += 1
-        vid = self.cache.save(_state(value), step=self.step, branch=branch).wait("local")
+        handle = self.cache.save(_state(value), step=self.step, branch=branch)
+        vid = handle.version
+        if self.go.is_set():  # not held: waited for, so "pending" in the model means held for sure
+            assert handle.wait("local") == vid
+        else:
+            self.pending.append((handle, vid))
         head = self.refs.get(f"branch/{branch}")
         resumed = self.resumed.pop(branch, None)
         self.parents[vid] = self.last if head is None else resumed if resumed not in (None, head) else head
@@ -71,10 +115,15 @@ class CacheModel(RuleBasedStateMachine):
         self.resumed[branch] = vid
         self.last = vid
 
-    @precondition(lambda self: self.values)
+    def _targets(self) -> list[str]:
+        """Versions a ref may be moved to now: a move waits for its version's write, so not a held one."""
+        held = set() if self.go.is_set() else {vid for _, vid in self.pending}
+        return sorted(set(self.values) - held)
+
+    @precondition(lambda self: self._targets())
     @rule(name=st.sampled_from(BRANCHES), data=st.data())
     def branch(self, name: str, data: st.DataObject) -> None:
-        vid = data.draw(st.sampled_from(sorted(self.values)))
+        vid = data.draw(st.sampled_from(self._targets()))
         if f"branch/{name}" in self.refs:
             with pytest.raises(ConflictError):
                 self.cache.branch(name, vid)
@@ -82,19 +131,19 @@ class CacheModel(RuleBasedStateMachine):
         assert self.cache.branch(name, vid) == vid
         self.refs[f"branch/{name}"] = vid
 
-    @precondition(lambda self: any(k.startswith("branch/") for k in self.refs))
+    @precondition(lambda self: any(k.startswith("branch/") for k in self.refs) and self._targets())
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(k for k in self.refs if k.startswith("branch/"))))
-        vid = data.draw(st.sampled_from(sorted(self.values)))
+        vid = data.draw(st.sampled_from(self._targets()))
         assert self.cache.rollback(key.split("/")[1], vid) == vid
         self.refs[key] = vid
         self.resumed.pop(key.split("/")[1], None)
 
-    @precondition(lambda self: self.values)
+    @precondition(lambda self: self._targets())
     @rule(name=st.sampled_from(TAGS), data=st.data())
     def tag(self, name: str, data: st.DataObject) -> None:
-        vid = data.draw(st.sampled_from(sorted(self.values)))
+        vid = data.draw(st.sampled_from(self._targets()))
         cur = self.refs.get(f"tag/{name}")
         if cur is not None and cur != vid:
             with pytest.raises(ConflictError):
@@ -110,6 +159,7 @@ class CacheModel(RuleBasedStateMachine):
 
     @rule()
     def reopen(self) -> None:
+        self.settle()  # close() waits for every pending save: a held writer would never let it
         self.cache.close()
         self.cache = tiercache.open(self.cfg)
         self.resumed, self.last = {}, None
@@ -117,8 +167,10 @@ class CacheModel(RuleBasedStateMachine):
     @rule()
     def gc(self) -> None:
         self.cache.gc(grace=0)
+        # A version still being written is never collected (its chunks are leased), nor what it
+        # builds on; once committed off every ref it is garbage for the next gc.
         live: set[str] = set()
-        for vid in self.refs.values():
+        for vid in [*self.refs.values(), *(vid for _, vid in self.pending)]:
             cur: str | None = vid
             while cur is not None and cur not in live:
                 live.add(cur)

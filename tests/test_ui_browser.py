@@ -1,10 +1,10 @@
 """tiercache ui in a real browser: headless Chromium renders the page while a trainer writes to the cache.
 
 Needs Debian's ``chromium`` (``./dev.sh setup`` installs it where it can). The screenshot is
-saved under the test's tmp dir; with ``TIERCACHE_TEST_SCREENSHOT=PATH`` it is also copied to
+saved under the test's tmp dir; with ``TEST_TIERCACHE_SCREENSHOT=PATH`` it is also copied to
 PATH, which is how ``docs/ui.png`` is made::
 
-    TIERCACHE_TEST_SCREENSHOT=docs/ui.png .venv/bin/python -m pytest -q tests/test_ui_browser.py
+    TEST_TIERCACHE_SCREENSHOT=docs/ui.png .venv/bin/python -m pytest -q tests/test_ui_browser.py
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def test_the_page_shows_lineage_residency_and_lag_live_while_a_trainer_saves(tmp
             assert browser.eval("document.querySelector('#error').hidden") is True
             shot = browser.screenshot(tmp_path / "ui.png")
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
-        if os.environ.get("TIERCACHE_TEST_SCREENSHOT"):
-            shutil.copyfile(shot, os.environ["TIERCACHE_TEST_SCREENSHOT"])
+        if os.environ.get("TEST_TIERCACHE_SCREENSHOT"):
+            shutil.copyfile(shot, os.environ["TEST_TIERCACHE_SCREENSHOT"])
     finally:
         stop(ui)
         if trainer.poll() is None:

@@ -13,9 +13,8 @@ Example:
     >>> cache.restore("main")["w"]
 """
 
-from tiercache.cache import TierCache, open
-from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
-from tiercache.distributed import DistributedCache
+from typing import TYPE_CHECKING
+
 from tiercache.errors import (
     AccessDeniedError,
     AmbiguousRefError,
@@ -40,11 +39,41 @@ from tiercache.errors import (
     UnsupportedStateError,
     VersionNotFoundError,
 )
-from tiercache.handle import SaveHandle
-from tiercache.manifest import VersionInfo
-from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
+
+if TYPE_CHECKING:
+    from tiercache.cache import TierCache, open
+    from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
+    from tiercache.distributed import DistributedCache
+    from tiercache.handle import SaveHandle
+    from tiercache.manifest import RefMove, TierState, VersionInfo
+    from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
 
 __version__ = "0.1.0"
+
+#: Where each public name lives: imported on first use, so that `import tiercache` (and with it
+#: `tiercache --help` or `tiercache ls`) pays only for what it touches, never for torch.
+_HOME = {
+    "TierCache": "cache", "open": "cache",
+    "CacheConfig": "config", "DiskConfig": "config", "PolicyConfig": "config", "RamConfig": "config",
+    "S3Config": "config", "load_config": "config",
+    "DistributedCache": "distributed",
+    "SaveHandle": "handle",
+    "RefMove": "manifest", "TierState": "manifest", "VersionInfo": "manifest",
+    "Placement": "policy.base", "Policy": "policy.base", "PolicyContext": "policy.base", "TierPlan": "policy.base",
+    "TierStats": "policy.base", "VersionView": "policy.base",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"tiercache.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AccessDeniedError",
@@ -69,6 +98,7 @@ __all__ = [
     "PolicyContext",
     "RamConfig",
     "RefExistsError",
+    "RefMove",
     "S3Config",
     "SaveHandle",
     "SkippedError",
@@ -78,6 +108,7 @@ __all__ = [
     "TierCacheError",
     "TierFullError",
     "TierPlan",
+    "TierState",
     "TierStats",
     "TierUnavailableError",
     "UnsupportedStateError",

@@ -1,8 +1,14 @@
 """TierCache: the facade trainers and the CLI call.
 
-It wires the configured tiers, the catalog (versions and refs), the save engine, the policy, the
-throughput meter and the reader together, and implements the user-facing verbs: save, restore,
-versions, refs, branch, rollback, tag, promote, evict.
+It wires the layers together and implements the user-facing verbs (save, restore, versions, refs,
+branch, rollback, tag, promote, evict, verify, gc, doctor) with no storage logic of its own:
+
+    TierCache (this facade)  ->  Engine (tiercache.pipeline), DistributedCache, DCP writer/reader
+                             ->  Repo (tiercache.repo: catalog, commits, deletion, leases, gc)
+                             ->  tiers (tiercache.tiers: ram, disk, s3)
+
+The engine (and with it torch) is made on first use: a cache opened to list, inspect or collect
+versions (``tiercache ls``, ``log``, ``gc``...) imports no torch and starts no thread of it.
 """
 
 from __future__ import annotations
@@ -15,25 +21,20 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tiercache import maintenance
+from tiercache import repo as repo_ops
 from tiercache.advisor import Advisor, Figure, PlanInputs, measured_inputs, snapshot_rate
-from tiercache.catalog import Catalog
 from tiercache.config import CacheConfig, load_config, parse_duration
-from tiercache.deferred import StepGuards, owned_by
-from tiercache.engine import Engine
 from tiercache.errors import (
     BranchNotFoundError,
     CacheClosedError,
     ConfigError,
     InvalidArgumentError,
-    LastCopyError,
     RefExistsError,
     StorageError,
     TierCacheError,
@@ -41,21 +42,24 @@ from tiercache.errors import (
     TierUnavailableError,
     VersionNotFoundError,
 )
-from tiercache.format import dtype_from_name, unflatten
 from tiercache.handle import TIER_LEVEL, SaveHandle
-from tiercache.health import TierHealth
-from tiercache.manifest import MoveReason, RefMove, RefRecord, TierState, Version, VersionInfo, parse_ref
-from tiercache.names import check_name, chunk_key, version_key
+from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, parse_ref
+from tiercache.names import check_name, chunk_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
-from tiercache.restore import Fill, Progress, Reader, RestoreReport, empty_aligned, into_targets, match_into
+from tiercache.repo import Repo, TierHealth
+from tiercache.repo.catalog import Catalog
 from tiercache.status import STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
     from tiercache.distributed import DistributedCache
+    from tiercache.pipeline.deferred import StepGuards
+    from tiercache.pipeline.engine import Engine
+    from tiercache.restore import Fill, Progress, Reader, RestoreReport
 
 log = logging.getLogger("tiercache.cache")
 
@@ -143,31 +147,18 @@ class TierCache:
             for t in self._tiers.values():
                 t.close()
             raise
+        self.repo = Repo(config, self._tiers, self.health)
         self._seed_meter()
-        ram = config.ram
-        self.catalog = Catalog(self._tiers, self.health)
-        self.reader = Reader(lambda: self._tiers, self._holds, self.meter, config.io_threads)
-        self.engine = Engine(
-            config,
-            self._tiers,
-            arena_capacity=None if ram is None or ram.capacity == "auto" else int(ram.capacity),
-            pin_memory=ram.pin_memory if ram else True,
-            serve_reads=ram.serve_reads if ram else False,
-            catalog=self.catalog,
-            policy=self.policy,
-            meter=self.meter,
-            health=self.health,
-            copy_version=self._copy_version,
-        )
-        if ram is not None or not self.engine.tiers:
-            self.engine.ensure_arena()
+        self._engine: Engine | None = None
+        self._reader: Reader | None = None
+        self._step_guards: StepGuards | None = None
+        self._lazy_lock = threading.Lock()
         self._save_lock = threading.Lock()
         #: Per branch, the version this process last restored from it: the next save there names
         #: it as parent (a resume), even if the branch's head is newer.
         self._resumed: dict[str, str] = {}
         #: The version this process last restored or saved: a save on a new branch starts there.
         self._last: str | None = None
-        self._step_guards = StepGuards(self.engine.wait_deferred)
         self._closed = False
         self._groups: dict[ProcessGroup, DistributedCache] = {}
         #: What the last restore of this process read, from where (bytes per source).
@@ -189,12 +180,56 @@ class TierCache:
         names = ["ram"] if self.config.ram is not None else []
         return names + [n for n in ("disk", "s3") if n in self._tiers]
 
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog of versions and refs (read it; change the tiers through :attr:`repo`)."""
+        return self.repo.catalog
+
+    @property
+    def engine(self) -> Engine:
+        """The save engine, made (with the RAM arena, and torch imported) on first use."""
+        with self._lazy_lock:
+            if self._engine is None:
+                from tiercache.pipeline.deferred import StepGuards
+                from tiercache.pipeline.engine import Engine
+
+                self.check_open()
+                self._engine = Engine(self.config, self.repo, policy=self.policy, meter=self.meter,
+                                      read_object=self._read_object)
+                self._step_guards = StepGuards(self._engine.wait_deferred)
+            return self._engine
+
+    @property
+    def reader(self) -> Reader:
+        """The read path (made on first use: it needs torch)."""
+        with self._lazy_lock:
+            if self._reader is None:
+                from tiercache.restore import Reader
+
+                self._reader = Reader(lambda: self.repo.tiers, self._holds, self.meter, self.config.io_threads)
+            return self._reader
+
     def _holds(self, tier: str, chunk_id: str) -> bool:
         return chunk_id in self.catalog.chunks_on(tier)
 
-    def _check_open(self) -> None:
+    def _read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
+        """A verified chunk object from the tier the reader ranks best among those holding it."""
+        return self.repo.read_object(chunk_id, nbytes, algo, order=self.reader.order(chunk_id))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def pending(self) -> list[str]:
+        """Ids of the versions this process is still writing."""
+        return self._engine.pending_jobs() if self._engine is not None else []
+
+    def check_open(self) -> None:
+        """Raise :class:`CacheClosedError` if the cache is closed."""
         if self._closed:
             raise CacheClosedError("the cache is closed: open a new one")
+
 
     # ------------------------------------------------------------------ save
 
@@ -214,7 +249,7 @@ class TierCache:
         Training may change the tensors as soon as this returns: the version holds their values
         at the call. With ``optimizer``, the tensors that ``optimizer.step()`` updates are copied
         after this returns, while the next forward and backward run, and ``optimizer.step()``
-        waits until they are (see :mod:`tiercache.deferred`).
+        waits until they are (see :mod:`tiercache.pipeline.deferred`).
 
         Args:
             state: A state dict (nested dicts/lists/tuples of tensors and plain values).
@@ -262,29 +297,51 @@ class TierCache:
         self, state: Any, *, step: int, branch: str, meta: Mapping[str, Any] | None,
         optimizer: torch.optim.Optimizer | None,
     ) -> SaveHandle:
-        self._check_open()
+        self.check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
         meta = _json_meta(meta)
+        engine = self.engine
         owned = None
         if optimizer is not None:
+            from tiercache.pipeline.deferred import owned_by
+
             owned = owned_by(optimizer)
+            assert self._step_guards is not None
             self._step_guards.add(optimizer)
-        with self._save_lock:
-            cur = self.catalog.ref("branch", branch)
-            parent, why = self._parent_for(branch, cur)
-            seq = cur.seq + 1 if cur else 0
-            handle = self.engine.stage(state, step=step, branch=branch, meta=meta, parent=parent, seq=seq,
-                                       defer=owned)
+        with self.next_version(branch) as nxt:
+            handle = engine.stage(state, step=step, branch=branch, meta=meta, parent=nxt.parent, seq=nxt.seq,
+                                  defer=owned)
             staged = handle.future("staged")
             # Only a skipped version is already failed here; a deferred copy is still running.
             if not (staged.done() and staged.exception() is not None):
-                rec = RefRecord(kind="branch", name=branch, version=handle.version, seq=seq)
+                nxt.version = handle.version
+        return handle
+
+    @contextlib.contextmanager
+    def next_version(self, branch: str) -> Iterator[NextVersion]:
+        """Serialise one save on ``branch`` with every other save and with ``close()``.
+
+        Yields where the next version of ``branch`` starts (its parent, the ref's next ``seq``);
+        the caller stages or commits the version and sets ``version`` to its id, and the branch
+        then moves there in this process's view (its commits move it on the tiers). Multi-rank
+        saves and the DCP writer use it too.
+
+        Raises:
+            CacheClosedError: If the cache is closed.
+        """
+        with self._save_lock:
+            self.check_open()
+            cur = self.catalog.ref("branch", branch)
+            parent, why = self._parent_for(branch, cur)
+            nxt = NextVersion(branch=branch, parent=parent, seq=cur.seq + 1 if cur else 0, base=cur, why=why)
+            yield nxt
+            if nxt.version is not None:
+                rec = RefRecord(kind="branch", name=branch, version=nxt.version, seq=nxt.seq)
                 self.catalog.note_move(rec, cur, why)
                 self._resumed.pop(branch, None)
-                self._last = handle.version
-        return handle
+                self._last = nxt.version
 
     def _parent_for(self, branch: str, head: RefRecord | None) -> tuple[str | None, MoveReason]:
         """The parent of the next version saved on ``branch``, and how the branch moves.
@@ -312,10 +369,12 @@ class TierCache:
             timeout: How long a rank waits for the others (only when the view is first made;
                 default :data:`tiercache.distributed.DEFAULT_TIMEOUT`).
         """
+        import torch.distributed as dist
+
         from tiercache.distributed import DEFAULT_TIMEOUT, DistributedCache
 
-        self._check_open()
-        key = group if group is not None else torch.distributed.group.WORLD
+        self.check_open()
+        key = group if group is not None else dist.group.WORLD
         view = self._groups.get(key)
         if view is None:
             view = self._groups[key] = DistributedCache(self, group, timeout=timeout or DEFAULT_TIMEOUT)
@@ -371,7 +430,7 @@ class TierCache:
         if group is not None:
             return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress,
                                                    strict=strict, resume=resume)
-        self._check_open()
+        self.check_open()
         version = self.manifest(ref)
         out = self.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict)
         if resume:
@@ -407,8 +466,14 @@ class TierCache:
         process group passes one that gets chunks from the other ranks); what it reports read is
         :attr:`last_restore`.
         """
-        self._check_open()
-        self.engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
+        import torch
+
+        from tiercache.format import dtype_from_name, unflatten
+        from tiercache.restore import RestoreReport, empty_aligned, into_targets, match_into
+
+        self.check_open()
+        if self._engine is not None:
+            self._engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
         targets = into_targets(into)
         unmatched = match_into(version, targets, strict=strict)
         for key, _why in unmatched:
@@ -454,46 +519,31 @@ class TierCache:
 
     # ------------------------------------------------------------------ versions and refs
 
+    def _wait_published(self) -> None:
+        """Let the versions this process staged reach the catalog (their manifests are quick to make)."""
+        if self._engine is not None:
+            self._engine.wait_published()
+
     def resolve(self, ref: str) -> str:
         """Resolve a ref string (``main``, ``best``, ``01J..``, ``main~2``, ``main@1000``) to a version id."""
-        self._check_open()
-        self.engine.wait_published()
+        self.check_open()
+        self._wait_published()
         return self.catalog.resolve(ref)
 
     def versions(self, branch: str | None = None) -> list[VersionInfo]:
         """Every known version (durable, or staged by this process), oldest first."""
-        self._check_open()
-        self.engine.wait_published()
+        self.check_open()
+        self._wait_published()
         if branch is not None:
             check_name(branch, "branch")
         out = []
         for v in self.catalog.all():
             if branch is not None and v.branch != branch:
                 continue
-            resid = self.catalog.residency(v)
+            pending = self._engine.pending_tiers(v.id) if self._engine is not None else ()
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
-                                   resid, self._states(v, resid)))
+                                   self.catalog.residency(v), self.repo.states(v, self.tier_names, pending)))
         return out
-
-    def _states(self, version: Version, resid: tuple[str, ...]) -> dict[str, TierState]:
-        """Where ``version`` stands on each configured tier, and why where it is not held."""
-        pending = self.engine.pending_tiers(version.id)
-        outcomes = self.catalog.outcomes(version.id) if len(resid) < len(self.tier_names) else {}
-        states: dict[str, TierState] = {}
-        for name in self.tier_names:
-            if name in resid:
-                states[name] = TierState("held")
-            elif name in pending:
-                states[name] = TierState("pending")
-            elif name in outcomes:
-                o = outcomes[name]
-                states[name] = TierState(o.state, o.reason, o.at)
-            elif (outage := self.health.outage(name)) is not None:
-                why = f"{name} is unavailable, so what it holds is unknown ({outage.reason})"
-                states[name] = TierState("absent", why)
-            else:
-                states[name] = TierState("absent")
-        return states
 
     def reflog(self, branch: str | None = None) -> list[RefMove]:
         """Every move of the branches (or of ``branch``) and tags, oldest first.
@@ -503,8 +553,8 @@ class TierCache:
         happen, with the version they left behind (``previous``), which ``gc`` keeps for
         ``reflog_keep`` seconds.
         """
-        self._check_open()
-        self.engine.wait_published()
+        self.check_open()
+        self._wait_published()
         if branch is not None:
             check_name(branch, "branch")
         recorded = self.catalog.reflog("branch", branch) if branch is not None else self.catalog.reflog()
@@ -519,15 +569,13 @@ class TierCache:
 
     def refs(self) -> dict[str, str]:
         """Every ref: ``{"branch/main": version_id, "tag/best": version_id, ...}``."""
-        self._check_open()
+        self.check_open()
         return {k: r.version for k, r in self.catalog.refs().items()}
 
     def _write_ref_everywhere(self, rec: RefRecord, base: RefRecord | None, why: MoveReason) -> None:
-        self.engine.wait_job(rec.version)
-        self.catalog.note_move(rec, base, why)
-        for name in self.engine.tiers:
-            if self.catalog.manifest_on(name, rec.version) and self.catalog.available(name):
-                self.catalog.write_ref(name, rec)
+        if self._engine is not None:
+            self._engine.wait_job(rec.version)  # its manifest must be on the tiers first
+        self.repo.move_ref(rec, base, why)
 
     def branch(self, name: str, from_ref: str) -> str:
         """Create branch ``name`` at the version ``from_ref`` resolves to; the next save on it has that parent.
@@ -589,76 +637,50 @@ class TierCache:
         Raises:
             TierUnavailableError: If tier ``to`` is down.
         """
-        self._check_open()
+        self.check_open()
         version = self.manifest(ref)
         if to != "ram" and to not in self._tiers:
             raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
         if (outage := self.health.outage(to)) is not None:
             raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
-        return self._copy_version(version, to, progress)
-
-    def _copy_version(self, version: Version, to: str, progress: Progress | None = None) -> int:
-        """Copy a stored version onto tier ``to``: missing chunks (from the fastest good copy), then the manifest."""
-        target = self.engine.ensure_arena(sum(c.nbytes for c in version.chunks)) if to == "ram" else self._tiers[to]
-        copied = 0
-        have = self.catalog.chunks_on(to)
-        written: list[str] = []
-        for c in version.chunks:
-            if c.id not in have and c.id not in written:
-                data, _src = self.reader.read_object(c.id, c.nbytes, version.hash_algo)
-                target.put(chunk_key(c.id), data, sync_name=False)
-                written.append(c.id)
-                if to == "ram":
-                    self.engine.cache_in_ram(chunk_key(c.id))
-                copied += len(data)
-            if progress:
-                progress(c.nbytes)
-        target.sync_names(chunk_key(c) for c in written)  # the chunks' names, before the manifest
-        self.catalog.note_chunks(to, written)
-        target.put(version_key(version.id), version.to_json())
-        self.catalog.mark_on(to, version.id)
+        if to == "ram":
+            self.engine.ensure_arena(sum(c.nbytes for c in version.chunks))
+        copied = self.repo.copy_version(version, to, self._read_object, progress)
+        if to == "ram":
+            for c in version.chunks:
+                self.engine.ramcache.keep(chunk_key(c.id))
         return copied
 
     def evict(self, ref: str, tier: str) -> int:
-        """Drop tier ``tier``'s copy of a version's chunks (those no other version there needs).
+        """Drop tier ``tier``'s copy of a version: its manifest, then the chunks no other version there needs.
 
         Returns:
             Bytes freed.
 
         Raises:
-            LastCopyError: If a chunk would be left with no durable copy.
+            LastCopyError: If a chunk would be left with no durable copy (or the version is still
+                being written).
+            TierUnavailableError: If ``tier`` is down.
         """
-        self._check_open()
+        self.check_open()
         version = self.manifest(ref)
         if tier not in self.tier_names and tier != "ram":
             raise ConfigError(f"unknown tier {tier!r}: this cache has {', '.join(self.tier_names)}")
-        ids = {c.id for c in version.chunks}
-        # Chunks shared with other versions resident on this tier stay.
-        for other in self.catalog.all():
-            if other.id != version.id and tier in self.catalog.residency(other):
-                ids -= {c.id for c in other.chunks}
-        ids &= self.catalog.chunks_on(tier)
         if tier == "ram":
-            return self.engine.evict_ram([chunk_key(i) for i in ids])
-        self.engine.wait_job(version.id)
-        others = [n for n in self.engine.tiers if n != tier]
-        lonely = [i for i in ids if not any(i in self.catalog.chunks_on(n) for n in others)]
-        if lonely:
-            raise LastCopyError(
-                f"evicting {version.id} from {tier} would drop the last durable copy of {len(lonely)} chunk(s): "
-                f"promote it to another tier first"
-            )
-        t = self._tiers[tier]
-        freed = 0
-        for i in ids:
-            freed += t.size(chunk_key(i)) or 0
-            t.delete(chunk_key(i))
-        self.catalog.note_chunks(tier, ids, present=False)
+            ids = {c.id for c in version.chunks}
+            for other in self.catalog.all():  # chunks shared with other versions in RAM stay
+                if other.id != version.id and "ram" in self.catalog.residency(other):
+                    ids -= {c.id for c in other.chunks}
+            return self.engine.ramcache.evict(chunk_key(i) for i in ids) if self._engine is not None else 0
+        if self._engine is not None:
+            self._engine.wait_job(version.id)
+        freed = self.repo.evict(version.id, tier, by="user")
+        assert freed is not None  # only the policy's evictions are refused silently
         return freed
 
     # ------------------------------------------------------------------ maintenance
 
-    def verify(self, ref: str | None = None, *, repair: bool = False) -> maintenance.VerifyReport:
+    def verify(self, ref: str | None = None, *, repair: bool = False) -> repo_ops.VerifyReport:
         """Check every copy of a version's (or every version's) chunks and manifests on every durable tier.
 
         Args:
@@ -668,10 +690,13 @@ class TierCache:
         Returns:
             The report: each damaged copy, whether it was repaired, and what has no good copy.
         """
-        self._check_open()
-        return maintenance.verify(self, ref, repair=repair)
+        self.check_open()
+        if self._engine is not None:
+            self._engine.flush(report=False)  # versions in flight are checked once committed
+        versions = [self.manifest(ref)] if ref is not None else self.catalog.all()
+        return repo_ops.verify(self.repo, versions, repair=repair)
 
-    def gc(self, *, dry_run: bool = False, grace: float | None = None) -> maintenance.GcReport:
+    def gc(self, *, dry_run: bool = False, grace: float | None = None) -> repo_ops.GcReport:
         """Delete versions no branch head or tag reaches (through parents) and chunks nothing names.
 
         Args:
@@ -681,21 +706,30 @@ class TierCache:
         Returns:
             What was (or would be) freed, per tier.
         """
-        self._check_open()
-        return maintenance.gc(self, dry_run=dry_run, grace=grace)
+        self.check_open()
+        self._wait_published()
+        engine = self._engine
+        evicted = None if engine is None else lambda ids: engine.ramcache.evict(chunk_key(i) for i in ids)
+        return repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
 
-    def doctor(self, *, abort_stale: float | None = None, unsafe: bool = False) -> maintenance.DoctorReport:
-        """Probe the S3 endpoint for conditional writes and list (or abort) stale multipart uploads.
+    def doctor(self, *, abort_stale: float | None = None, unsafe: bool = False,
+               probe: bool = False) -> repo_ops.DoctorReport:
+        """Report on the S3 endpoint: conditional writes, read-after-write, unfinished multipart uploads.
+
+        Writes nothing unless asked: the conditional-write probe reported is the one a saving
+        process recorded before its first ref write.
 
         Args:
-            abort_stale: Abort unfinished multipart uploads older than this many seconds.
+            abort_stale: Abort unfinished multipart uploads older than this many seconds (after
+                checking that the store reports real upload start times).
             unsafe: Accept a store that ignores conditional writes.
+            probe: Probe conditional writes now (writes and deletes a scratch object).
 
         Returns:
             The report; ``report.ok`` says whether refs can be committed on this store.
         """
-        self._check_open()
-        return maintenance.doctor(self, abort_stale=abort_stale, unsafe=unsafe)
+        self.check_open()
+        return repo_ops.doctor(self.repo, abort_stale=abort_stale, unsafe=unsafe, probe=probe)
 
     # ------------------------------------------------------------------ stats and lifetime
 
@@ -712,7 +746,9 @@ class TierCache:
                 "capacity": t.capacity, "used_bytes": t.used_bytes() if outage is None else None,
                 "available": outage is None, "unavailable": outage.reason if outage else None,
             }
-        errors = {"lost_versions": self.engine.errors_total, "recent": list(self.engine.recent_errors)}
+        engine = self._engine
+        errors = {"lost_versions": engine.errors_total if engine else 0,
+                  "recent": list(engine.recent_errors) if engine else []}
         return {"meter": snap, "tiers": tiers, "errors": errors}
 
     def status(self) -> dict[str, Any] | None:
@@ -722,7 +758,7 @@ class TierCache:
         durable tier (``stats/status.json``), or ``None``. Its fields are described in
         :mod:`tiercache.status`.
         """
-        self._check_open()
+        self.check_open()
         if self._recorder is not None:
             return self._recorder.current()
         tier = self._meter_tier()
@@ -765,7 +801,7 @@ class TierCache:
         Raises:
             InvalidArgumentError: If no MTTF is given or configured, or ``level`` is not one of this cache's.
         """
-        self._check_open()
+        self.check_open()
         cfg = self.config.advisor
         levels = self.levels
         if level not in levels:
@@ -807,7 +843,7 @@ class TierCache:
             restart: Seconds from a failure until the job runs again (default ``advisor.restart``).
             given: Figures to use instead of the measured ones (``save_wait``, ``time_to_level``, ``restore``).
         """
-        self._check_open()
+        self.check_open()
         cfg = self.config.advisor
         mttf_fig = (Figure(parse_duration(mttf), "given") if mttf is not None
                     else None if cfg.mttf is None else Figure(cfg.mttf, "given", "config advisor.mttf"))
@@ -860,7 +896,7 @@ class TierCache:
             InvalidArgumentError: If ``ram.capacity`` is ``"auto"`` and no state is given.
             UnsupportedStateError: If ``state`` has a leaf that cannot be stored.
         """
-        self._check_open()
+        self.check_open()
         self.engine.prepare_arena(state, wait=wait)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -874,30 +910,35 @@ class TierCache:
             TierCacheError: The error of the first version since the last report that reached no
                 durable tier (see ``engine.on_error``).
         """
-        self.engine.flush(timeout)
+        if self._engine is not None:
+            self._engine.flush(timeout)
 
     def close(self) -> None:
         """Wait for pending writes, release the arena and connections.
 
+        A ``save()`` running in another thread finishes staging first (its version is written
+        like any other); a ``save()`` after this raises :class:`CacheClosedError`.
+
         Raises:
-            TierCacheError: The first background write error not yet reported by ``save``.
+            TierCacheError: The first version since the last report that reached no durable tier.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._save_lock:  # no save is half-staged from here on, and none starts
+            if self._closed:
+                return
+            self._closed = True
         atexit.unregister(self._atexit)
         try:
-            self.engine.close()
+            if self._engine is not None:
+                self._engine.close()
         finally:
-            self._step_guards.close()
-            self.health.close()
+            if self._step_guards is not None:
+                self._step_guards.close()
             if self._recorder is not None:
                 self._recorder.close()
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()
-            for t in self._tiers.values():
-                t.close()
+            self.repo.close()
 
     def _meter_tier(self) -> Tier | None:
         return next((t for n, t in self._tiers.items() if t.durable and self.health.available(n)), None)
@@ -919,7 +960,7 @@ class TierCache:
         """
         tier = self._meter_tier()
         snap = self.meter.snapshot()
-        if tier is None or not snap["tiers"] or not self.engine.has_saved:
+        if tier is None or not snap["tiers"] or self._engine is None or not self._engine.has_saved:
             return
         try:
             tier.put(METER_KEY, json.dumps(snap).encode())
@@ -944,10 +985,32 @@ class TierCache:
         return f"TierCache(tiers={self.tier_names}, policy={self.config.policy.name!r})"
 
 
+@dataclass
+class NextVersion:
+    """Where the next version of a branch starts (see :meth:`TierCache.next_version`).
+
+    Attributes:
+        branch: The branch.
+        parent: Its parent: the head, the version this process resumed from, or (a new branch)
+            the version it last saved or restored.
+        seq: The ref's ``seq`` once the branch moves to it.
+        base: The ref record it moves from (``None`` for a new branch).
+        why: How the branch moves (``save``, ``resume``, ``branch``).
+        version: Set by the caller to the new version's id once staged or committed.
+    """
+
+    branch: str
+    parent: str | None
+    seq: int
+    base: RefRecord | None
+    why: MoveReason
+    version: str | None = None
+
+
 def _flush_at_exit(ref: weakref.ReferenceType[TierCache]) -> None:
     cache = ref()
-    if cache is not None and not cache._closed:
-        pending = cache.engine.pending_jobs()
+    if cache is not None and not cache.closed:
+        pending = cache.pending()
         if pending:
             log.warning("finishing %d pending version(s) at exit; call close() to do it yourself", len(pending))
         try:
@@ -963,5 +1026,3 @@ def _json_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"meta must be JSON-able (plain numbers, strings, lists, dicts): {e}") from None
     return out
-
-

@@ -25,7 +25,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import (
@@ -38,11 +37,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-import tiercache
-from tiercache.config import CacheConfig, PolicyConfig, load_config
 from tiercache.errors import (
     AmbiguousRefError,
     BranchNotFoundError,
+    ConfigError,
     InvalidArgumentError,
     RefExistsError,
     StorageError,
@@ -54,6 +52,7 @@ from tiercache.names import check_name
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
+    from tiercache.config import CacheConfig
     from tiercache.manifest import VersionInfo
 
 __all__ = ["GraphRow", "app", "layout_graph", "main"]
@@ -201,12 +200,16 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
     The cache is closed (pending writes waited for) before the verb's process exits.
     """
     opts: _Options = ctx.obj
-    with _cli_errors(opts.debug), tiercache.open(_config(opts)) as cache:
+    from tiercache.cache import open as open_cache  # not at import: `tiercache --help` stays quick
+
+    with _cli_errors(opts.debug), open_cache(_config(opts)) as cache:
         yield cache
 
 
 def _config(opts: _Options) -> CacheConfig:
     """The config the global options name, with ``--policy`` applied."""
+    from tiercache.config import PolicyConfig, load_config  # not at import: `--help` stays quick
+
     cfg = load_config(opts.config)
     if opts.policy is not None:
         cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
@@ -448,7 +451,7 @@ def _version_callback(value: bool) -> None:
         try:
             version = metadata.version("tiercache")
         except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-            version = tiercache.__version__
+            from tiercache import __version__ as version
         typer.echo(f"tiercache {version}")
         raise typer.Exit()
 
@@ -648,6 +651,8 @@ def _atomic_torch_save(state: Any, target: Path) -> None:
 
     A crash or error never leaves a partial file under ``target``'s name.
     """
+    import torch  # only the commands that move tensors import it: `tiercache ls` starts fast
+
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
     # os.open with 0o666 (not mkstemp's 0o600) so the file gets the umask's usual permissions.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -862,7 +867,8 @@ def gc(
                f"{report.spared} unreferenced object(s) younger than {report.grace:g} s kept")
 
 
-@app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --abort-stale 86400 --json"))
+@app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --probe",
+                                        "tiercache doctor --abort-stale 86400 --json"))
 def doctor(
     ctx: typer.Context,
     abort_stale: Annotated[
@@ -872,18 +878,25 @@ def doctor(
     unsafe: Annotated[
         bool, typer.Option("--unsafe", help="Accept a store that ignores conditional writes (single writer only).")
     ] = False,
+    probe: Annotated[
+        bool, typer.Option("--probe", help="Probe conditional writes now (writes and deletes a scratch object).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Probe the S3 endpoint; list or abort stale uploads.
+    """Report on the S3 endpoint: conditional writes, read-after-write, stale uploads.
 
-    Checks conditional writes and read-after-write on a scratch key; exit 1 if remote ref
-    commits would be refused on this store.
+    Writes nothing: it shows the conditional-write probe a saving process recorded before its
+    first ref write (--probe runs one now on a scratch key) and lists unfinished multipart
+    uploads (--abort-stale AGE aborts those older than AGE seconds, once it has checked that the
+    store reports real upload start times). Exit 1 if remote ref commits would be refused.
     """
     with _session(ctx) as cache:
-        report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe)
+        report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe, probe=probe)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
+        if report.probed_at is not None:
+            typer.echo(f"conditional-write probe of {report.probed_at:%Y-%m-%d %H:%M:%S} UTC:")
         for check, passed in sorted(report.probe.items()):
             typer.echo(f"{'ok  ' if passed else 'FAIL'} {check}")
         for u in report.uploads:
@@ -1007,7 +1020,7 @@ def plan(
                                    ("restore", restore)) if v is not None}
         with _session(ctx) as cache:
             if level not in cache.levels:
-                raise tiercache.InvalidArgumentError(f"unknown level {level!r}: this cache has "
+                raise InvalidArgumentError(f"unknown level {level!r}: this cache has "
                                                      f"{', '.join(cache.levels)}")
             inputs = cache.plan_inputs(level, mttf=job_mttf, restart=restart, given=given)
             bounds = cache.config.advisor
@@ -1064,11 +1077,11 @@ def ui(
         try:
             from tiercache.ui.server import serve
         except ImportError as e:
-            raise tiercache.ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache[ui]'") from None
+            raise ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache[ui]'") from None
         cfg = _config(opts)
         job_mttf = _mttf_option(mttf, gpu_mtbf, gpus)
         if refresh is not None and not refresh > 0:
-            raise tiercache.InvalidArgumentError(f"--refresh must be positive, got {refresh}")
+            raise InvalidArgumentError(f"--refresh must be positive, got {refresh}")
         with suppress(KeyboardInterrupt):  # Ctrl-C is how the server is meant to stop
             serve(cfg, host=host or cfg.ui.host, port=cfg.ui.port if port is None else port,
                   refresh=refresh or cfg.ui.refresh, mttf=job_mttf, echo=typer.echo)

@@ -48,13 +48,15 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import xxhash
 import zstandard
 
 from tiercache.errors import ConfigError, IntegrityError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HEADER_BYTES: int = 4096
 """Size of the chunk header; a raw payload therefore starts page-aligned."""
@@ -352,6 +354,8 @@ class _Zstd(_Codec):
 
 def _split_planes(data: memoryview, itemsize: int) -> np.ndarray:
     """Return ``data`` regrouped as ``itemsize`` byte planes followed by the unaligned tail."""
+    import numpy as np  # only byte-grouped chunks need it: reading manifests never does
+
     src = np.frombuffer(data, dtype=np.uint8)
     whole = len(src) - len(src) % itemsize
     grouped = np.empty(len(src), dtype=np.uint8)
@@ -363,6 +367,8 @@ def _split_planes(data: memoryview, itemsize: int) -> np.ndarray:
 
 def _merge_planes(grouped: np.ndarray, out: memoryview, itemsize: int) -> None:
     """Inverse of :func:`_split_planes`, writing the interleaved bytes into ``out``."""
+    import numpy as np
+
     dst = np.frombuffer(out, dtype=np.uint8)
     whole = len(dst) - len(dst) % itemsize
     planes = grouped[:whole].reshape(itemsize, -1)
@@ -385,6 +391,8 @@ class _ByteGroupedZstd(_Codec):
         if itemsize == 1:
             _zstd_decode(payload, out)
             return
+        import numpy as np
+
         grouped = np.empty(raw_len, dtype=np.uint8)
         _zstd_decode(payload, memoryview(grouped))
         _merge_planes(grouped, out, itemsize)

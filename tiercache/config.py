@@ -16,7 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import ByteSize as PydanticByteSize
+from pydantic_settings import EnvSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
 from tiercache.errors import ConfigError
 
@@ -25,32 +28,30 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": KIB, "ki": KIB,
-    "m": 1000**2, "mb": 1000**2, "mib": MIB, "mi": MIB,
-    "g": 1000**3, "gb": 1000**3, "gib": GIB, "gi": GIB,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
-}
+_SIZES = TypeAdapter(PydanticByteSize)
+_IEC_SHORT = re.compile(r"(.*\d\s*[KMGTPE]i)\s*", re.IGNORECASE)  # "8Gi", as Kubernetes writes it
 
 
 def parse_size(value: object) -> int:
-    """Parse a byte size: an int, or a string such as ``"4GiB"``, ``"100 GB"``, ``"64MiB"``.
+    """Parse a byte size: an int, or a string such as ``"4GiB"``, ``"100 GB"``, ``"64MiB"``, ``"8Gi"``.
+
+    Parsed by pydantic's ``ByteSize`` (``KB`` is 1000 bytes, ``KiB`` 1024), which also takes the
+    unit's first letter alone (``"4G"`` is 4 GB); ``Ki``/``Mi``/``Gi``... are read as ``KiB``...
 
     Raises:
         ValueError: If the value is negative or not a size.
     """
     if isinstance(value, bool):
         raise ValueError("expected a byte size such as 4GiB, not a bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("a byte size cannot be negative")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.fullmatch(value)
-        if m and (m.group(2) or "").lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if isinstance(value, int) and value < 0:
+        raise ValueError("a byte size cannot be negative")
+    if isinstance(value, str) and (short := _IEC_SHORT.fullmatch(value)):
+        value = short.group(1) + "B"
+    if isinstance(value, int | str):
+        try:
+            return int(_SIZES.validate_python(value))
+        except ValidationError:
+            pass
     raise ValueError(f"expected a byte size such as 4GiB or 500MB, got {value!r}")
 
 
@@ -380,25 +381,47 @@ class CacheConfig(_Model):
         return [n for n in ("disk", "s3") if getattr(self, n) is not None]
 
 
-#: TIERCACHE_* variables that are not config fields: the config file, the CLI's log level, the test switches.
-_NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_LOG", "TIERCACHE_FAILPOINTS", "TIERCACHE_SLOW"})
+#: TIERCACHE_* variables that are not config fields: the config file, the CLI's log level and the
+#: failpoints (read by :mod:`tiercache.failpoints`). Any other TIERCACHE_* variable names a field.
+_NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_LOG", "TIERCACHE_FAILPOINTS"})
 #: The variables that can configure a tier on their own, named when no tier is configured.
 _TIER_VARIABLES = "TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY"
+_PREFIX = "TIERCACHE_"
+
+
+class _EnvOverlay(EnvSettingsSource):
+    """pydantic-settings' reading of ``TIERCACHE_<TABLE>__<FIELD>`` over a given environment.
+
+    ``load_config`` takes the environment as an argument (``os.environ`` by default), so the
+    source reads that mapping instead of the process's.
+    """
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.variables = {k: v for k, v in env.items() if k.startswith(_PREFIX) and k not in _NOT_FIELDS}
+        super().__init__(CacheConfig, case_sensitive=False, env_prefix=_PREFIX, env_nested_delimiter="__")
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {k.lower(): v for k, v in self.variables.items()}
 
 
 def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
-    """The config tree the ``TIERCACHE_*`` variables describe, and which variable set each field."""
-    out: dict[str, Any] = {}
-    names: dict[tuple[str, ...], str] = {}
-    for k, v in env.items():
-        if not k.startswith("TIERCACHE_") or k in _NOT_FIELDS or k.startswith("TIERCACHE_TEST_"):
-            continue
-        path = k[len("TIERCACHE_"):].lower().split("__")
-        names[tuple(path)] = k
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = v
+    """The config tree the ``TIERCACHE_*`` variables describe, and which variable set each field.
+
+    A variable that names no field is kept in the tree as it is, so validation rejects it and
+    the error names it.
+    """
+    source = _EnvOverlay(env)
+    names = {tuple(k[len(_PREFIX):].lower().split("__")): k for k in source.variables}
+    try:
+        out = dict(source())
+    except SettingsError as e:
+        field = str(e).split('"')[1] if '"' in str(e) else ""
+        which = ", ".join(sorted(v for p, v in names.items() if p[0] == field)) or "TIERCACHE_*"
+        raise ConfigError(f"invalid config from environment variable {which}: not valid JSON for a table "
+                          f"({e}); set its fields one by one as TIERCACHE_<TABLE>__<FIELD>") from None
+    for path, k in names.items():
+        if path[0] not in CacheConfig.model_fields:
+            out[path[0]] = env[k]
     return out, names
 
 

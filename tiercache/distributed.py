@@ -15,7 +15,7 @@ Protocol (one version, in save order on every rank):
 1. On the training thread, one collective on a private gloo group: rank 0 proposes the version
    id, the parent and the ref ``seq`` from its view of the branch; every rank checks that all
    ranks save the same step and branch, and all take the same chunk size (below). The engine then
-   stages the rank's part (the memcpy) with a :class:`~tiercache.engine.Committer`, and ``save``
+   stages the rank's part (the memcpy) with a :class:`~tiercache.pipeline.job.Committer`, and ``save``
    returns.
 2. Per durable tier, a coordinator thread with its own gloo group (collectives never run on the
    trainer's groups, nor on the training thread after step 1) gathers every rank's partial tensor
@@ -78,7 +78,7 @@ from tiercache.agreement import Status, broken_group, rebuild_error, status_of, 
 from tiercache.cache import _json_meta
 from tiercache.errors import ConfigError, GroupSaveError, InvalidArgumentError, StateMismatchError, TierCacheError
 from tiercache.format import flatten
-from tiercache.group_manifest import adopt, assign_owners, commit, committed_on, merge_parts, rank_view, writers_by_node
+from tiercache.group_manifest import assign_owners, merge_parts, rank_view, writers_by_node
 from tiercache.group_restore import group_fill
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.hash_split import SharedHashing, signature
@@ -92,7 +92,7 @@ from tiercache.restore import into_targets, match_into
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
-    from tiercache.engine import HashSplit
+    from tiercache.pipeline.job import HashSplit
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.distributed")
@@ -121,7 +121,7 @@ class _Round:
         self.owner = owner
         self.vid = vid
         self.ref = ref
-        tiers = list(owner.cache.engine.tiers)
+        tiers = list(owner.cache.repo.durable)
         self.owners: dict[str, Future[Collection[str]]] = {t: Future() for t in tiers}
         self.ready: dict[str, Future[None]] = {t: Future() for t in tiers}
         self.outcome: dict[str, Future[None]] = {t: Future() for t in tiers}
@@ -141,16 +141,16 @@ class _Round:
     # -- engine side (writer threads) --
 
     def owned(self, tier: str) -> Collection[str]:
-        """See :meth:`tiercache.engine.Committer.owned`."""
+        """See :meth:`tiercache.pipeline.job.Committer.owned`."""
         return self.owners[tier].result()
 
     def commit(self, tier: str) -> None:
-        """See :meth:`tiercache.engine.Committer.commit`."""
+        """See :meth:`tiercache.pipeline.job.Committer.commit`."""
         self.ready[tier].set_result(None)
         self.outcome[tier].result()
 
     def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:
-        """See :meth:`tiercache.engine.Committer.split_hashing` and :mod:`tiercache.hash_split`."""
+        """See :meth:`tiercache.pipeline.job.Committer.split_hashing` and :mod:`tiercache.hash_split`."""
         if self.declared is None:
             return None
         self.split = self.owner.hashing.split(layout, paths, self.declared)
@@ -280,9 +280,9 @@ class _Coordinator:
             node_chunks = None
             rnd.owners[self.tier].set_result(assign_owners(parts, rnd.hashed_by())[owner.rank])
         err = verdict(self._gather_status(rnd), rnd.vid, self.tier)
-        err = self._commit(rnd, merged, err, by_node)
+        err = self._commit(rnd, merged, err, node_chunks)
         if err is None:
-            adopt(owner.cache, merged, [self.tier], node_chunks)
+            owner.cache.repo.adopt(merged, [self.tier], node_chunks)
         rnd.settle(self.tier, err)
 
     def _gather_status(self, rnd: _Round) -> list[Status]:
@@ -292,7 +292,7 @@ class _Coordinator:
         :mod:`tiercache.tiers._s3pacing`); the count rides with the status.
         """
         status = rnd.status(self.tier)
-        pacer = getattr(self.owner.cache.engine.tiers[self.tier], "pacer", None)
+        pacer = self.owner.cache.repo.durable[self.tier].pacer
         mine = pacer.take_throttled() if pacer is not None else 0
         if status[0] == "ok":
             status = ("ok", mine)
@@ -301,18 +301,22 @@ class _Coordinator:
             pacer.slow_down()
         return statuses
 
-    def _commit(self, rnd: _Round, merged: Version, err: BaseException | None, by_node: bool) -> BaseException | None:
+    def _commit(
+        self, rnd: _Round, merged: Version, err: BaseException | None, node_chunks: Collection[str] | None
+    ) -> BaseException | None:
         """Commit the merged manifest and the ref if every rank's chunks are durable; the group's outcome.
 
-        On a shared tier rank 0 commits and broadcasts how it went; on a node-local tier every
-        node's leader commits on its node and the ranks exchange how it went.
+        On a shared tier (``node_chunks`` is ``None``) rank 0 commits and broadcasts how it went;
+        on a node-local tier every node's leader commits on its node (which holds
+        ``node_chunks``) and the ranks exchange how it went.
         """
         owner = self.owner
+        by_node = node_chunks is not None
         commits = owner.rank == 0 or (by_node and owner.topology.leads(owner.rank))
         result: Status = ("ok", None)
         if commits and err is None:
             try:
-                commit(owner.cache, self.tier, merged, rnd.ref)
+                owner.cache.repo.commit(self.tier, merged, rnd.ref, held=node_chunks)
             except Exception as e:
                 result = status_of(e)
         if by_node:
@@ -373,7 +377,8 @@ class DistributedCache:
         self._fg = new()
         self._src = dist.get_global_rank(self._fg, 0)
         cfg = cache.config
-        self.node_local = frozenset(n for n in cache.engine.tiers if n == "disk" and cfg.disk and not cfg.disk.shared)
+        #: The durable tiers each node has its own copy of (a node-local disk).
+        self.node_local = frozenset(n for n, t in cache.repo.durable.items() if t.node_local)
         self.topology = Topology.gather(cfg, self._fg, self.world_size)
         self.node = self.topology.node_of[self.rank]
         settings = self._agree((cfg.peers.copies, sorted(self.node_local)))
@@ -386,14 +391,13 @@ class DistributedCache:
                      copies=tuple(self.topology.names[p] for p in peers[i]))
             for i, name in enumerate(self.topology.names)
         )
-        self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.engine.tiers}
-        self._replicator = (Replicator(cache, new(), self.rank, self.topology, peers)
+        self._coordinators = {name: _Coordinator(self, name, new()) for name in cache.repo.durable}
+        self._replicator = (Replicator(cache, new(), self.rank, self.topology, peers, min(self.node_local))
                             if self._no_peers is None else None)
         self.hashing = SharedHashing(new(), self.rank, self.world_size)
-        for tier in cache.engine.tiers.values():  # a node sends the requests one process would
-            pacer = getattr(tier, "pacer", None)
-            if pacer is not None:
-                pacer.share(len(self.topology.ranks(self.node)))
+        for tier in cache.repo.durable.values():  # a node sends the requests one process would
+            if tier.pacer is not None:
+                tier.pacer.share(len(self.topology.ranks(self.node)))
         # Recent versions saved through this view: restore waits for them and refuses failed ones.
         self._rounds: dict[str, _Round] = {}
         self._closed = False
@@ -404,7 +408,7 @@ class DistributedCache:
         copies = self.cache.config.peers.copies
         if copies == 0:
             return none, ConfigError(f"no {REPLICATED!r} level: [peers] copies is 0 (set it to 1 or more)")
-        if "disk" not in self.node_local:
+        if not self.node_local:
             return none, ConfigError(f"no {REPLICATED!r} level: peer copies go to node-local disks, and this cache "
                                      "has no [disk] or declares it shared")
         try:
@@ -465,16 +469,15 @@ class DistributedCache:
                 then fails on the other ranks too).
         """
         cache = self.cache
-        cache._check_open()
+        cache.check_open()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
         part = local_state(state)
-        with cache._save_lock:
-            proposal = None
-            cur = cache.catalog.ref("branch", branch)
-            if self.rank == 0:
-                proposal = (new_version_id(), cur.version if cur else None, cur.seq + 1 if cur else 0)
+        engine = cache.engine
+        with cache.next_version(branch) as nxt:
+            # Rank 0's view decides the parent (the head, or what it resumed from) for the group.
+            proposal = (new_version_id(), nxt.parent, nxt.seq) if self.rank == 0 else None
             votes = self._agree((step, branch, self._chunk_bytes(part), proposal, self._signature(part, replicated)))
             if any(v[:2] != (step, branch) for v in votes):
                 seen = sorted({f"step {v[0]} on {v[1]!r}" for v in votes})
@@ -488,7 +491,7 @@ class DistributedCache:
             elif any(v[4] is not None for v in votes):
                 log.info("version %s: the ranks' states or replicated= differ; every rank hashes all of its part", vid)
             try:
-                rnd.local = cache.engine.stage(
+                rnd.local = engine.stage(
                     part, step=step, branch=branch, meta=_json_meta(meta), parent=parent, seq=seq,
                     version_id=vid, chunk_bytes=max(v[2] for v in votes), committer=rnd,
                 )
@@ -497,9 +500,9 @@ class DistributedCache:
                 self._submit(rnd)
                 raise
             if self.rank == 0 or (self.node_local and self.topology.leads(self.rank)):
-                cache.catalog.note_move(ref, cur)  # this rank commits the move on a tier
+                nxt.version = vid  # this rank commits the move on a tier
             else:
-                cache.catalog.set_ref(ref)
+                cache.catalog.set_ref(ref)  # follow the group's head (rank 0 or the node's leader moves the ref)
         self._submit(rnd)
         return self._handle(rnd)
 
@@ -556,13 +559,13 @@ class DistributedCache:
                 through :mod:`tiercache.integrations.dcp` to reshard).
         """
         cache = self.cache
-        cache._check_open()
+        cache.check_open()
         version = self._agree_on_manifest(ref)
         # Another rank (or process) may have committed it since this process's catalog was loaded.
         # A node-local tier holds only its node's part: its chunks are found by asking it.
-        tiers = committed_on(cache, version.id)
-        adopt(cache, version, [t for t in tiers if t not in self.node_local])
-        adopt(cache, version, [t for t in tiers if t in self.node_local], chunks=())
+        tiers = cache.repo.committed_on(version.id)
+        cache.repo.adopt(version, [t for t in tiers if t not in self.node_local])
+        cache.repo.adopt(version, [t for t in tiers if t in self.node_local], chunks=())
         if version.parts:
             if len(version.parts) != self.world_size:
                 raise InvalidArgumentError(
@@ -650,10 +653,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DistributedCache",
     "GroupSaveError",
-    "adopt",
     "assign_owners",
-    "commit",
-    "committed_on",
     "local_state",
     "merge_parts",
     "rank_view",

@@ -10,6 +10,12 @@ Each entry is ``NAME=ACTION[@N]``: ``kill`` (SIGKILL this process, as a power cu
 ``raise`` (raise :class:`~tiercache.errors.StorageError`) or ``sleep:<seconds>``; with ``@N`` the
 action fires on the N-th hit of that name only (1-based), without it on every hit.
 
+In-process tests can also run their own code at a failpoint with :func:`hooked` (to hold a
+thread there, or to start a racing operation at exactly that point)::
+
+    with failpoints.hooked("repo.after_claim", lambda tier, ids: arrived.set() or go.wait()):
+        ...
+
 This module reads ``os.environ`` itself, once, at import: an exception to the rule that only
 ``config.py`` reads the environment, because failpoints are a test facility, not a knob of the
 cache, and must reach code (tiers, the catalog) that never sees the config.
@@ -21,6 +27,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tiercache.errors import ConfigError, StorageError
@@ -31,7 +39,10 @@ ENV_VAR = "TIERCACHE_FAILPOINTS"
 #: Every failpoint the code calls, in write-path order.
 FAILPOINTS: tuple[str, ...] = (
     "engine.after_chunk_write",  # one chunk of a version is on the tier, the others may not be
-    "engine.after_manifest_write",  # chunks and manifest are on the tier, the ref not yet
+    "repo.after_claim",  # a pending version leased chunks on a tier and checked which it holds
+    "leases.claim_waits",  # a claim waits for a deletion of the chunks it asks for to finish
+    "repo.chunks_doomed",  # a deletion decided its chunks (none leased or named), not yet deleted
+    "repo.after_manifest_write",  # chunks and manifest are on the tier, the ref not yet
     "disk.after_tmp_write",  # tmp file written, not yet fsynced
     "disk.after_fsync",  # tmp file durable, not yet renamed
     "disk.after_rename",  # final name in place, directory not yet fsynced
@@ -55,6 +66,7 @@ class _Armed:
 
 _lock = threading.Lock()
 _armed: dict[str, _Armed] = {}
+_hooks: dict[str, Callable[..., None]] = {}
 
 
 def _parse(spec: str) -> dict[str, _Armed]:
@@ -93,14 +105,37 @@ def configure(spec: str | None) -> None:
         _armed.update(parsed)
 
 
-def failpoint(name: str) -> None:
-    """Run the action armed for ``name``, if any (a no-op otherwise).
+@contextmanager
+def hooked(name: str, hook: Callable[..., None]) -> Iterator[None]:
+    """Call ``hook(*detail)`` on the hitting thread at every hit of failpoint ``name`` during the block.
+
+    Raises:
+        ConfigError: If ``name`` is not a failpoint, or already hooked.
+    """
+    if name not in FAILPOINTS or name in _hooks:
+        raise ConfigError(f"cannot hook failpoint {name!r}: unknown or already hooked")
+    _hooks[name] = hook
+    try:
+        yield
+    finally:
+        del _hooks[name]
+
+
+def failpoint(name: str, *detail: object) -> None:
+    """Run the hook and the action armed for ``name``, if any (a no-op otherwise).
+
+    Args:
+        name: One of :data:`FAILPOINTS`.
+        detail: What a hook is told about the hit (the tier, the chunk ids...).
 
     Raises:
         StorageError: If ``name`` is armed with ``raise``.
     """
-    if not _armed:
+    if not _armed and not _hooks:
         return
+    hook = _hooks.get(name)
+    if hook is not None:
+        hook(*detail)
     with _lock:
         armed = _armed.get(name)
         if armed is None:

@@ -45,25 +45,20 @@ from typing import Any
 
 import torch
 
+from tiercache.dtypes import DTYPES
 from tiercache.errors import IntegrityError, UnsupportedStateError
 
 _log = logging.getLogger("tiercache.format")
 
 __all__ = ["Flat", "TensorMeta", "dtype_from_name", "dtype_name", "flatten", "unflatten"]
 
-# Tensor dtypes whose bytes can be stored and restored as is; older torch builds lack some names.
+# Tensor dtypes whose bytes can be stored and restored as is (tiercache.dtypes); older torch
+# builds lack some names.
 _DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "complex128", "complex64", "complex32",
-        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
+    name: getattr(torch, name) for name in DTYPES if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
-_COMPLEX_NAMES = frozenset(n for n, d in _DTYPES.items() if d.is_complex)
+_COMPLEX_NAMES = frozenset(n for n in _DTYPES if DTYPES[n].complex)
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter

@@ -2,26 +2,18 @@
 
 The pure side of the multi-rank protocol (:mod:`tiercache.distributed`): every rank computes the
 same manifest and the same writers from the same partial manifests, so they agree without a word
-more. Also the few steps on this process's cache that a group commit needs (writing the merged
-manifest and the ref, making the catalog know what other ranks wrote), shared with the DCP
-integration.
+more. The commit itself goes through the cache's repo (:meth:`tiercache.repo.Repo.commit`,
+:meth:`~tiercache.repo.Repo.adopt`), shared with the DCP integration.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
-from tiercache.errors import InvalidArgumentError, TierCacheError
-from tiercache.manifest import NodePart, Piece, RankPart, RefRecord, Version
-from tiercache.names import version_key
+from tiercache.errors import InvalidArgumentError
+from tiercache.manifest import NodePart, Piece, RankPart, Version
 from tiercache.nodes import Topology
-
-if TYPE_CHECKING:
-    from tiercache.cache import TierCache
-
-log = logging.getLogger("tiercache.group_manifest")
 
 
 def _shift(node: Any, off: int) -> Any:
@@ -125,45 +117,6 @@ def writers_by_node(
     return out
 
 
-def adopt(cache: TierCache, version: Version, tiers: Collection[str], chunks: Collection[str] | None = None) -> None:
-    """Make this process's catalog know ``version`` as committed on ``tiers``, with ``chunks`` there.
-
-    Other ranks wrote some of its chunks (and rank 0 or the node's leader its manifest), which
-    this process's catalog cannot have seen. ``chunks`` defaults to every chunk of the version
-    (true of a shared tier); a node-local tier holds only its node's part.
-    """
-    cache.catalog.add(version)
-    ids = [c.id for c in version.chunks] if chunks is None else list(chunks)
-    for name in tiers:
-        cache.catalog.mark_on(name, version.id)
-        cache.catalog.note_chunks(name, ids)
-
-
-def committed_on(cache: TierCache, version_id: str) -> list[str]:
-    """Durable tiers that hold ``version_id``'s manifest (asked of the tiers, not the catalog).
-
-    A tier that is down, or fails while asked, is left out: what it holds cannot be read now.
-    """
-    out = []
-    for name, tier in cache.engine.tiers.items():
-        if not cache.health.available(name):
-            continue
-        try:
-            if cache.catalog.manifest_on(name, version_id) or tier.exists(version_key(version_id)):
-                out.append(name)
-        except TierCacheError as e:
-            log.warning("cannot tell whether %s holds version %s: %s", name, version_id, e)
-    return out
-
-
-def commit(cache: TierCache, tier: str, version: Version, ref: RefRecord) -> None:
-    """Write ``version``'s manifest to ``tier`` and move ``ref`` there (chunks must be durable)."""
-    cache.engine.tiers[tier].put(version_key(version.id), version.to_json())
-    cache.catalog.add(version)
-    cache.catalog.mark_on(tier, version.id)
-    cache.catalog.write_ref(tier, ref)
-
-
 def rank_view(version: Version, rank: int) -> Version:
     """The manifest of one rank's part of a multi-rank version, as if that rank had saved alone."""
     part = version.parts[rank]
@@ -176,4 +129,4 @@ def rank_view(version: Version, rank: int) -> Version:
     })
 
 
-__all__ = ["adopt", "assign_owners", "commit", "committed_on", "merge_parts", "rank_view", "writers_by_node"]
+__all__ = ["assign_owners", "merge_parts", "rank_view", "writers_by_node"]

@@ -135,15 +135,20 @@ class _GroupFill:
         write there without this process's catalog knowing; what is found is noted so the
         reader tries it.
         """
-        cache = self.cache
-        out = ids & cache.catalog.chunks_on("ram") if cache.engine.ram is not None else set()
-        if "disk" in self.node_local and cache.health.available("disk"):
-            disk = cache.engine.tiers["disk"]
+        repo = self.cache.repo
+        out: set[str] = set()
+        for name, tier in repo.tiers.items():
+            if not tier.durable:  # the RAM arena: this process's catalog knows what it holds
+                out |= ids & repo.catalog.chunks_on(name)
+        for name in sorted(self.node_local):
+            if not repo.available(name):
+                continue
+            tier = repo.durable[name]
             try:
-                found = [c for c in ids - out if disk.exists(chunk_key(c))]
+                found = [c for c in ids - out if tier.exists(chunk_key(c))]
             except TierCacheError:  # a failing disk holds nothing this restore can count on
                 found = []
-            cache.catalog.note_chunks("disk", found)
+            repo.stored(name, found)
             out |= set(found)
         return out
 

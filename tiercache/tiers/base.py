@@ -35,7 +35,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from tiercache.tiers._s3pacing import Pacer
 
 #: Anything exposing the buffer protocol that ``put`` accepts.
 Buffer = bytes | bytearray | memoryview
@@ -63,6 +67,24 @@ class Tier(ABC):
     name: str
     durable: bool
     capacity: int | None = None
+    #: Whether a put with ``sync_name=False`` needs :meth:`sync_names` before its name is durable
+    #: (a directory-based tier); the repo then also syncs, once, names it found but did not write.
+    names_need_sync: bool = False
+    #: Whether a chunk's payload can be written before its name (hash) is known (``begin_put``):
+    #: the engine then starts writing while the rest of the state is still being copied.
+    early_writes: bool = False
+    #: Whether reads may borrow the stored bytes in place (``borrow``) instead of copying them out.
+    lends: bool = False
+    #: Threads the engine writes this tier's chunks with (``None``: the config's ``io_threads``).
+    write_threads: int | None = None
+    #: Seconds a version's chunk writes may take here, retries included (``None``: no limit).
+    deadline_s: float | None = None
+    #: Whether each node of a multi-rank job has its own copy of this tier (a node-local disk): the
+    #: group writes each node's part to its node instead of splitting one copy over the group.
+    node_local: bool = False
+    #: Paces this tier's requests when the store throttles; a multi-rank group shares it among a
+    #: node's ranks and slows every rank when one was throttled (``None``: not paced).
+    pacer: Pacer | None = None
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -125,6 +147,15 @@ class Tier(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Return every stored key starting with ``prefix``, sorted."""
+
+    def list_dated(self, prefix: str = "") -> list[tuple[str, int, datetime]]:
+        """``(key, size, last modified)`` of every stored key starting with ``prefix``, sorted.
+
+        A tier that cannot tell an object's age reports it as written now, so only ``gc`` with no
+        grace period collects there.
+        """
+        now = datetime.now(UTC)
+        return [(key, self.size(key) or 0, now) for key in self.list(prefix)]
 
     @abstractmethod
     def read_ref(self, key: str) -> RefValue | None:

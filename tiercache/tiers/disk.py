@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -135,10 +136,14 @@ class DiskTier(Tier):
 
     name = "disk"
     durable = True
+    names_need_sync = True
+    early_writes = True
 
     def __init__(self, cfg: DiskConfig) -> None:
         self.cfg = cfg
         self.capacity = cfg.capacity
+        self.write_threads = cfg.io_threads
+        self.node_local = not cfg.shared
         root = os.path.abspath(os.fspath(cfg.path))
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
@@ -490,6 +495,17 @@ class DiskTier(Tier):
     def delete(self, key: str) -> None:
         """Remove ``key`` and fsync its directory; a missing key is a no-op."""
         self._unlink(key, self._path(key))
+
+    def list_dated(self, prefix: str = "") -> list[tuple[str, int, datetime]]:
+        """``(key, size, modification time)`` of every stored key under ``prefix``, sorted."""
+        out = []
+        for key in self.list(prefix):
+            try:
+                st = os.stat(os.path.join(self._root, *key.split("/")))
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            out.append((key, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC)))
+        return out
 
     def list(self, prefix: str = "") -> list[str]:
         """Return every stored key starting with ``prefix``, sorted (no tmp or lock files)."""

@@ -23,13 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tiercache.errors import CacheClosedError, ConflictError, TierFullError
 from tiercache.names import check_key
 from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tiercache.tiers.ram")
 
@@ -127,6 +128,18 @@ class Region(NamedTuple):
     nbytes: int
 
 
+def _cuda_available() -> bool:
+    import torch  # only an arena that should be pinned asks
+
+    return bool(torch.cuda.is_available())
+
+
+def _cudart() -> Any:
+    import torch  # only a pinned arena gets here
+
+    return torch.cuda.cudart()
+
+
 class Arena:
     """A fixed block of host memory carved into 4096-aligned regions.
 
@@ -144,7 +157,7 @@ class Arena:
         if capacity < 0:
             raise ValueError(f"arena capacity must be >= 0, got {capacity}: set ram.capacity")
         self._capacity = capacity // ALIGN * ALIGN
-        self._pin = pin and torch.cuda.is_available()
+        self._pin = pin and _cuda_available()  # asks torch only when pinning is wanted
         self._cond = threading.Condition()
         self._free: list[Region] = [Region(0, self._capacity)] if self._capacity else []
         self._allocated: dict[int, int] = {}
@@ -223,7 +236,7 @@ class Arena:
                 return
         # Closed while populating: give the memory back at once.
         if pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(pinned)
+            _cudart().cudaHostUnregister(pinned)
         mapping.close()
 
     def _materialize(self) -> None:
@@ -247,7 +260,7 @@ class Arena:
             # Register the mapping rather than using pin_memory=True: torch's pinned allocator
             # rounds sizes up to a power of two, which could nearly double a large arena.
             address = buffer_address(mapping)
-            err = int(torch.cuda.cudart().cudaHostRegister(address, self._capacity, 1))  # Portable
+            err = int(_cudart().cudaHostRegister(address, self._capacity, 1))  # Portable
             if err:
                 log.warning("cannot pin the %d-byte RAM arena (cudaError %d); using pageable memory",
                             self._capacity, err)
@@ -260,6 +273,8 @@ class Arena:
         # Called with the lock held.
         self._pinned_address = pinned
         self._mapping = mapping
+        import torch  # the arena exists only for saves, which need torch anyway
+
         self._tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         self._view = memoryview(mapping)
 
@@ -385,7 +400,7 @@ class Arena:
             self._free, self._allocated, self._retained, self._used = [], {}, {}, 0
             self._cond.notify_all()
         if pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(pinned)
+            _cudart().cudaHostUnregister(pinned)
         if mapping is not None:
             # A tensor or memoryview may still export it; then the GC unmaps it after them.
             with contextlib.suppress(BufferError):
@@ -416,6 +431,8 @@ class RamTier(Tier):
 
     name = "ram"
     durable = False
+    lends = True
+    node_local = True
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena

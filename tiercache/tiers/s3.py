@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
@@ -159,6 +159,7 @@ class S3Tier(Tier):
     def __init__(self, cfg: S3Config) -> None:
         """Make the clients for the bucket of ``cfg.url``; nothing is sent yet (see :meth:`probe`)."""
         self._cfg = cfg
+        self.deadline_s = cfg.deadline_s
         self._bucket = cfg.bucket
         self._root = f"{cfg.prefix}/" if cfg.prefix else ""
         self._part_size = max(cfg.part_size, _MIN_PART)
@@ -176,6 +177,8 @@ class S3Tier(Tier):
         self.pacer = Pacer(cfg.max_concurrency, cfg.throttle_retries)
         self._cond_delete: bool | None = None
         self._cas_ok: bool | None = None  # conditional PUTs enforced? probed before the first ref write
+        #: The last conditional-write probe's result and time (the storage layer records it).
+        self.last_probe: tuple[dict[str, bool], datetime] | None = None
         self._probe_lock = threading.Lock()
 
     def probe(self) -> None:
@@ -724,9 +727,7 @@ class S3Tier(Tier):
         if self._cas_ok is None:
             with self._probe_lock:
                 if self._cas_ok is None:
-                    probe = self._probe(delete_only=False)
-                    self._cond_delete = probe["delete_if_match"]
-                    self._cas_ok = probe["if_none_match"] and probe["if_match"]
+                    self.probe_conditional_writes()
         if not self._cas_ok:
             raise ConfigError(
                 f"refusing to commit ref {key!r}: {self._endpoint} ignores conditional writes (If-None-Match/"
@@ -760,7 +761,33 @@ class S3Tier(Tier):
         result = self._probe(delete_only=False)
         self._cond_delete = result["delete_if_match"]
         self._cas_ok = result["if_none_match"] and result["if_match"]
+        self.last_probe = (result, datetime.now(UTC))
         return result
+
+    def upload_clock_skew(self) -> float:
+        """Seconds by which the store's multipart upload start times differ from this clock.
+
+        Starts a scratch multipart upload, reads its start time back from the listing, and aborts
+        it. Some S3 emulators report a fixed date: aborting uploads by age would then abort uploads
+        in flight.
+
+        Raises:
+            StorageError: If the upload cannot be started, listed or aborted.
+        """
+        key = f"{_PROBE_PREFIX}/upload-{uuid.uuid4().hex}"
+        full = self._full(key)
+        before = datetime.now(UTC)
+        try:
+            upload_id = self._client.create_multipart_upload(Bucket=self._bucket, Key=full)["UploadId"]
+        except (bce.BotoCoreError, bce.ClientError) as e:
+            raise self._error(e, "create_multipart_upload", key) from e
+        try:
+            listed = [started for k, uid, started in self.list_multipart_uploads() if uid == upload_id]
+        finally:
+            self.abort_multipart_upload(key, upload_id)
+        if not listed:
+            raise StorageError(f"S3 at {self._endpoint} does not list the multipart upload it just started")
+        return (listed[0] - before).total_seconds()
 
     def _probe(self, *, delete_only: bool) -> dict[str, bool]:
         scratch = f"{self._root}{_PROBE_PREFIX}/{uuid.uuid4().hex}"

@@ -11,7 +11,7 @@ with non-blocking copies on a side stream into the (pinned) arena and synchronis
 
 A save may also defer part of its copy (``later``): those tensors are copied on the helper
 threads after ``copy_in`` returns, while training goes on with work that does not change them
-(see :mod:`tiercache.deferred`).
+(see :mod:`tiercache.pipeline.deferred`).
 """
 
 from __future__ import annotations

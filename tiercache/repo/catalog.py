@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,9 +39,9 @@ from tiercache.names import CHUNKS, REFLOG, REFS, STATUS, VERSIONS, ref_key, ref
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiercache.health import TierHealth
+    from tiercache.repo.health import TierHealth
 
-log = logging.getLogger("tiercache.catalog")
+log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
@@ -60,12 +60,13 @@ class Catalog:
     """Versions, refs and chunk residency across the tiers of one cache.
 
     Args:
-        tiers: Every configured tier by name, fastest first (the RAM tier included).
+        tiers: Returns every tier by name, fastest first (the RAM tier included once it exists).
+        health: Which durable tiers answer now (a down one is left out of loads and listings).
     """
 
-    def __init__(self, tiers: dict[str, Tier], health: TierHealth | None = None) -> None:
-        self._tiers = tiers
-        self._durable = [n for n, t in tiers.items() if t.durable]
+    def __init__(self, tiers: Callable[[], Mapping[str, Tier]], health: TierHealth | None = None) -> None:
+        self._tiers_now = tiers
+        self._durable = [n for n, t in tiers().items() if t.durable]
         self._health = health
         self._lock = threading.RLock()
         self._versions: dict[str, Version] = {}
@@ -94,6 +95,11 @@ class Catalog:
         self._outcomes: dict[str, dict[str, TierOutcome]] = {}
         self._status_listed: set[str] | None = None
         self._loaded = False
+
+    @property
+    def _tiers(self) -> Mapping[str, Tier]:
+        """The tiers now (the RAM tier joins once the engine has an arena)."""
+        return self._tiers_now()
 
     # ------------------------------------------------------------------ loading
 
@@ -312,19 +318,27 @@ class Catalog:
                 for vid in self._chunk_users.get(cid, ()):
                     self._residency.pop(vid, None)
 
-    def residency(self, version: Version) -> tuple[str, ...]:
-        """Tiers that hold every chunk of ``version``, fastest first."""
+    def residency(self, version: Version, listed_only: Collection[str] = ()) -> tuple[str, ...]:
+        """Tiers that hold every chunk of ``version``, fastest first.
+
+        A tier named in ``listed_only`` is counted only once its chunks have been listed: until
+        then it is taken not to hold the version, and nothing is listed or waited for. The save
+        path passes the remote tiers, so a slow bucket listing never holds up a write to the disk;
+        not holding is the safe side (nothing is evicted or skipped on the strength of it).
+        """
         with self._lock:
             got = self._residency.get(version.id)
             if got is not None and self._versions.get(version.id) is version:
                 return got
+            names = [n for n, t in self._tiers.items() if t.durable or t.name == "ram"]
+            unknown = {n for n in listed_only if n in self._tiers and n not in self._chunks}
         # Listings first, without the lock: a listing in progress on another thread needs it to land.
-        names = [n for n, t in list(self._tiers.items()) if t.durable or t.name == "ram"]
-        held = {n: self.chunks_on(n) for n in names}
+        held = {n: self.chunks_on(n) for n in names if n not in unknown}
         ids = {c.id for c in version.chunks}
         with self._lock:
-            got = tuple(n for n in names if ids <= held[n] and (self.manifest_on(n, version.id) or not ids))
-            if self._versions.get(version.id) is version:
+            got = tuple(n for n in names if n in held and ids <= held[n]
+                        and (self.manifest_on(n, version.id) or not ids))
+            if not unknown and self._versions.get(version.id) is version:
                 self._residency[version.id] = got
             return got
 

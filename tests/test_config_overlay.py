@@ -1,0 +1,55 @@
+"""Config sizes (pydantic's ByteSize) and the ``TIERCACHE_<TABLE>__<FIELD>`` overlay (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiercache.config import GIB, KIB, MIB, load_config, parse_size
+from tiercache.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4GiB", 4 * GIB), ("100 GB", 100 * 10**9), ("64MiB", 64 * MIB), ("8Gi", 8 * GIB), ("1.5k", 1500),
+     ("512kib", 512 * KIB), (4096, 4096), ("12", 12)],
+)
+def test_sizes_are_parsed_as_pydantic_parses_them(text: str | int, size: int) -> None:
+    assert parse_size(text) == size
+    assert load_config({"disk": {"path": "/x", "capacity": text}}, env={}).disk.capacity == size  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bad", [-1, "x", True, "4 bogus", 1.5])
+def test_a_bad_size_names_the_field_and_an_example(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"disk": {"path": "/x", "capacity": bad}}, env={})
+    msg = str(info.value)
+    assert msg.startswith("invalid config (dict): field 'disk.capacity': ") and "\n" not in msg
+
+
+def test_variables_override_the_file_field_by_field(tmp_path: Path) -> None:
+    config = tmp_path / "tiercache.toml"
+    config.write_text(f'chunk_bytes = "1MiB"\n\n[disk]\npath = "{tmp_path}"\nio_threads = 2\n')
+    env = {"TIERCACHE_DISK__IO_THREADS": "5", "TIERCACHE_S3__URL": "s3://b/p", "TIERCACHE_RAM__CAPACITY": "auto",
+           "TIERCACHE_POLICY__PARAMS": '{"keep": 3}', "TIERCACHE_ENGINE__ON_ERROR": "raise",
+           "TIERCACHE_LOG": "debug", "TIERCACHE_FAILPOINTS": "", "TEST_TIERCACHE_SLOW": "1"}
+    cfg = load_config(config, env=env)
+    assert cfg.disk is not None and (cfg.disk.path, cfg.disk.io_threads) == (tmp_path, 5)
+    assert cfg.s3 is not None and (cfg.s3.bucket, cfg.s3.prefix) == ("b", "p")
+    assert cfg.ram is not None and cfg.ram.capacity == "auto"
+    assert (cfg.policy.params, cfg.engine.on_error, cfg.chunk_bytes) == ({"keep": 3}, "raise", MIB)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [({"TIERCACHE_POLICY__PARAMS": "{keep: 3"}, "TIERCACHE_POLICY__PARAMS"),
+     ({"TIERCACHE_SLOW": "1"}, "TIERCACHE_SLOW"),
+     ({"TIERCACHE_DISK__PATHS": "/y"}, "TIERCACHE_DISK__PATHS")],
+)
+def test_a_variable_that_names_no_field_or_is_not_json_is_named(tmp_path: Path, env: dict[str, str],
+                                                                  named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"disk": {"path": str(tmp_path)}}, env=env)
+    msg = str(info.value)
+    assert msg.startswith(f"invalid config from environment variable {named}: ") and "\n" not in msg

@@ -1,0 +1,793 @@
+"""The background save pipeline: staging, hashing, per-tier writers, settling, back-pressure.
+
+``stage()`` runs on the training thread and is the only part training waits for: it reserves
+page-aligned regions of the RAM arena (asking the policy when the arena is full), copies every
+tensor into them (:mod:`tiercache.pipeline.staging`) and returns a
+:class:`~tiercache.handle.SaveHandle`. Everything else runs on engine threads, chunk by chunk as
+soon as each is copied:
+
+1. a hasher names each staged chunk by the hash of its bytes, writes its header in place and
+   hands the region to the RAM tier (:mod:`tiercache.pipeline.ramcache`);
+2. the placement (:mod:`tiercache.pipeline.placement`) asks the policy which tiers take it;
+3. one writer per durable tier (:mod:`tiercache.pipeline.writer`) writes it in save order and
+   has the storage layer (:mod:`tiercache.repo`) commit it;
+4. once nothing is pending for it, the version is *settled* here: every version reaches a durable
+   tier unless the user's policy dropped it (a tier it was skipped for takes it after all), a
+   version that reached none is never a parent nor a branch head, and its regions go back.
+
+A tier that fails is marked down (:mod:`tiercache.repo.health`); when it answers again, the
+remote tier is caught up with the newest version of each branch and every tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import torch
+
+from tiercache import codecs
+from tiercache.config import CacheConfig, RamConfig
+from tiercache.dtypes import GROUPED
+from tiercache.errors import (
+    CacheClosedError,
+    ConfigError,
+    ConflictError,
+    InvalidArgumentError,
+    SkippedError,
+    TierCacheError,
+    TierFullError,
+)
+from tiercache.format import Flat, dtype_name, flatten
+from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.layout import Layout, plan_layout
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, TierOutcome, Version, new_version_id
+from tiercache.names import chunk_key, version_key
+from tiercache.pipeline.deferred import Owned, deferrable
+from tiercache.pipeline.job import Committer, Job, JobTable
+from tiercache.pipeline.placement import Placement, skip_level
+from tiercache.pipeline.ramcache import RamCache
+from tiercache.pipeline.staging import CopyPlan, Stager, plan_copy
+from tiercache.pipeline.writer import TierWriter, lower_thread_priority
+from tiercache.policy.base import Policy
+from tiercache.policy.meter import ThroughputMeter
+from tiercache.repo import Repo
+from tiercache.repo.health import is_outage
+from tiercache.tiers.base import Tier
+from tiercache.tiers.ram import RamTier, Region
+
+log = logging.getLogger("tiercache.pipeline.engine")
+
+
+class Engine:
+    """Runs the save pipeline for one cache.
+
+    Args:
+        config: The cache config.
+        repo: The storage layer (tiers, catalog, commits, leases).
+        policy: The policy consulted for placement and a full arena.
+        meter: Where every transfer's bytes and seconds are recorded.
+        read_object: Reads a verified chunk object from the best tier holding it (catch-up copies
+            chunks with it).
+    """
+
+    def __init__(self, config: CacheConfig, repo: Repo, *, policy: Policy, meter: ThroughputMeter,
+                 read_object: Callable[[str, int, str], tuple[bytes, str]]) -> None:
+        self.config = config
+        self.repo = repo
+        self.health = repo.health
+        self.meter = meter
+        self.jobs = JobTable()
+        ram = config.ram
+        self.ramcache = RamCache(
+            repo, self.jobs.lock, capacity=None if ram is None or ram.capacity == "auto" else int(ram.capacity),
+            pin=lambda: (ram.pin_memory if ram else True) and torch.cuda.is_available(),
+            serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable,
+        )
+        self.placement = Placement(self, policy)
+        self._read_object = read_object
+        self._plans: dict[object, CopyPlan] = {}
+        #: Copies that save() deferred (see tiercache.pipeline.deferred), until each is done.
+        self._deferred: set[Future[None]] = set()
+        #: Versions that reached no durable tier -> the parent their children name instead.
+        self._effective: OrderedDict[str, str | None] = OrderedDict()
+        #: Versions lost (no durable tier) that neither save() nor flush()/close() reported yet.
+        self._losses: deque[BaseException] = deque(maxlen=64)
+        self.errors_total = 0
+        self.recent_errors: deque[str] = deque(maxlen=16)
+        self._saved = False
+        self._closed = False
+        #: The last hashed version's layout, chunk ids, and which chunks differed from the one
+        #: before it: where a chunk changed last time, the writer writes it early again.
+        self._last_hashed: tuple[Layout, list[str], list[bool]] | None = None
+        #: Whether tiers that can write chunk payloads before their hash do so (off only in A/Bs).
+        self.early_writes = True
+        self.health.set_on_up(self._tier_back)
+        self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
+        nice = config.background_nice
+        self._hasher = ThreadPoolExecutor(
+            1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
+        )
+        # Names chunks written before their hash (see TierWriter): these tasks wait for hashes,
+        # so they get threads of their own rather than holding up the writers.
+        self.finisher = ThreadPoolExecutor(
+            2, thread_name_prefix="tiercache-name", initializer=lower_thread_priority, initargs=(nice,)
+        )
+        self._writers = {
+            name: TierWriter(self, name, tier, threads=tier.write_threads or config.io_threads, nice=nice)
+            for name, tier in repo.durable.items()
+        }
+        if config.ram is not None or not repo.durable:
+            self.ramcache.ensure()
+
+    @property
+    def ram(self) -> RamTier | None:
+        """The RAM tier once the arena exists."""
+        return self.ramcache.ram
+
+    @property
+    def has_saved(self) -> bool:
+        """Whether this process has saved anything (a process that only reads never writes)."""
+        return self._saved
+
+    # ------------------------------------------------------------------ training thread
+
+    def stage(
+        self,
+        state: object,
+        *,
+        step: int,
+        branch: str,
+        meta: dict,
+        parent: str | None,
+        seq: int,
+        version_id: str | None = None,
+        chunk_bytes: int | None = None,
+        committer: Committer | None = None,
+        defer: Owned | None = None,
+    ) -> SaveHandle:
+        """Copy ``state`` into the arena and start writing it; return the handle.
+
+        ``version_id``, ``chunk_bytes`` and ``committer`` serve multi-rank saves
+        (:mod:`tiercache.distributed`): the group's agreed version id, a chunk size that splits
+        replicated tensors among the ranks, and the committer that writes the manifest and ref
+        for the whole group in place of this engine. ``defer``: the address ranges of an
+        optimizer's tensors, whose copy may finish after this returns (see
+        :mod:`tiercache.pipeline.deferred`); the ``staged`` future completes when it has.
+
+        Raises:
+            CacheClosedError: If the cache is closed.
+            TierCacheError: Only with ``engine.on_error = "raise"``: an earlier version that
+                reached no durable tier (after this one is staged; its handle is on the error).
+            UnsupportedStateError: If a leaf of ``state`` cannot be stored.
+            TierFullError: If the version can never fit in the RAM arena.
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one to save")
+        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
+        layout = plan.layout
+        vid = version_id or new_version_id()
+        futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        job = Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
+                  nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
+        self._start_catch_up()
+        regions = self._reserve(layout)
+        if regions is None:
+            err = SkippedError(f"version at step {step} skipped: the RAM arena is full and the policy said skip")
+            for f in futures.values():
+                f.set_exception(err)
+            return self._report_earlier(SaveHandle(vid, futures))
+        job.regions = list(regions)
+        job.ready = [Future() for _ in regions]
+        job.copied = [threading.Event() for _ in regions]
+        for lvl, tier in (("local", "disk"), ("remote", "s3")):
+            if tier not in self.repo.durable:
+                futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
+        if not self.repo.durable:
+            futures["durable"].set_exception(ConfigError("no durable tier configured (only RAM)"))
+        for lvl in GROUP_LEVELS:
+            futures[lvl].set_exception(ConfigError(
+                f"no {lvl!r} level: it comes with multi-rank saves (save(group=...)) and [peers] copies >= 1"))
+        self.repo.leases.open(vid, parent)
+        self.jobs.add(job)
+        # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
+        # busy while the training thread is still copying the rest (unless the copy uses every
+        # core: see Stager.saturates).
+        self._hasher.submit(self._after_stage, job)
+        later = deferrable(flat.tensors, defer) if defer else frozenset()
+        arena = self.ramcache.arena
+        assert arena is not None
+        try:
+            pending = self._stager.copy_in(flat, plan, [arena.tensor(r) for r in regions], job.copied, later=later)
+        except BaseException as e:
+            job.copy_error = e
+            for ev in job.copied:
+                ev.set()
+            raise
+        if pending is None:
+            futures["staged"].set_result(vid)
+        else:
+            with self.jobs.lock:
+                self._deferred.add(pending)
+            pending.add_done_callback(lambda f: self._copied_later(job, f))
+        return self._report_earlier(SaveHandle(vid, futures))
+
+    def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
+        """Apply ``engine.on_error`` to versions lost earlier, now that ``handle``'s version is staged.
+
+        ``"warn"`` leaves them to ``flush()``/``close()`` (they were logged when lost);
+        ``"raise"`` raises the first with ``handle`` on it, so the new version is not lost too.
+        """
+        if self.config.engine.on_error == "raise":
+            with self.jobs.lock:
+                err = self._losses.popleft() if self._losses else None
+            if err is not None:
+                err.handle = handle  # type: ignore[attr-defined]
+                raise err
+        return handle
+
+    def _copied_later(self, job: Job, done: Future[None]) -> None:
+        with self.jobs.lock:
+            self._deferred.discard(done)
+        err = done.exception()
+        if err is None:
+            job.futures["staged"].set_result(job.version_id)
+            return
+        # Unlike a copy in save(), nobody has seen this one fail: it counts as a lost version.
+        self._record_loss(job, err)
+        job.copy_error = err  # before the events: the hasher checks it when one is set
+        for ev in job.copied:
+            ev.set()
+
+    def wait_deferred(self) -> None:
+        """Block until every deferred copy started so far is done (its outcome is on its handle)."""
+        with self.jobs.lock:
+            pending = list(self._deferred)
+        for f in pending:
+            f.exception()
+
+    def _plan(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
+        """The chunk layout and copy plan of ``flat``'s structure, computed once per structure."""
+        cache_key = (flat.structure_key, chunk_bytes)
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            sizes = [m.nbytes for m in flat.metas]
+            items = [t.element_size() if dtype_name(t.dtype) in GROUPED else 1 for t in flat.tensors]
+            plan = plan_copy(plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self.config.pack_below))
+            if len(self._plans) > 16:
+                self._plans.clear()
+            self._plans[cache_key] = plan
+        return plan
+
+    def ensure_arena(self, staged_bytes: int = 0) -> RamTier:
+        """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
+        return self.ramcache.ensure(staged_bytes)
+
+    def prepare_arena(self, state: object | None, *, wait: bool) -> None:
+        """Create the arena and fault its memory in now (see :meth:`TierCache.prepare`).
+
+        Raises:
+            CacheClosedError: If the cache is closed.
+            InvalidArgumentError: If the capacity is ``"auto"`` and ``state`` is ``None``.
+            UnsupportedStateError: If ``state`` cannot be stored.
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one")
+        staged = 0
+        if state is not None:
+            flat = flatten(state, allow_pickle=self.config.allow_pickle)
+            staged = self._plan(flat, self.config.chunk_bytes).layout.staged_bytes
+        elif self.ramcache.capacity is None:
+            raise InvalidArgumentError(
+                "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"
+            )
+        self.ramcache.ensure(staged)
+        arena = self.ramcache.arena
+        assert arena is not None
+        if wait:
+            arena.prefault()
+            return
+
+        def run() -> None:
+            try:
+                arena.prefault()
+            except Exception as e:  # the first save then allocates (and reports) it itself
+                log.warning("pre-faulting the RAM arena failed: %s", e)
+
+        threading.Thread(target=run, name="tiercache-prefault", daemon=True).start()
+
+    def _reserve(self, layout: Layout) -> list[Region] | None:
+        ram = self.ramcache
+        ram.ensure(layout.staged_bytes)
+        assert ram.arena is not None
+        if layout.staged_bytes > ram.arena.capacity:
+            raise TierFullError(
+                f"a version needs {layout.staged_bytes} bytes of RAM arena but ram.capacity is "
+                f"{ram.arena.capacity}: raise ram.capacity"
+            )
+        while True:
+            frees = ram.frees  # read first: a region freed after this wakes the wait below
+            got = ram.try_alloc(layout)
+            if got is not None:
+                return got
+            if ram.make_room(layout.staged_bytes):
+                continue
+            decision = self.placement.policy.on_full(layout.staged_bytes, self.placement.context())
+            if decision == "skip":
+                return None
+            if decision == "evict" and self.placement.cancel_oldest_pending():
+                continue
+            # "wait": until a version in flight gives regions back.
+            ram.wait_for_room(frees)
+
+    # ------------------------------------------------------------------ hashing and placement
+
+    def _after_stage(self, job: Job) -> None:
+        # Place first and hand the version to the writers right away: they write each chunk as
+        # soon as it is hashed instead of waiting for the whole version.
+        try:
+            targets = self.placement.place(job)
+        except BaseException as e:
+            self._fail_staging(job, e)
+            return
+        for name in targets:
+            self._writers[name].submit(job)
+        try:
+            self._hash_and_publish(job)
+        except BaseException as e:
+            for f in [*job.ready, job.published]:
+                if not f.done():
+                    f.set_exception(e)
+            self._fail_staging(job, e)
+            return
+        if not targets:
+            self.settle(job)  # every tier skipped: the first that can takes it after all
+
+    def _hash_and_publish(self, job: Job) -> None:
+        ram = self.ramcache
+        assert ram.arena is not None
+        algo = self.config.hash
+        hdr = codecs.HEADER_BYTES
+        chunks = job.layout.chunks
+        ids: list[str] = [""] * len(chunks)
+        # A multi-rank version may leave chunks every rank holds alike to one rank's hasher.
+        split = job.committer.split_hashing(job.layout, [m.path for m in job.flat.metas]) if job.committer else None
+        theirs = frozenset(split.theirs) if split is not None else frozenset()
+        given: dict[int, str] = {}
+        traded = split is None
+
+        def trade(mine: dict[int, str] | None) -> dict[int, str]:
+            nonlocal traded
+            traded = True
+            assert split is not None
+            return split.exchange(mine)
+
+        if self._stager.saturates:
+            # Every core is copying for the training thread: hashing now would only slow it.
+            for e in job.copied:
+                e.wait()
+        try:
+            for i in range(len(chunks)) if split is None else [*split.mine, *split.theirs]:
+                job.copied[i].wait()
+                if job.copy_error is not None:
+                    raise job.copy_error
+                region = job.regions[i]
+                assert region is not None
+                buf = ram.arena.buffer(region)
+                if not traded and i in theirs:
+                    given = trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
+                ids[i] = given.get(i) or codecs.content_id(buf[hdr : hdr + chunks[i].nbytes], algo)
+                self._name_chunk(job, i, ids[i], buf, region)
+            if not traded:
+                trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
+        except BaseException:
+            if not traded:
+                # The group's other hashers are waiting for this one's ids; this error is the one to report.
+                with contextlib.suppress(Exception):
+                    trade(None)
+            raise
+        self._publish(job, ids)
+
+    def _name_chunk(self, job: Job, i: int, cid: str, buf: memoryview, region: Region) -> None:
+        """Write chunk ``i``'s header (its id ``cid``) in place and hand its region to the RAM tier."""
+        c = job.layout.chunks[i]
+        ram = self.ramcache
+        hdr = codecs.HEADER_BYTES
+        codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, codecs.RAW, c.itemsize,
+                                                          self.config.hash))
+        key = chunk_key(cid)
+        with self.jobs.lock:
+            # (An early write still reading this copy retained it: it goes back after.)
+            ram.adopt(key, region, hdr + c.nbytes)
+            job.regions[i] = None
+            job.chunk_keys.append(key)
+        self.repo.stored("ram", [cid])
+        job.ready[i].set_result(cid)
+
+    def _publish(self, job: Job, ids: list[str]) -> None:
+        """Build the version's manifest from its chunk ids and make it known (RAM tier, catalog)."""
+        ram = self.ramcache
+        assert ram.ram is not None
+        algo = self.config.hash
+        tensors = []
+        for i, m in enumerate(job.flat.metas):
+            pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
+                           for ci, p in job.layout.tensor_pieces[i])
+            tensors.append(
+                TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces)
+            )
+        manifest = Version(
+            id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
+            created_at=datetime.fromtimestamp(job.created_at, UTC), meta=job.meta, hash_algo=algo,
+            chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
+            tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
+        )
+        with self.jobs.lock:
+            ram.ram.put(version_key(job.version_id), manifest.to_json())
+        job.manifest = manifest
+        job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
+        self.repo.catalog.add(manifest, "ram")
+        job.published.set_result(manifest)
+        with self.jobs.lock:
+            prev = self._last_hashed
+            changed = ([a != b for a, b in zip(prev[1], ids, strict=True)] if prev and prev[0] is job.layout
+                       else [True] * len(ids))
+            self._last_hashed = (job.layout, ids, changed)
+        ram.notify()
+
+    def early_hint(self, job: Job, tier: Tier, codec: str) -> list[bool]:
+        """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.
+
+        The disk then starts on the first copied chunk instead of after the whole copy and its
+        hashing. Only raw chunks of a single-process version go to a tier that can this way, and
+        only those that changed between the last two versions: a chunk that turns out to be
+        stored already was written for nothing.
+        """
+        if not (self.early_writes and tier.early_writes and codec == codecs.RAW and job.committer is None):
+            return [False] * len(job.ready)
+        with self.jobs.lock:
+            last = self._last_hashed
+        if last is not None and last[0] is job.layout:
+            return last[2]
+        return [True] * len(job.ready)
+
+    def final_manifest(self, job: Job) -> Version:
+        """The manifest to commit: its parent is the nearest ancestor that became durable.
+
+        A version that reached no durable tier is never named as a parent: if the parent is
+        still in the pipeline, its outcome is awaited first (it is older, so it never waits on
+        this one), and a lost parent is replaced by the parent it would have had.
+        """
+        manifest = job.published.result()
+        with self.jobs.lock:
+            if job.final is not None:
+                return job.final
+        parent_job = self.jobs.get(manifest.parent)
+        if parent_job is not None and parent_job is not job:
+            parent_job.futures["durable"].exception()  # waits; the outcome is the parent's own
+        changed = False
+        with self.jobs.lock:
+            if job.final is None:
+                parent = self._durable_ancestor(manifest.parent)
+                job.final = manifest if parent == manifest.parent else manifest.model_copy(update={"parent": parent})
+                changed = job.final is not manifest
+            final = job.final
+        if changed:
+            log.warning("version %s: its parent %s reached no durable tier; it names %s instead",
+                        job.version_id, manifest.parent, final.parent)
+            self.repo.catalog.add(final)
+            ram = self.ramcache.ram
+            if ram is not None:
+                with self.jobs.lock:
+                    ram.put(version_key(job.version_id), final.to_json())
+        return final
+
+    def _durable_ancestor(self, vid: str | None) -> str | None:
+        """``vid``, or if it was lost, the nearest ancestor that was not (caller holds the lock)."""
+        seen: set[str] = set()
+        while vid is not None and vid in self._effective and vid not in seen:
+            seen.add(vid)
+            vid = self._effective[vid]
+        return vid
+
+    # ------------------------------------------------------------------ outcomes
+
+    def tier_done(self, name: str, job: Job) -> None:
+        """Complete ``job``'s level for tier ``name`` once its manifest and ref are committed there."""
+        if TIER_LEVEL.get(name) == "remote":
+            self.placement.last_remote = time.time()
+        self.health.note_success(name)
+        with self.jobs.lock:
+            job.committed.add(name)
+        lvl = TIER_LEVEL.get(name)
+        if lvl:
+            job.futures[lvl].set_result(job.version_id)
+        if not job.futures["durable"].done():
+            job.futures["durable"].set_result(job.version_id)
+        self._done_with(job, name)
+
+    def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False) -> None:
+        """Record that writing ``job`` to tier ``name`` failed; an outage marks the tier down."""
+        with self.jobs.lock:
+            job.failed[name] = err
+            self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
+        lvl = TIER_LEVEL.get(name)
+        if lvl and not job.futures[lvl].done():
+            job.futures[lvl].set_exception(err)
+        if is_outage(err):
+            self.health.mark_down(name, err)  # logged once per outage
+        elif not quiet:
+            log.warning("writing version %s to %s failed: %s", job.version_id, name, err)
+        self._done_with(job, name)
+
+    def _done_with(self, job: Job, name: str) -> None:
+        with self.jobs.lock:
+            job.pending.discard(name)
+            finished = not job.pending
+        if finished:
+            self.settle(job)
+
+    def settle(self, job: Job) -> None:
+        """Settle a version nothing is pending for: skipped levels, the durable level, its regions.
+
+        If it reached no durable tier although a tier it was skipped for can take it, it is
+        written there now instead (every version reaches a durable tier unless the user's policy
+        dropped it with ``on_full``), on a thread of its own: a tier's writer may be waiting for
+        this version's outcome (see :meth:`final_manifest`).
+        """
+        with self.jobs.lock:
+            if job.settled or job.pending:
+                return
+            fallback = None
+            if not job.committed and not job.dropped and job.committer is None and job.copy_error is None:
+                # An available tier first; else one that is down, rather than losing the version
+                # (if it answers, it is up again).
+                untried = [n for n in job.order if n in job.skipped and n not in job.failed]
+                fallback = next((n for n in untried if self.health.available(n)), untried[0] if untried else None)
+            if fallback is not None:
+                why = job.skipped.pop(fallback)
+                job.pending.add(fallback)
+                job.forced.add(fallback)
+            else:
+                job.settled = True
+                skipped = dict(job.skipped)
+                failed = dict(job.failed)
+                durable = bool(job.committed)
+        if fallback is not None:
+            log.warning("version %s reached no durable tier; writing it to %s after all (skipped there: %s)",
+                        job.version_id, fallback, why)
+            threading.Thread(target=self._writers[fallback].write_or_fail, args=(job,),
+                             name=f"tiercache-fallback-{fallback}", daemon=True).start()
+            return
+        for name, reason in skipped.items():
+            skip_level(job, name, reason)
+        # A version another writer's ref move kept off the branch is stored all the same: its
+        # handle says so, and it is no loss (a RAM-only cache has no durable level at all).
+        conflicted = bool(failed) and all(isinstance(e, ConflictError) for e in failed.values())
+        if not durable and conflicted:
+            if not job.futures["durable"].done():
+                job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
+        elif not durable and self.repo.durable:
+            err = self._loss_error(job, skipped, failed)
+            # Recorded (and the branch head retracted) before anyone waiting on the handle wakes.
+            if not job.dropped and job.committer is None:
+                self._record_loss(job, err)
+            self._lost(job)
+            if not job.futures["durable"].done():
+                job.futures["durable"].set_exception(err)
+        elif skipped or failed:
+            outcomes = {n: TierOutcome(state="skipped", reason=r) for n, r in skipped.items()}
+            outcomes.update({n: TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
+                             for n, e in failed.items()})
+            self.repo.catalog.note_outcomes(job.version_id, outcomes)  # seen by versions() at once
+            self.finisher.submit(self._store_outcome, job.version_id)
+        self._release(job)
+
+    def _loss_error(self, job: Job, skipped: dict[str, str], failed: dict[str, BaseException]) -> BaseException:
+        """The error a version that reached no durable tier fails ``durable`` with."""
+        for name in job.order:
+            if name in failed:
+                return failed[name]
+        if job.dropped or skipped:
+            why = "; ".join(f"{n}: {r}" for n, r in skipped.items())
+            return SkippedError(f"version {job.version_id} reached no durable tier ({why})")
+        return SkippedError(f"version {job.version_id} reached no durable tier")
+
+    def _record_loss(self, job: Job, err: BaseException) -> None:
+        """Count a version that reached no durable tier; ``flush()``/``close()`` (or ``save()``) report it."""
+        with self.jobs.lock:
+            self._losses.append(err)
+            self.errors_total += 1
+            self.recent_errors.append(f"{job.version_id}: reached no durable tier: {type(err).__name__}: {err}")
+        log.error("version %s (step %d) reached no durable tier: %s", job.version_id, job.step, err)
+
+    def _lost(self, job: Job) -> None:
+        """Make a version that reached no durable tier invisible as a parent and as a branch head."""
+        with self.jobs.lock:
+            self._effective[job.version_id] = self._durable_ancestor(job.parent)
+            while len(self._effective) > 4096:
+                self._effective.popitem(last=False)
+        if job.committer is None:
+            self.repo.catalog.retract(RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq))
+
+    def _store_outcome(self, version_id: str) -> None:
+        """Note on the tiers that hold the version why the others do not (for ``ls`` and the UI)."""
+        try:
+            self.repo.catalog.store_outcomes(version_id)
+        except TierCacheError as e:  # a note for humans: never a reason to fail anything
+            log.info("could not record why version %s is not on every tier: %s", version_id, e)
+
+    def _fail_staging(self, job: Job, err: BaseException) -> None:
+        """Fail a version whose placement or hashing failed: nothing of it can be written."""
+        log.error("saving version %s failed: %s", job.version_id, err)
+        for lvl in LEVELS if job.copy_error is not None else LEVELS[1:]:
+            if not job.futures[lvl].done():
+                job.futures[lvl].set_exception(err)
+        # A multi-rank version's error reaches every rank through the group's handle instead.
+        # A copy error was already raised to the caller of save(): not a lost version to report.
+        if job.committer is None and err is not job.copy_error and not isinstance(err, SkippedError):
+            self._record_loss(job, err)
+        self._lost(job)
+        # Only the hasher (the owner of not-yet-adopted regions) may free them.
+        arena = self.ramcache.arena
+        with self.jobs.lock:  # as the hasher's adoptions: a lender sees a region or None
+            job.settled = True
+            for i, r in enumerate(job.regions):
+                if r is not None and arena is not None:
+                    arena.free(r)  # an early write that retained it frees it last
+                    job.regions[i] = None
+        self.repo.leases.close(job.version_id)
+        self.jobs.remove(job)
+        self.ramcache.notify()
+
+    def _release(self, job: Job) -> None:
+        self.repo.leases.close(job.version_id)
+        self.jobs.remove(job)
+        self.ramcache.unpin(job.chunk_keys)
+
+    # ------------------------------------------------------------------ queries
+
+    def pending_tiers(self, version_id: str) -> frozenset[str]:
+        """Tiers ``version_id`` is still being written to by this process (empty if none)."""
+        job = self.jobs.get(version_id)
+        with self.jobs.lock:
+            return frozenset(job.pending) if job is not None else frozenset()
+
+    def wait_published(self) -> None:
+        """Block until every staged version's manifest is in the catalog (hashing is quick)."""
+        if not self._closed:
+            self._hasher.submit(lambda: None).result()
+
+    def pending_jobs(self) -> list[str]:
+        """Ids of versions still being written."""
+        return self.jobs.ids()
+
+    def wait_job(self, version_id: str, timeout: float | None = None) -> bool:
+        """Block until the pipeline is done with ``version_id`` (whatever the outcome).
+
+        Returns:
+            Whether it is done (``False`` only if ``timeout`` passed first).
+        """
+        job = self.jobs.get(version_id)
+        return job is None or job.released.wait(timeout)
+
+    # ------------------------------------------------------------------ tiers coming back
+
+    def _start_catch_up(self) -> None:
+        """On this process's first save, catch up every remote tier that lacks a branch head or tag.
+
+        A tier that was down when an earlier process saved (or that process died before its
+        uploads) is missing the newest versions; saving resumes, so their upload resumes too.
+        Read-only processes never save, so they never write.
+        """
+        with self.jobs.lock:
+            if self._saved:
+                return
+            self._saved = True
+        for name in self.repo.durable:
+            if TIER_LEVEL.get(name) == "remote" and self.health.available(name):
+                threading.Thread(target=self._tier_back, args=(name,), name=f"tiercache-catchup-{name}",
+                                 daemon=True).start()
+
+    def _tier_back(self, name: str) -> None:
+        """Copy onto remote tier ``name`` the newest version of each branch and every tagged one it lacks.
+
+        Runs when a down tier answers again (and once per process, see :meth:`_start_catch_up`);
+        refs are moved with the usual compare-and-swap, so another writer's newer head is left
+        alone. Versions in between stay on the tiers that hold them. A local tier (the disk) is
+        not caught up: what it lacks is on S3 already, and ``promote`` copies it when wanted.
+        """
+        if TIER_LEVEL.get(name) != "remote":
+            return
+        cat = self.repo.catalog
+        try:
+            cat.reload(name)
+            for rec in sorted(cat.refs().values(), key=lambda r: (r.kind != "tag", r.version), reverse=True):
+                if self._closed or not self.health.available(name):
+                    return
+                self.wait_job(rec.version)
+                version = cat.get(rec.version)
+                if cat.manifest_on(name, version.id) and name in cat.residency(version):
+                    continue
+                copied = self.repo.copy_version(version, name, self._read_object, ref=rec)
+                log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind,
+                         rec.name, copied)
+                cat.clear_outcome(version.id, name)
+        except TierCacheError as e:
+            if is_outage(e):
+                self.health.mark_down(name, e)
+            else:
+                log.warning("catching %s up failed: %s", name, e)
+
+    # ------------------------------------------------------------------ errors and shutdown
+
+    def take_losses(self) -> list[BaseException]:
+        """Versions lost (no durable tier) that were not reported yet, oldest first; they are reported now."""
+        with self.jobs.lock:
+            out = list(self._losses)
+            self._losses.clear()
+        return out
+
+    def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
+        """Wait until every submitted version has finished on every tier.
+
+        Args:
+            timeout: Seconds to wait at most, or ``None`` to wait as long as it takes.
+            report: Raise the first version lost since the last report.
+
+        Raises:
+            TimeoutError: If versions are still pending after ``timeout`` (the message names them
+                and the tiers they wait for).
+            TierCacheError: With ``report``, the error of the first version that reached no
+                durable tier since the last report (its message names the version).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            jobs = self.jobs.snapshot()
+            if not jobs:
+                break
+            for job in jobs:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.wait_job(job.version_id, left)
+            if deadline is not None and time.monotonic() >= deadline:
+                with self.jobs.lock:
+                    left_jobs = [(j.version_id, j.step, sorted(j.pending)) for j in self.jobs.snapshot()]
+                if left_jobs:
+                    shown = ", ".join(f"{v} (step {st}, waiting for {'/'.join(p) or 'settling'})"
+                                      for v, st, p in left_jobs[:4])
+                    more = f" and {len(left_jobs) - 4} more" if len(left_jobs) > 4 else ""
+                    raise TimeoutError(f"flush: {len(left_jobs)} version(s) still pending after {timeout:g}s: "
+                                       f"{shown}{more}")
+                break
+        if report:
+            lost = self.take_losses()
+            if lost:
+                raise lost[0]
+
+    def close(self) -> None:
+        """Finish pending writes, stop the threads; raise the first lost version not yet reported.
+
+        The caller makes sure no ``stage()`` runs concurrently (the facade holds its save lock):
+        every version staged before is written or settled before the writers stop.
+        """
+        if self._closed:
+            return
+        self.flush(report=False)
+        self._closed = True
+        for writer in self._writers.values():
+            writer.close()
+        self.finisher.shutdown()
+        self._hasher.shutdown()
+        self._stager.close()
+        self.ramcache.close()
+        lost = self.take_losses()
+        if lost:
+            raise lost[0]

@@ -1,0 +1,173 @@
+"""One version on its way through the pipeline, and the table of those in flight.
+
+A :class:`Job` goes through these states (each tier independently once placed):
+
+* **staging**: ``save()`` copies the state into arena regions (``copied`` events per chunk);
+* **hashing**: the hasher names each chunk (``ready`` futures) and publishes the manifest;
+* per durable tier: **pending** (queued for or being written by that tier's writer) until
+  **committed**, **failed** or **skipped** (a skip settles only once the version is durable
+  elsewhere; else the tier takes it after all, see :meth:`Engine.settle`);
+* **settled**: every level resolved; its regions go back to the arena (or stay as read cache),
+  and ``released`` is set.
+
+The :class:`JobTable` holds the jobs in flight and the lock every part of the pipeline takes for
+its short critical sections over job state, RAM pins and the arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tiercache.dtypes import float_share
+from tiercache.format import Flat
+from tiercache.layout import Layout
+from tiercache.manifest import Version
+from tiercache.policy.base import VersionView
+from tiercache.tiers.ram import Region
+
+
+class Committer(Protocol):
+    """Commits one version for a group of processes in place of the engine (multi-rank saves).
+
+    A tier's writer thread calls :meth:`owned` before writing the version's chunks and
+    :meth:`commit` once its chunks are durable; the engine then completes that level. Both may
+    block while the group agrees, and raise to fail the level. The hasher thread calls
+    :meth:`split_hashing` once per version, before naming its first chunk.
+    """
+
+    def owned(self, tier: str) -> Collection[str]:
+        """Ids of the version's chunks this process writes to ``tier`` (the others write the rest)."""
+        ...
+
+    def commit(self, tier: str) -> None:
+        """Return once the group's manifest and ref are committed on ``tier``; raise if they are not."""
+        ...
+
+    def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:
+        """Which chunks this process hashes itself (``None``: all); called once per version by the hasher."""
+        ...
+
+
+class HashSplit(Protocol):
+    """Chunks whose bytes are the same in every process of a group are hashed by one of them only.
+
+    The hasher hashes :attr:`mine` (in that order), then trades ids with :meth:`exchange` and
+    takes the ids of :attr:`theirs` from the answer. ``exchange`` is called exactly once per
+    version, with ``None`` if hashing failed here, so the other processes never wait in vain.
+    """
+
+    mine: list[int]
+    theirs: list[int]
+
+    def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
+        """Give the ids this process computed, get every id of :attr:`theirs`; raise if the group failed."""
+        ...
+
+
+@dataclass
+class Job:
+    """One version on its way through the pipeline (see the module docstring for its states)."""
+
+    version_id: str
+    branch: str
+    step: int
+    seq: int
+    parent: str | None
+    meta: dict
+    created_at: float
+    flat: Flat
+    layout: Layout
+    regions: list[Region | None]
+    futures: dict[str, Future[str]]
+    manifest: Version | None = None
+    chunk_keys: list[str] = field(default_factory=list)
+    #: One future per chunk, resolved with its id as soon as it is hashed, so writers start on
+    #: a chunk while later ones are still being hashed.
+    ready: list[Future[str]] = field(default_factory=list)
+    #: Resolved with the manifest once every chunk is hashed.
+    published: Future[Version] = field(default_factory=Future)
+    #: Set per chunk by the training thread once the chunk is fully copied into the arena.
+    copied: list[threading.Event] = field(default_factory=list)
+    #: The exception that interrupted the copy (the caller of save() got it too).
+    copy_error: BaseException | None = None
+    pending: set[str] = field(default_factory=set)
+    nbytes: int = 0
+    #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
+    committer: Committer | None = None
+    #: Durable tiers in the order the placement ranked them (a fallback takes the first it can).
+    order: tuple[str, ...] = ()
+    #: Tiers skipped for this version, with why. Their levels are settled only once the version
+    #: is durable on another tier; if it never is, one of them takes it after all.
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: Tiers whose write failed, with the error (their levels failed at once).
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    #: Tiers where the version's manifest and ref are committed.
+    committed: set[str] = field(default_factory=set)
+    #: Tiers the version goes to without asking the policy: a fallback, so that it reaches one.
+    forced: set[str] = field(default_factory=set)
+    #: The user's policy dropped it (``on_full="evict"``): it is not written anywhere after all.
+    dropped: bool = False
+    #: Every level is settled and nothing of it is pending any more.
+    settled: bool = False
+    #: The manifest as committed: its parent is the nearest ancestor that became durable.
+    final: Version | None = None
+    #: Set once the pipeline is done with the version (settled and its regions released).
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
+        """The policy's view of this version (before its manifest exists)."""
+        return VersionView(
+            id=self.version_id, branch=self.branch, step=self.step, nbytes=self.nbytes,
+            created_at=self.created_at, tiers=tiers, pending=frozenset(self.pending), meta=self.meta,
+            float_fraction=float_share([(m.dtype, m.nbytes) for m in self.flat.metas]),
+            skipped=frozenset(self.skipped),
+        )
+
+
+class JobTable:
+    """The versions in flight, in save order, and the pipeline's lock.
+
+    ``lock`` guards job state (``pending``, ``skipped``...), the table, RAM pins and the arena's
+    regions; hold it only for short critical sections, never across I/O.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+
+    def add(self, job: Job) -> None:
+        """Register a staged version."""
+        with self.lock:
+            self._jobs[job.version_id] = job
+
+    def get(self, version_id: str | None) -> Job | None:
+        """The job of ``version_id`` if it is in flight."""
+        with self.lock:
+            return self._jobs.get(version_id) if version_id is not None else None
+
+    def remove(self, job: Job) -> None:
+        """Drop a settled version and wake whoever waits for it."""
+        with self.lock:
+            self._jobs.pop(job.version_id, None)
+            job.released.set()
+
+    def snapshot(self) -> list[Job]:
+        """The jobs in flight, oldest first."""
+        with self.lock:
+            return list(self._jobs.values())
+
+    def ids(self) -> list[str]:
+        """Ids of the versions in flight, oldest first."""
+        with self.lock:
+            return list(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._jobs)

@@ -1,0 +1,250 @@
+"""How the engine consults the policy and carries out its decisions.
+
+:class:`Placement` builds the :class:`~tiercache.policy.base.PolicyContext` snapshot the policy
+decides on (tiers with their measured latency and bandwidth, availability, queues; codecs; every
+version with where it lives), asks where a version goes when it is staged and again right before
+each tier writes it, takes a version off a tier the policy skips (coalescing a backlog: the skip
+settles once the version is durable elsewhere), makes room on a full tier by dropping what the
+policy names (through the storage layer's eviction rules), and frees the RAM arena when the
+policy answers ``on_full="evict"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tiercache import codecs
+from tiercache.dtypes import float_share
+from tiercache.errors import SkippedError
+from tiercache.handle import TIER_LEVEL
+from tiercache.pipeline.job import Job
+from tiercache.policy.base import CodecView, Policy, PolicyContext, TierPlan, TierStats, VersionView
+
+if TYPE_CHECKING:
+    from tiercache.pipeline.engine import Engine
+
+log = logging.getLogger("tiercache.pipeline.placement")
+
+
+class Placement:
+    """The policy-facing part of the engine (see the module docstring).
+
+    Args:
+        engine: The engine whose versions it places.
+        policy: The policy.
+    """
+
+    def __init__(self, engine: Engine, policy: Policy) -> None:
+        self.engine = engine
+        self.policy = policy
+        self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
+        self.last_remote: float | None = None
+        # Remote tiers count for residency only once listed: a decision never waits on a bucket.
+        self._remote = frozenset(n for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote")
+
+    # ------------------------------------------------------------------ what the policy sees
+
+    def context(self) -> PolicyContext:
+        """A snapshot of what the policy may look at."""
+        eng = self.engine
+        tiers = eng.repo.durable
+        with eng.jobs.lock:
+            pending: dict[str, list[str]] = {n: [] for n in tiers}
+            backlog: dict[str, int] = {n: 0 for n in tiers}
+            jobs = eng.jobs.snapshot()
+            job_pending = {j.version_id: frozenset(j.pending) for j in jobs}
+            for job in jobs:
+                for n in job.pending:
+                    pending[n].append(job.version_id)
+                    backlog[n] += job.nbytes
+        ram = eng.ramcache
+        stats = {"ram": TierStats("ram", False, ram.capacity, ram.arena.used_bytes if ram.arena else 0,
+                                  eng.meter.rate("ram", "read"), eng.meter.rate("ram", "write"))}
+        for n, t in tiers.items():
+            # Only a tier with a budget is asked for its usage: no decision needs it otherwise, and
+            # counting a bucket that has no budget could mean listing it.
+            used = t.used_bytes() if t.capacity is not None else 0
+            model = eng.meter.model(n, "write")
+            outage = eng.health.outage(n)
+            stats[n] = TierStats(
+                n, True, t.capacity, used, eng.meter.rate(n, "read"), model.bps if model else None,
+                len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote",
+                write_latency_s=model.latency_s if model else None,
+                available=outage is None, unavailable=outage.reason if outage else "",
+            )
+        seen = {name: eng.meter.codec_stats(name) for name in codecs.codec_names()}
+        codec_views = {name: CodecView(name, c.encode_bps, c.decode_bps, c.ratio)
+                       for name, c in seen.items() if c is not None}
+        since = time.time() - self.last_remote if self.last_remote is not None else None
+        return PolicyContext(now=time.time(), tiers=stats, codecs=codec_views,
+                             versions=self._version_views(jobs, job_pending),
+                             pending={k: tuple(v) for k, v in pending.items()}, seconds_since_remote=since)
+
+    def _version_views(self, jobs: list[Job], job_pending: dict[str, frozenset[str]]) -> tuple[VersionView, ...]:
+        """Every known version as the policy sees it, oldest first, staged ones included."""
+        cat = self.engine.repo.catalog
+        pinned = {r.version for r in cat.refs().values()}
+        by_job = {j.version_id: j for j in jobs}
+        views: dict[str, VersionView] = {}
+        # A settled version's view is reused while its residency (the catalog hands out the same
+        # tuple until it changes), pending tiers and pin stay the same: most versions are settled,
+        # so a decision costs a lookup per known version, not a rebuild of every view.
+        known = self._views_cache
+        fresh: dict[str, tuple[tuple[str, ...], VersionView]] = {}
+        for v in cat.all():
+            job = by_job.get(v.id)
+            resid = cat.residency(v, self._remote)
+            pending = job_pending.get(v.id, frozenset())
+            # The job knows when save() was called; the manifest only when hashing finished.
+            created = job.created_at if job is not None else v.created_at.timestamp()
+            hit = known.get(v.id)
+            if (hit is not None and hit[0] is resid and hit[1].pending == pending
+                    and hit[1].pinned == (v.id in pinned) and hit[1].created_at == created):
+                view = hit[1]
+            else:
+                share = hit[1].float_fraction if hit is not None else float_share(
+                    [(t.dtype, t.nbytes) for t in v.tensors])
+                view = VersionView(
+                    id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=created,
+                    tiers=frozenset(resid), pending=pending, pinned=v.id in pinned, meta=v.meta,
+                    float_fraction=share,
+                )
+            fresh[v.id] = (resid, view)
+            views[v.id] = view
+        self._views_cache = fresh
+        for job in jobs:  # still hashing: not in the catalog yet
+            if job.version_id not in views:
+                views[job.version_id] = dataclasses.replace(job.view(), pending=job_pending[job.version_id])
+        return tuple(views[k] for k in sorted(views))
+
+    def view(self, job: Job) -> VersionView:
+        """The policy's view of one job: where it lives now, what it waits for, whether it is pinned."""
+        cat = self.engine.repo.catalog
+        tiers = frozenset(cat.residency(job.manifest, self._remote)) if job.manifest is not None else frozenset()
+        pinned = job.version_id in {r.version for r in cat.refs().values()}
+        with self.engine.jobs.lock:
+            return dataclasses.replace(job.view(tiers), pinned=pinned)
+
+    # ------------------------------------------------------------------ decisions
+
+    def place(self, job: Job) -> list[str]:
+        """Ask where a just-staged version goes; record the skips; return the tiers it is queued for."""
+        tiers = self.engine.repo.durable
+        placement = self.policy.place(self.view(job), self.context())
+        targets = [p.tier for p in placement.plans if not p.skip and p.tier in tiers]
+        named = [p.tier for p in placement.plans if p.tier in tiers]
+        with self.engine.jobs.lock:
+            job.order = tuple(named + [n for n in tiers if n not in named])
+            for name in tiers:
+                if name not in targets:
+                    job.skipped[name] = placement.plan_for(name).reason or "policy decision"
+                    if job.committer is not None:  # the group waits for this level now (no fallback)
+                        skip_level(job, name, job.skipped[name])
+            job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
+        self.coalesce(job)
+        return targets
+
+    def plan(self, job: Job, tier: str) -> TierPlan:
+        """Ask again, right before ``tier`` writes ``job``, what to do there."""
+        return self.policy.place(self.view(job), self.context()).plan_for(tier)
+
+    def coalesce(self, newest: Job) -> None:
+        """Ask the policy again about every queued version now that ``newest`` is pending.
+
+        Versions the policy now skips for a tier are taken off it at once, so their arena regions
+        are released sooner rather than when that tier's writer reaches them (a slow tier would
+        otherwise fill the arena with versions it will never write). A tier's oldest pending
+        version is the one its writer holds (or takes next), so it is never touched here; nor is
+        ``newest``, whose queue entries are not made yet.
+        """
+        ctx = self.context()
+        for name in self.engine.repo.durable:
+            with self.engine.jobs.lock:
+                queued = [j for j in self.engine.jobs.snapshot() if name in j.pending and j is not newest][1:]
+            for job in queued:
+                plan = self.policy.place(self.view(job), ctx).plan_for(name)
+                if plan.skip:
+                    self.skip_tier(name, job, plan.reason or "policy decision", unless_oldest=True)
+
+    def skip_tier(self, name: str, job: Job, reason: str, *, unless_oldest: bool = False) -> None:
+        """Take ``job`` off tier ``name`` without writing it there.
+
+        The level is settled (with :class:`SkippedError`) only once the version is durable on
+        another tier; if it never is, the engine writes it to this tier after all.
+
+        Args:
+            name: The tier.
+            job: The version.
+            reason: Why (from the policy), for the error message.
+            unless_oldest: Leave it alone if it is (now) the tier's oldest pending version, which
+                its writer may already be writing.
+        """
+        jobs = self.engine.jobs
+        with jobs.lock:
+            # Check and claim in one critical section: the tier's writer checks the same set. A
+            # fallback (forced) is never skipped again: it is where the version goes after all.
+            if name not in job.pending or name in job.forced:
+                return
+            if unless_oldest and next(j for j in jobs.snapshot() if name in j.pending) is job:
+                return
+            job.pending.discard(name)
+            job.skipped[name] = reason
+            finished = not job.pending
+        log.info("version %s skipped for %s: %s", job.version_id, name, reason)
+        if job.committer is not None:
+            # The group settles a multi-rank version tier by tier, and waits for each rank's level
+            # of this tier now; there is no fallback for it anyway.
+            skip_level(job, name, reason)
+        if finished:
+            self.engine.settle(job)
+
+    def make_room(self, name: str, job: Job) -> bool:
+        """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot."""
+        eng = self.engine
+        tier = eng.repo.durable[name]
+        if tier.capacity is None:
+            return True
+        # Only chunks the tier lacks need room (dedup), so wait for the ids; hashing is quick.
+        manifest = job.published.result()
+        have = eng.repo.catalog.chunks_on(name)
+        new = {c.id: c.nbytes for c in manifest.chunks if c.id not in have}
+        # Raw size plus header: an upper bound, as encoding only ever stores a chunk smaller.
+        need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(manifest.to_json())
+        while tier.used_bytes() + need > tier.capacity:
+            dropped = [vid for vid in self.policy.evict(name, self.context())
+                       if eng.repo.evict(vid, name, by="policy") is not None]
+            if not dropped:
+                return False
+        return True
+
+    def cancel_oldest_pending(self) -> bool:
+        """Drop the oldest staged version no writer has started on (``on_full="evict"``).
+
+        Its durability levels fail with :class:`SkippedError` and its arena regions are freed.
+        A version some writer already holds is never dropped half-way, so this may find nothing.
+        """
+        jobs = self.engine.jobs
+        with jobs.lock:
+            snapshot = jobs.snapshot()
+            heads = {n: next((j for j in snapshot if n in j.pending), None) for n in self.engine.repo.durable}
+            victim = next(
+                (j for j in snapshot if j.published.done() and j.pending
+                 and j.committer is None and all(heads[n] is not j for n in j.pending)),
+                None,
+            )
+            if victim is None:
+                return False
+            victim.dropped = True
+        for name in list(victim.pending):
+            self.skip_tier(name, victim, "dropped to make room in the RAM arena (on_full=evict)", unless_oldest=True)
+        return not victim.pending
+
+
+def skip_level(job: Job, name: str, reason: str) -> None:
+    """Fail tier ``name``'s level of ``job`` with :class:`SkippedError` (if it has one and is unsettled)."""
+    lvl = TIER_LEVEL.get(name)
+    if lvl and not job.futures[lvl].done():
+        job.futures[lvl].set_exception(SkippedError(f"version {job.version_id} skipped for {name}: {reason}"))

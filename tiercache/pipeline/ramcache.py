@@ -1,0 +1,182 @@
+"""The RAM arena as staging area and read cache: regions, pins and least-recently-used eviction.
+
+Every save stages its chunks in arena regions. Once hashed, a chunk's region is handed to the RAM
+tier (:class:`~tiercache.tiers.ram.RamTier`, deduplicated against a chunk already there) and
+*pinned* while a version in flight needs it. When the last version needing it settles, the chunk
+stays as read cache if the RAM tier serves reads (evicted oldest first when a new save needs
+room), else it is dropped at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from tiercache.layout import Layout
+from tiercache.repo import Repo
+from tiercache.tiers.ram import Arena, RamTier, Region
+
+log = logging.getLogger("tiercache.pipeline.ramcache")
+
+
+def _cid(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+class RamCache:
+    """The arena, the RAM tier on it, and which of its chunks versions in flight still need.
+
+    Args:
+        repo: The storage layer (the RAM tier joins its tiers when the arena is made).
+        lock: The pipeline's lock (see :class:`~tiercache.pipeline.job.JobTable`).
+        capacity: Arena bytes, or ``None`` to size it at the first save (two versions).
+        pin: Page-lock the arena (when CUDA is available: the caller decides).
+        serve_reads: Keep chunks as a read cache once no version in flight needs them.
+        keep_all: Keep chunks even without ``serve_reads`` (a cache with no durable tier).
+    """
+
+    def __init__(self, repo: Repo, lock: threading.RLock, *, capacity: int | None, pin: Callable[[], bool],
+                 serve_reads: bool, keep_all: bool) -> None:
+        self._repo = repo
+        self._lock = lock
+        self._capacity = capacity
+        self._pin = pin
+        self.serve_reads = serve_reads
+        self._keep_all = keep_all
+        self.arena: Arena | None = None
+        self.ram: RamTier | None = None
+        self._pins: dict[str, int] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._room = threading.Condition()
+        self._frees = 0  # counts notify(): a waiter sleeps only if nothing was freed since it looked
+
+    @property
+    def capacity(self) -> int | None:
+        """The arena's size (``None`` until sized at the first save when configured ``auto``)."""
+        return self.arena.capacity if self.arena is not None else self._capacity
+
+    def ensure(self, staged_bytes: int = 0) -> RamTier:
+        """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
+        with self._lock:
+            if self.ram is None:
+                cap = self._capacity if self._capacity is not None else max(2 * staged_bytes, 64 << 20)
+                self.arena = Arena(cap, pin=self._pin())
+                self.ram = RamTier(self.arena)
+                self._repo.attach_ram(self.ram)
+            return self.ram
+
+    def try_alloc(self, layout: Layout) -> list[Region] | None:
+        """Regions for every chunk of ``layout``, or ``None`` (and nothing held) if they do not fit."""
+        assert self.arena is not None
+        got: list[Region] = []
+        for c in layout.chunks:
+            r = self.arena.alloc(c.staged_bytes)
+            if r is None:
+                for g in got:
+                    self.arena.free(g)
+                return None
+            got.append(r)
+        return got
+
+    def adopt(self, key: str, region: Region, length: int) -> None:
+        """Hand a hashed chunk's region to the RAM tier and pin it for the version in flight (lock held)."""
+        assert self.ram is not None
+        # A chunk already in RAM (an earlier version's) is kept and this copy freed: dedup.
+        self.ram.adopt(key, region, length)
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self._lru.pop(key, None)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """A version in flight settled: its chunks stay as read cache, or go."""
+        dropped = []
+        with self._lock:
+            for key in keys:
+                n = self._pins.get(key, 0) - 1
+                if n > 0:
+                    self._pins[key] = n
+                    continue
+                self._pins.pop(key, None)
+                if self.serve_reads or self._keep_all:
+                    self._lru[key] = None
+                elif self.ram is not None:
+                    self.ram.delete(key)
+                    dropped.append(_cid(key))
+        if dropped:
+            self._repo.catalog.note_chunks("ram", dropped, present=False)
+        self.notify()
+
+    def make_room(self, needed: int) -> bool:
+        """Drop cached chunks, oldest first, until ``needed`` bytes may fit; whether any was dropped."""
+        if self.arena is None or self.ram is None:
+            return False
+        dropped = []
+        with self._lock:
+            while self._lru and self.arena.free_bytes < needed:
+                key, _ = self._lru.popitem(last=False)
+                if self._pins.get(key):
+                    continue
+                self.ram.delete(key)
+                dropped.append(_cid(key))
+            if not dropped and self._lru and self.arena.free_bytes >= needed:
+                # Enough bytes but fragmented: drop one more cached chunk and retry.
+                key, _ = self._lru.popitem(last=False)
+                if not self._pins.get(key):
+                    self.ram.delete(key)
+                    dropped.append(_cid(key))
+        if dropped:
+            self._repo.catalog.note_chunks("ram", dropped, present=False)
+        return bool(dropped)
+
+    def evict(self, keys: Iterable[str]) -> int:
+        """Drop the RAM copies of ``keys`` that no version in flight needs; return bytes freed."""
+        if self.ram is None:
+            return 0
+        freed = 0
+        dropped = []
+        with self._lock:
+            for key in keys:
+                if self._pins.get(key):
+                    continue
+                size = self.ram.size(key)
+                if size is None:
+                    continue
+                self.ram.delete(key)
+                self._lru.pop(key, None)
+                dropped.append(_cid(key))
+                freed += size
+        if dropped:
+            self._repo.catalog.note_chunks("ram", dropped, present=False)
+        self.notify()
+        return freed
+
+    def keep(self, key: str) -> None:
+        """Register a chunk copied into the RAM tier (by promote) as evictable cache."""
+        with self._lock:
+            if not self._pins.get(key):
+                self._lru[key] = None
+
+    @property
+    def frees(self) -> int:
+        """How many times regions went back so far (read it before trying to allocate)."""
+        with self._room:
+            return self._frees
+
+    def wait_for_room(self, since: int, timeout: float | None = None) -> None:
+        """Block until regions go back to the arena after the :attr:`frees` count ``since`` was read."""
+        with self._room:
+            self._room.wait_for(lambda: self._frees != since, timeout)
+
+    def notify(self) -> None:
+        """Regions went back to the arena: wake a save waiting for room."""
+        with self._room:
+            self._frees += 1
+            self._room.notify_all()
+
+    def close(self) -> None:
+        """Release the RAM tier and the arena's memory."""
+        if self.ram is not None:
+            self.ram.close()
+        if self.arena is not None:
+            self.arena.close()

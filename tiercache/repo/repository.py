@@ -1,0 +1,418 @@
+"""The storage layer: the tiers, the catalog, the one commit path, deletion and its rules, leases.
+
+Everything that writes a manifest or a ref, or deletes anything, on a tier goes through a
+:class:`Repo`: the save engine, multi-rank saves, the DCP integration, promote, catch-up, evict and
+``gc``. The rules that keep a checkpoint safe live here once:
+
+* **Write order** (:meth:`Repo.commit`): a version's chunks are durable, then their names (a
+  chunk found stored, possibly by a process that crashed before syncing its name, is synced
+  once too), then the manifest, then the ref moves by compare-and-swap (its reflog entry first).
+* **Chunk leases** (:mod:`tiercache.repo.leases`): a pending version leases the chunks it
+  relies on on a tier from the moment it decides which to write until its commit there; nothing
+  deletes a leased chunk.
+* **Deletion** runs the other way (manifest, then chunks) and only drops a chunk no manifest left
+  on that tier names, no pending version leases and, for an eviction, that another durable tier
+  still holds (:meth:`Repo.evict`). ``gc`` (:mod:`tiercache.repo.maintenance`) uses the same
+  primitives.
+* **Residency** (:meth:`Repo.states`): where a version stands on each tier and why, in one place.
+
+The repo owns the mapping of tiers: the RAM tier joins it when the engine creates its arena
+(:meth:`Repo.attach_ram`), by replacing the mapping, never by mutating one others iterate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from types import MappingProxyType
+from typing import Literal
+
+from tiercache.config import CacheConfig
+from tiercache.errors import IntegrityError, LastCopyError, TierCacheError, TierUnavailableError
+from tiercache.failpoints import failpoint
+from tiercache.manifest import MoveReason, RefRecord, TierOutcome, TierState, Version
+from tiercache.names import chunk_key, status_key, version_key
+from tiercache.repo.catalog import Catalog
+from tiercache.repo.health import TierHealth
+from tiercache.repo.leases import Leases
+from tiercache.repo.objects import read_verified
+from tiercache.tiers.base import Buffer, Tier
+
+log = logging.getLogger("tiercache.repo")
+
+#: Where a tier's last conditional-write probe is kept for ``tiercache doctor``.
+PROBE_RECORD_KEY = "stats/probe.json"
+
+#: Reads one verified chunk object (as stored) from the best tier holding it: ``(data, tier)``.
+ObjectReader = Callable[[str, int, str], tuple[bytes, str]]
+
+
+class Repo:
+    """The tiers of one cache and every rule about what is written to them and removed from them.
+
+    Args:
+        config: The cache config.
+        tiers: The durable tiers by name, fastest first.
+        health: Which of them answer now.
+    """
+
+    def __init__(self, config: CacheConfig, tiers: Mapping[str, Tier], health: TierHealth) -> None:
+        self.config = config
+        self.health = health
+        self._durable: Mapping[str, Tier] = MappingProxyType(dict(tiers))
+        self._all: Mapping[str, Tier] = self._durable
+        self._ram_lock = threading.Lock()
+        self.leases = Leases()
+        self.catalog = Catalog(lambda: self._all, health)
+        # Per tier whose names need syncing: chunks whose names this process knows are durable.
+        self._synced: dict[str, set[str]] = {n: set() for n, t in tiers.items() if t.names_need_sync}
+        self._probes_recorded: dict[str, datetime] = {}
+
+    # ------------------------------------------------------------------ tiers
+
+    @property
+    def tiers(self) -> Mapping[str, Tier]:
+        """Every tier, the RAM tier first once attached (a read-only snapshot)."""
+        return self._all
+
+    @property
+    def durable(self) -> Mapping[str, Tier]:
+        """The durable tiers, fastest first."""
+        return self._durable
+
+    def attach_ram(self, ram: Tier) -> None:
+        """Add the RAM tier (the engine's arena) in front of the durable ones."""
+        with self._ram_lock:
+            self._all = MappingProxyType({ram.name: ram, **self._durable})
+
+    def available(self, name: str) -> bool:
+        """Whether tier ``name`` answers now."""
+        return self.health.available(name)
+
+    def _require(self, name: str) -> Tier:
+        outage = self.health.outage(name)
+        if outage is not None:
+            raise TierUnavailableError(f"tier {name} is unavailable ({outage.reason})")
+        return self._all[name]
+
+    # ------------------------------------------------------------------ the commit path
+
+    def claim(self, owner: str, tier: str, ids: Iterable[str]) -> set[str]:
+        """Lease ``ids`` on ``tier`` for the pending version ``owner``; return those the tier lacks.
+
+        The caller writes the returned chunks (then :meth:`stored`), relies on the others being
+        there, and ends with :meth:`commit` or :meth:`release`.
+        """
+        self.catalog.chunks_on(tier)  # listed first, outside the leases' lock: a listing may take a while
+        missing = self.leases.claim(owner, tier, ids, lambda wanted: wanted - self.catalog.chunks_on(tier))
+        failpoint("repo.after_claim", tier, missing)
+        return missing
+
+    def stored(self, tier: str, ids: Iterable[str]) -> None:
+        """Note chunks just written to ``tier`` (names not necessarily synced yet)."""
+        self.catalog.note_chunks(tier, ids)
+
+    def commit(self, tier: str, version: Version, ref: RefRecord | None, *, written: Iterable[str] = (),
+               owner: str | None = None, held: Iterable[str] | None = None) -> None:
+        """Commit ``version`` on ``tier``: chunk names, manifest, then the ref (if any).
+
+        Every chunk of the version must be durable on ``tier``: those in ``written`` were put by
+        the caller with ``sync_name=False``; the others were found there (their names are synced
+        here once per process if the tier needs it, as the process that wrote them may have died
+        before syncing them). ``held``: the chunks ``tier`` holds, when that is not every chunk
+        of the version (a node-local tier holds its node's part of a multi-rank version).
+
+        Raises:
+            ConflictError: If another writer moved the ref (the version stays stored, off the branch).
+            StorageError: If the tier fails.
+        """
+        t = self._all[tier]
+        written = set(written)
+        synced = self._synced.get(tier)
+        if synced is not None:
+            ids = {c.id for c in version.chunks} if held is None else set(held)
+            unsynced = (ids - synced) | written
+            if unsynced:
+                t.sync_names(chunk_key(c) for c in sorted(unsynced))
+                synced |= unsynced
+        self.catalog.add(version)
+        t.put(version_key(version.id), version.to_json())
+        self.catalog.mark_on(tier, version.id)
+        if owner is not None:
+            self.leases.release(owner, tier)  # the manifest protects its chunks from here on
+        failpoint("repo.after_manifest_write")
+        if ref is not None:
+            self.catalog.write_ref(tier, ref)
+            self._record_probe(tier, t)
+
+    def _record_probe(self, name: str, tier: Tier) -> None:
+        """Keep the tier's conditional-write probe (run before its first ref write) for ``tiercache doctor``.
+
+        Doctor then reports it without writing anything itself.
+        """
+        probe = getattr(tier, "last_probe", None)
+        if probe is None or self._probes_recorded.get(name) == probe[1]:
+            return
+        self._probes_recorded[name] = probe[1]
+        record = {"probe": probe[0], "at": probe[1].isoformat()}
+        with contextlib.suppress(TierCacheError):  # a note for doctor: never a reason to fail a commit
+            tier.put(PROBE_RECORD_KEY, json.dumps(record).encode())
+
+    def recorded_probe(self, name: str) -> tuple[dict[str, bool], datetime] | None:
+        """The conditional-write probe a writer recorded on tier ``name``, and when (``None`` if none)."""
+        data = self._durable[name].get(PROBE_RECORD_KEY)
+        if data is None:
+            return None
+        try:
+            record = json.loads(data)
+            return {str(k): bool(v) for k, v in dict(record["probe"]).items()}, datetime.fromisoformat(record["at"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def sync_chunks(self, tier: str, ids: Iterable[str]) -> None:
+        """Make durable the names of chunks put on ``tier`` with ``sync_name=False``.
+
+        A multi-rank version's ranks each sync their own chunks before the group's rank 0
+        commits the manifest that names them.
+        """
+        synced = self._synced.get(tier)
+        ids = set(ids)
+        if synced is None or not ids:
+            return
+        self._all[tier].sync_names(chunk_key(c) for c in sorted(ids))
+        synced |= ids
+
+    def release(self, owner: str, tier: str) -> None:
+        """Drop ``owner``'s leases on ``tier`` (its write there failed or was given up)."""
+        self.leases.release(owner, tier)
+
+    def store(self, owner: str, tier: str, objects: Mapping[str, Buffer]) -> list[str]:
+        """Put the chunk objects ``tier`` lacks (names unsynced; commit syncs them); return their ids."""
+        t = self._require(tier)
+        missing = self.claim(owner, tier, objects)
+        written = []
+        for cid in sorted(missing):
+            t.put(chunk_key(cid), objects[cid], sync_name=False)
+            written.append(cid)
+            self.stored(tier, [cid])
+        return written
+
+    def copy_version(self, version: Version, to: str, read: ObjectReader,
+                     progress: Callable[[int], None] | None = None, ref: RefRecord | None = None) -> int:
+        """Copy a stored version onto tier ``to`` (missing chunks from the best good copy, then the manifest).
+
+        Used by ``promote`` and to catch a tier up after an outage (then with the ``ref`` to move).
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            TierUnavailableError: If ``to`` is down.
+        """
+        target = self._require(to)
+        owner = f"copy-{version.id}-{to}"
+        self.leases.open(owner, version.parent)
+        try:
+            missing = self.claim(owner, to, {c.id for c in version.chunks})
+            copied = 0
+            written: list[str] = []
+            for c in version.chunks:
+                if c.id in missing and c.id not in written:
+                    data, _src = read(c.id, c.nbytes, version.hash_algo)
+                    target.put(chunk_key(c.id), data, sync_name=False)
+                    self.stored(to, [c.id])
+                    written.append(c.id)
+                    copied += len(data)
+                if progress:
+                    progress(c.nbytes)
+            self.commit(to, version, ref, written=written, owner=owner)
+            return copied
+        finally:
+            self.leases.close(owner)
+
+    def adopt(self, version: Version, tiers: Iterable[str], chunks: Iterable[str] | None = None) -> None:
+        """Know ``version`` as committed on ``tiers``, with ``chunks`` there (other processes wrote parts of it).
+
+        ``chunks`` defaults to every chunk of the version (true of a tier the whole group
+        shares); a node-local tier holds only its node's part.
+        """
+        self.catalog.add(version)
+        ids = [c.id for c in version.chunks] if chunks is None else list(chunks)
+        for name in tiers:
+            self.catalog.mark_on(name, version.id)
+            self.catalog.note_chunks(name, ids)
+
+    def committed_on(self, version_id: str) -> list[str]:
+        """Durable tiers that hold ``version_id``'s manifest (asked of the tiers where the catalog does not know).
+
+        A tier that is down, or fails while asked, is left out: what it holds cannot be read now.
+        """
+        out = []
+        for name, tier in self._durable.items():
+            if not self.available(name):
+                continue
+            try:
+                if self.catalog.manifest_on(name, version_id) or tier.exists(version_key(version_id)):
+                    out.append(name)
+            except TierCacheError as e:
+                log.warning("cannot tell whether %s holds version %s: %s", name, version_id, e)
+        return out
+
+    def move_ref(self, record: RefRecord, base: RefRecord | None, why: MoveReason) -> None:
+        """Move a ref (branch, rollback, tag) on every available tier that holds the version's manifest."""
+        self.catalog.note_move(record, base, why)
+        for name in self._durable:
+            if self.catalog.manifest_on(name, record.version) and self.available(name):
+                self.catalog.write_ref(name, record)
+
+    # ------------------------------------------------------------------ deletion
+
+    def evict(self, version_id: str, tier: str, *, by: Literal["user", "policy"]) -> int | None:
+        """Drop ``tier``'s copy of a version: its manifest, then the chunks nothing else there needs.
+
+        The rules, the same for the user's ``evict`` and the policy's eviction (``gc`` uses the
+        same primitives): a version still being written is never dropped; a chunk that another
+        version with a manifest on ``tier`` names, or that a pending version leases, stays. The
+        user's evict never drops the only durable copy of a chunk (:class:`LastCopyError`: it
+        moves data, it does not delete it). The policy's eviction is the retention under a tier's
+        budget: it may drop a version's last copy, but never a branch head or a tag, nor the
+        newest version of a branch on that tier.
+
+        Returns:
+            Bytes freed, or ``None`` if the policy's eviction was refused.
+
+        Raises:
+            LastCopyError: (``by="user"``) If a chunk would be left with no durable copy.
+            TierUnavailableError: If ``tier`` is down.
+        """
+        self._require(tier)
+        cat = self.catalog
+        version = cat.get(version_id)
+        if version_id in self.leases.pending():
+            if by == "policy":
+                return None
+            raise LastCopyError(f"version {version_id} is still being written: wait for it, then evict it")
+        if by == "policy":
+            pinned = {r.version for r in cat.refs().values()}
+            staying = [v for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id)]
+            newest = not any(v.branch == version.branch and v.id > version_id for v in staying)
+            if version_id in pinned or newest or not cat.manifest_on(tier, version_id):
+                return None
+        others = [n for n in self._durable if n != tier]
+        keep = {c.id for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id) for c in v.chunks}
+        ids = {c.id for c in version.chunks} & cat.chunks_on(tier)
+        lonely = [i for i in ids - keep if not any(i in cat.chunks_on(n) for n in others)]
+        if lonely and by == "user":
+            raise LastCopyError(
+                f"evicting {version_id} from {tier} would drop the last durable copy of {len(lonely)} chunk(s): "
+                f"promote it to another tier first"
+            )
+        # Reverse write order: the manifest (and its status record) first, then the chunks.
+        self.drop_manifests(tier, [version_id])
+        freed = sum(self.drop_chunks(tier, ids - keep).values())
+        self.catalog.record_outcomes(version_id, {tier: TierOutcome(state="evicted", reason=f"evicted by the {by}")})
+        log.info("evicted version %s from %s (%d bytes freed)", version_id, tier, freed)
+        return freed
+
+    def drop_manifests(self, tier: str, version_ids: Iterable[str]) -> None:
+        """Delete manifests (and their status records) from ``tier``; the first step of any deletion."""
+        t = self._all[tier]
+        for vid in version_ids:
+            t.delete(status_key(vid))
+            t.delete(version_key(vid))
+            self.catalog.mark_on(tier, vid, present=False)
+
+    def drop_chunks(self, tier: str, ids: Iterable[str], sizes: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Delete the chunks among ``ids`` that no pending version leases on ``tier``.
+
+        The caller has checked that no manifest left on ``tier`` names them.
+
+        Args:
+            tier: The tier.
+            ids: Chunk ids.
+            sizes: Their stored sizes where known (else each is asked of the tier).
+
+        Returns:
+            The ids deleted, with their stored sizes.
+        """
+        t = self._all[tier]
+        cat = self.catalog
+
+        def named(ids: set[str]) -> set[str]:
+            # A version committed on the tier since the caller decided (its lease has ended):
+            # its manifest names what it relies on.
+            return {c.id for v in cat.all() if cat.manifest_on(tier, v.id) for c in v.chunks} & ids
+
+        def delete(free: set[str]) -> dict[str, int]:
+            failpoint("repo.chunks_doomed", tier, free)
+            gone = {}
+            for cid in sorted(free):
+                size = sizes[cid] if sizes is not None and cid in sizes else t.size(chunk_key(cid)) or 0
+                t.delete(chunk_key(cid))
+                gone[cid] = size
+            self.catalog.note_chunks(tier, free, present=False)
+            return gone
+
+        return self.leases.deletable(tier, ids, delete, named)
+
+    def forget(self, version_ids: Iterable[str]) -> None:
+        """Drop collected versions from the catalog, so listing and resolution no longer see them."""
+        self.catalog.forget(version_ids)
+
+    # ------------------------------------------------------------------ reading
+
+    def read_object(
+        self, chunk_id: str, nbytes: int, algo: str, order: Iterable[str] | None = None
+    ) -> tuple[bytes, str]:
+        """A verified chunk object from the first tier (in ``order``, else fastest first) with a good copy.
+
+        Raises:
+            IntegrityError: If no tier has a good copy (the message names what each one had).
+        """
+        names = list(order) if order is not None else [
+            n for n in self._all if self.available(n) and chunk_id in self.catalog.chunks_on(n)]
+        tried = []
+        for name in names:
+            try:
+                return read_verified(self._all[name], chunk_id, nbytes, algo), name
+            except TierCacheError as e:
+                tried.append(f"{name}: {e}")
+        raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({'; '.join(tried) or 'none holds it'})")
+
+    def states(self, version: Version, tiers: Iterable[str], pending: Iterable[str] = ()) -> dict[str, TierState]:
+        """Where ``version`` stands on each of ``tiers``, and why where it is not held.
+
+        Args:
+            version: The version.
+            tiers: The tiers to report on.
+            pending: Tiers this process is still writing it to.
+        """
+        resid = self.catalog.residency(version)
+        pending = set(pending)
+        names = list(tiers)
+        outcomes = self.catalog.outcomes(version.id) if any(n not in resid for n in names) else {}
+        states: dict[str, TierState] = {}
+        for name in names:
+            if name in resid:
+                states[name] = TierState("held")
+            elif name in pending:
+                states[name] = TierState("pending")
+            elif name in outcomes:
+                o = outcomes[name]
+                states[name] = TierState(o.state, o.reason, o.at)
+            elif (outage := self.health.outage(name)) is not None:
+                states[name] = TierState("absent", f"{name} is unavailable, so what it holds is unknown "
+                                                   f"({outage.reason})")
+            else:
+                states[name] = TierState("absent")
+        return states
+
+    def close(self) -> None:
+        """Stop the health probes and close every tier."""
+        self.health.close()
+        for t in self._all.values():
+            t.close()

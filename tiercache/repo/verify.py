@@ -1,0 +1,192 @@
+"""Verify and repair: every copy of every chunk and manifest, checked against its content id.
+
+:func:`verify` reads every copy of each version's chunks (and its manifest) on every durable tier
+that holds the version's manifest, or that lists the chunk, verifies it, and reports each copy that
+is missing or damaged. A tier holds a version's chunks only where it holds its manifest: an
+evicted version's chunks are not expected there. With ``repair`` each bad copy is rewritten from a
+good copy on another tier (never from the bad tier itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from tiercache.errors import IntegrityError, TierCacheError
+from tiercache.manifest import Version
+from tiercache.names import VERSIONS, chunk_key, version_key
+from tiercache.repo.objects import read_verified
+
+if TYPE_CHECKING:
+    from tiercache.repo.repository import Repo
+
+log = logging.getLogger("tiercache.repo.verify")
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One bad copy found by :func:`verify`.
+
+    Attributes:
+        tier: The tier holding (or missing) the copy.
+        key: The object's key (``chunks/..`` or ``versions/..``).
+        problem: ``missing`` (the tier should hold it and does not) or ``damaged`` (its bytes do
+            not match the content id, or the manifest does not parse or differs).
+        detail: What was wrong, in words.
+        repaired_from: The tier whose good copy replaced it, or ``None`` if it was not repaired.
+    """
+
+    tier: str
+    key: str
+    problem: Literal["missing", "damaged"]
+    detail: str
+    repaired_from: str | None = None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify` checked and found.
+
+    Attributes:
+        versions: Versions checked.
+        chunks: Distinct chunks checked.
+        copies: Chunk and manifest copies read and checked, over all tiers.
+        damage: Every missing or damaged copy, in tier and key order.
+        unrepairable: Keys with no good copy on any tier (their versions cannot be restored).
+    """
+
+    versions: int
+    chunks: int
+    copies: int
+    damage: tuple[Damage, ...]
+    unrepairable: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether every copy was good, or every bad one was repaired."""
+        return not self.unrepairable and all(d.repaired_from is not None for d in self.damage)
+
+    @property
+    def repaired(self) -> int:
+        """How many copies were rewritten from a good copy."""
+        return sum(d.repaired_from is not None for d in self.damage)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-able data."""
+        return {
+            "versions": self.versions, "chunks": self.chunks, "copies": self.copies, "ok": self.ok,
+            "repaired": self.repaired, "unrepairable": list(self.unrepairable),
+            "damage": [d.__dict__ for d in self.damage],
+        }
+
+
+def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> VerifyReport:
+    """Check every copy of the chunks and manifests of ``versions`` on every available durable tier.
+
+    A tier should hold a chunk when it holds the manifest of a version naming it, or when it
+    lists the chunk. Copies are read whole and verified against the content id. A tier that is
+    down is not checked (its copies are neither good nor bad until it answers).
+
+    Args:
+        repo: The storage layer.
+        versions: The versions to check.
+        repair: Rewrite each missing or damaged copy from a good copy on another tier.
+
+    Returns:
+        The report; ``report.ok`` says whether everything is (now) good.
+    """
+    cat = repo.catalog
+    tiers = {n: t for n, t in repo.durable.items() if repo.available(n)}
+    listed = {name: cat.chunks_on(name) for name in tiers}
+    # (tier, chunk id) -> (nbytes, hash algo) for every copy that should be there.
+    wanted: dict[tuple[str, str], tuple[int, str]] = {}
+    for v in versions:
+        for name in tiers:
+            on = cat.manifest_on(name, v.id)
+            for c in v.chunks:
+                if on or c.id in listed[name]:
+                    wanted[(name, c.id)] = (c.nbytes, v.hash_algo)
+
+    def check(item: tuple[tuple[str, str], tuple[int, str]]) -> Damage | None:
+        (name, cid), (nbytes, algo) = item
+        key = chunk_key(cid)
+        try:
+            read_verified(tiers[name], cid, nbytes, algo)
+            return None
+        except IntegrityError as e:
+            problem: Literal["missing", "damaged"] = "damaged" if tiers[name].exists(key) else "missing"
+            return Damage(name, key, problem, str(e))
+        except TierCacheError as e:
+            return Damage(name, key, "damaged", f"{type(e).__name__}: {e}")
+
+    with ThreadPoolExecutor(max(1, repo.config.io_threads), thread_name_prefix="tiercache-verify") as pool:
+        found = [d for d in pool.map(check, sorted(wanted.items())) if d is not None]
+    found += _check_manifests(repo, versions, tiers)
+    if repair:
+        found, unrepairable = _repair(repo, versions, found)
+    else:
+        unrepairable = _without_good_copy(found, wanted)
+    for d in found:
+        log.warning("verify: %s copy of %s on %s: %s%s", d.problem, d.key, d.tier, d.detail,
+                    f" (repaired from {d.repaired_from})" if d.repaired_from else "")
+    chunks = {cid for _, cid in wanted}
+    copies = len(wanted) + sum(cat.manifest_on(n, v.id) for v in versions for n in tiers)
+    return VerifyReport(len(versions), len(chunks), copies, tuple(sorted(found, key=lambda d: (d.tier, d.key))),
+                        tuple(sorted(unrepairable)))
+
+
+def _check_manifests(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[Damage]:
+    out = []
+    for v in versions:
+        for name, tier in tiers.items():
+            if not repo.catalog.manifest_on(name, v.id):
+                continue
+            key = version_key(v.id)
+            data = tier.get(key)
+            if data is None:
+                out.append(Damage(name, key, "missing", "manifest listed but not readable"))
+                continue
+            try:
+                if Version.from_json(data, source=f"{name}:{key}") != v:
+                    out.append(Damage(name, key, "damaged", "manifest differs from the other tiers' copy"))
+            except IntegrityError as e:
+                out.append(Damage(name, key, "damaged", str(e)))
+    return out
+
+
+def _without_good_copy(found: list[Damage], wanted: dict[tuple[str, str], tuple[int, str]]) -> list[str]:
+    bad = {(d.tier, d.key) for d in found}
+    holders: dict[str, set[str]] = {}
+    for name, cid in wanted:
+        holders.setdefault(chunk_key(cid), set()).add(name)
+    return [key for key, names in holders.items() if all((n, key) in bad for n in names)]
+
+
+def _repair(repo: Repo, versions: list[Version], found: list[Damage]) -> tuple[list[Damage], list[str]]:
+    sizes = {c.id: (c.nbytes, v.hash_algo) for v in versions for c in v.chunks}
+    by_id = {v.id: v for v in versions}
+    out: list[Damage] = []
+    unrepairable: list[str] = []
+    for d in found:
+        tier = repo.durable[d.tier]
+        if d.key.startswith(VERSIONS):
+            vid = d.key[len(VERSIONS) : -len(".json")]
+            # The catalog's copy parsed and was checked when it was loaded: it is the good one.
+            tier.put(d.key, by_id[vid].to_json())
+            out.append(Damage(d.tier, d.key, d.problem, d.detail, repaired_from="catalog"))
+            continue
+        cid = d.key.rsplit("/", 1)[-1]
+        nbytes, algo = sizes[cid]
+        others = [n for n in repo.durable if n != d.tier and repo.available(n)]
+        try:
+            data, src = repo.read_object(cid, nbytes, algo, order=others)
+        except IntegrityError:
+            unrepairable.append(d.key)
+            out.append(d)
+            continue
+        tier.put(d.key, data)
+        repo.stored(d.tier, [cid])
+        out.append(Damage(d.tier, d.key, d.problem, d.detail, repaired_from=src))
+    return out, sorted(set(unrepairable))
