@@ -119,12 +119,12 @@ class Replicator:
         peers: Sequence[tuple[int, ...]], tier: str,
     ) -> None:
         self.cache = cache
-        self.tier = tier
         self.group = group
         self.rank = rank
         self.topology = topology
         self.peers = list(peers)
         self.broken: BaseException | None = None
+        self.tier = tier
         self._queue: queue.Queue[PeerRound | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tiercache-peers", daemon=True)
         self._thread.start()
@@ -132,11 +132,6 @@ class Replicator:
     def submit(self, rnd: PeerRound) -> None:
         """Replicate ``rnd`` once it is ``local`` (versions go in save order, as on every rank)."""
         self._queue.put(rnd)
-
-    def close(self) -> None:
-        """Stop once every submitted version is settled."""
-        self._queue.put(None)
-        self._thread.join()
 
     def _run(self) -> None:
         while (rnd := self._queue.get()) is not None:
@@ -216,6 +211,11 @@ class Replicator:
             raise failed[0]
         repo.stored(self.tier, written)
         repo.sync_chunks(self.tier, written)
+
+    def close(self) -> None:
+        """Stop once every submitted version is settled."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 __all__ = ["LEVEL", "PeerRound", "Replicator", "copy_moves"]
