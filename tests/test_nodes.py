@@ -93,6 +93,15 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
         want = node_state(rank, 2)
         assert torch.equal(restored["shard"], want["shard"]) and torch.equal(restored["emb"], want["emb"])
 
+    # verify on a node checks that node's part only: the other node's chunks are not "missing" here,
+    # but a lost chunk of its own part is.
+    own = sorted(part_chunks(version, 0))
+    with tiercache.open({"disk": {"path": str(disks["a"])}, "node": "a"}) as cache:
+        assert cache.verify().ok
+        (disks["a"] / chunk_key(own[0])).unlink()
+        report = cache.verify()
+    assert [(d.key, d.problem) for d in report.damage] == [(chunk_key(own[0]), "missing")]
+
 
 @pytest.mark.parametrize("nodes", [["a", "b"], ["a", "a", "b", "b"]], ids=["2-ranks-2-nodes", "4-ranks-2-nodes"])
 def test_peer_copies_restore_a_lost_node_without_s3(tmp_path: Path, s3_config: S3Config, nodes: list[str]) -> None:

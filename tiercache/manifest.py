@@ -215,6 +215,19 @@ class Version(_Stored):
 
     _what: ClassVar[str] = "manifest"
 
+    def node_chunk_ids(self, node: str) -> frozenset[str]:
+        """The chunks a node-local tier of node ``node`` holds once this version is ``replicated``.
+
+        Those of its own ranks' parts and of the parts of nodes it holds copies of; empty if
+        ``node`` is not one of :attr:`nodes`.
+        """
+        names = {n.name for n in self.nodes if n.name == node or node in n.copies}
+        ranks = [r for n in self.nodes if n.name in names for r in n.ranks]
+        return frozenset(self.chunks[p.chunk].id
+                         for r in ranks
+                         for t in self.tensors[self.parts[r].first : self.parts[r].first + self.parts[r].count]
+                         for p in t.pieces)
+
     def to_json(self) -> bytes:
         """Serialize for storage (without empty ``parts`` and ``nodes``, so older readers still parse it)."""
         empty = {name for name in ("parts", "nodes") if not getattr(self, name)}

@@ -3,7 +3,10 @@
 :func:`verify` reads every copy of each version's chunks (and its manifest) on every durable tier
 that holds the version's manifest, or that lists the chunk, verifies it, and reports each copy that
 is missing or damaged. A tier holds a version's chunks only where it holds its manifest: an
-evicted version's chunks are not expected there. With ``repair`` each bad copy is rewritten from a
+evicted version's chunks are not expected there. A node-local tier holds only its node's part of a
+version saved on several nodes (and the parts it keeps peer copies of): this process's node
+(:func:`tiercache.nodes.this_node`) tells which; on a node the version does not name, only the
+chunks the tier lists are checked. With ``repair`` each bad copy is rewritten from a
 good copy on another tier (never from the bad tier itself).
 """
 
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tiercache.errors import IntegrityError, TierCacheError
 from tiercache.manifest import Version
 from tiercache.names import VERSIONS, chunk_key, version_key
+from tiercache.nodes import this_node
 from tiercache.repo.objects import read_verified
 
 if TYPE_CHECKING:
@@ -102,11 +106,13 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     listed = {name: cat.chunks_on(name) for name in tiers}
     # (tier, chunk id) -> (nbytes, hash algo) for every copy that should be there.
     wanted: dict[tuple[str, str], tuple[int, str]] = {}
+    node = this_node(repo.config)[0]
     for v in versions:
-        for name in tiers:
+        for name, tier in tiers.items():
             on = cat.manifest_on(name, v.id)
+            held = v.node_chunk_ids(node) if tier.node_local and len(v.nodes) > 1 else None
             for c in v.chunks:
-                if on or c.id in listed[name]:
+                if (on and (held is None or c.id in held)) or c.id in listed[name]:
                     wanted[(name, c.id)] = (c.nbytes, v.hash_algo)
 
     def check(item: tuple[tuple[str, str], tuple[int, str]]) -> Damage | None:
