@@ -451,7 +451,7 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
             state["trained"].add_(1)
             cache.save(state, step=step).wait("local")
         disk = engine.repo.durable["disk"]
-        layout = engine._last_hashed[0]
+        layout = engine.hasher.last_layout
         job = SimpleNamespace(layout=layout, ready=[None] * 5, committer=None)
         assert engine.early_hint(job, disk, "raw/1") == [False, False, False, True, True]
         assert engine.early_hint(job, disk, "zstd/1") == [False] * 5  # encoded: size unknown

@@ -6,8 +6,8 @@ tensor into them (:mod:`tiercache.pipeline.staging`) and returns a
 :class:`~tiercache.handle.SaveHandle`. Everything else runs on engine threads, chunk by chunk as
 soon as each is copied:
 
-1. a hasher names each staged chunk by the hash of its bytes, writes its header in place and
-   hands the region to the RAM tier (:mod:`tiercache.pipeline.ramcache`);
+1. the hasher (:mod:`tiercache.pipeline.hasher`) names each staged chunk by the hash of its
+   bytes, writes its header in place, hands the region to the RAM tier and publishes the manifest;
 2. the placement (:mod:`tiercache.pipeline.placement`) asks the policy which tiers take it;
 3. one writer per durable tier (:mod:`tiercache.pipeline.writer`) writes it in save order and
    has the storage layer (:mod:`tiercache.repo`) commit it;
@@ -21,15 +21,12 @@ remote tier is caught up with the newest version of each branch and every tag.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime
 
 import torch
 
@@ -48,9 +45,10 @@ from tiercache.errors import (
 from tiercache.format import Flat, dtype_name, flatten
 from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout, plan_layout
-from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, TierOutcome, Version, new_version_id
-from tiercache.names import chunk_key, version_key
+from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
+from tiercache.names import version_key
 from tiercache.pipeline.deferred import Owned, deferrable
+from tiercache.pipeline.hasher import Hasher
 from tiercache.pipeline.job import Committer, Job, JobTable
 from tiercache.pipeline.placement import Placement, skip_level
 from tiercache.pipeline.ramcache import RamCache
@@ -104,15 +102,14 @@ class Engine:
         self.recent_errors: deque[str] = deque(maxlen=16)
         self._saved = False
         self._closed = False
-        #: The last hashed version's layout, chunk ids, and which chunks differed from the one
-        #: before it: where a chunk changed last time, the writer writes it early again.
-        self._last_hashed: tuple[Layout, list[str], list[bool]] | None = None
         #: Whether tiers that can write chunk payloads before their hash do so (off only in A/Bs).
         self.early_writes = True
         self.health.set_on_up(self._tier_back)
         self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
+        #: Names each staged chunk and publishes the manifest (on the ``tiercache-hash`` thread).
+        self.hasher = Hasher(config, repo, self.ramcache, self.jobs, wait_for_copy=self._stager.saturates)
         nice = config.background_nice
-        self._hasher = ThreadPoolExecutor(
+        self._hash_thread = ThreadPoolExecutor(
             1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
         )
         # Names chunks written before their hash (see TierWriter): these tasks wait for hashes,
@@ -201,7 +198,7 @@ class Engine:
         # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
         # busy while the training thread is still copying the rest (unless the copy uses every
         # core: see Stager.saturates).
-        self._hasher.submit(self._after_stage, job)
+        self._hash_thread.submit(self._after_stage, job)
         later = deferrable(flat.tensors, defer) if defer else frozenset()
         arena = self.ramcache.arena
         assert arena is not None
@@ -341,7 +338,7 @@ class Engine:
         for name in targets:
             self._writers[name].submit(job)
         try:
-            self._hash_and_publish(job)
+            self.hasher.run(job)
         except BaseException as e:
             for f in [*job.ready, job.published]:
                 if not f.done():
@@ -350,98 +347,6 @@ class Engine:
             return
         if not targets:
             self.settle(job)  # every tier skipped: the first that can takes it after all
-
-    def _hash_and_publish(self, job: Job) -> None:
-        ram = self.ramcache
-        assert ram.arena is not None
-        algo = self.config.hash
-        hdr = codecs.HEADER_BYTES
-        chunks = job.layout.chunks
-        ids: list[str] = [""] * len(chunks)
-        # A multi-rank version may leave chunks every rank holds alike to one rank's hasher.
-        split = job.committer.split_hashing(job.layout, [m.path for m in job.flat.metas]) if job.committer else None
-        theirs = frozenset(split.theirs) if split is not None else frozenset()
-        given: dict[int, str] = {}
-        traded = split is None
-
-        def trade(mine: dict[int, str] | None) -> dict[int, str]:
-            nonlocal traded
-            traded = True
-            assert split is not None
-            return split.exchange(mine)
-
-        if self._stager.saturates:
-            # Every core is copying for the training thread: hashing now would only slow it.
-            for e in job.copied:
-                e.wait()
-        try:
-            for i in range(len(chunks)) if split is None else [*split.mine, *split.theirs]:
-                job.copied[i].wait()
-                if job.copy_error is not None:
-                    raise job.copy_error
-                region = job.regions[i]
-                assert region is not None
-                buf = ram.arena.buffer(region)
-                if not traded and i in theirs:
-                    given = trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
-                ids[i] = given.get(i) or codecs.content_id(buf[hdr : hdr + chunks[i].nbytes], algo)
-                self._name_chunk(job, i, ids[i], buf, region)
-            if not traded:
-                trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
-        except BaseException:
-            if not traded:
-                # The group's other hashers are waiting for this one's ids; this error is the one to report.
-                with contextlib.suppress(Exception):
-                    trade(None)
-            raise
-        self._publish(job, ids)
-
-    def _name_chunk(self, job: Job, i: int, cid: str, buf: memoryview, region: Region) -> None:
-        """Write chunk ``i``'s header (its id ``cid``) in place and hand its region to the RAM tier."""
-        c = job.layout.chunks[i]
-        ram = self.ramcache
-        hdr = codecs.HEADER_BYTES
-        codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, codecs.RAW, c.itemsize,
-                                                          self.config.hash))
-        key = chunk_key(cid)
-        with self.jobs.lock:
-            # (An early write still reading this copy retained it: it goes back after.)
-            ram.adopt(key, region, hdr + c.nbytes)
-            job.regions[i] = None
-            job.chunk_keys.append(key)
-        self.repo.stored("ram", [cid])
-        job.ready[i].set_result(cid)
-
-    def _publish(self, job: Job, ids: list[str]) -> None:
-        """Build the version's manifest from its chunk ids and make it known (RAM tier, catalog)."""
-        ram = self.ramcache
-        assert ram.ram is not None
-        algo = self.config.hash
-        tensors = []
-        for i, m in enumerate(job.flat.metas):
-            pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
-                           for ci, p in job.layout.tensor_pieces[i])
-            tensors.append(
-                TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces)
-            )
-        manifest = Version(
-            id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
-            created_at=datetime.fromtimestamp(job.created_at, UTC), meta=job.meta, hash_algo=algo,
-            chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
-            tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
-        )
-        with self.jobs.lock:
-            ram.ram.put(version_key(job.version_id), manifest.to_json())
-        job.manifest = manifest
-        job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
-        self.repo.catalog.add(manifest, "ram")
-        job.published.set_result(manifest)
-        with self.jobs.lock:
-            prev = self._last_hashed
-            changed = ([a != b for a, b in zip(prev[1], ids, strict=True)] if prev and prev[0] is job.layout
-                       else [True] * len(ids))
-            self._last_hashed = (job.layout, ids, changed)
-        ram.notify()
 
     def early_hint(self, job: Job, tier: Tier, codec: str) -> list[bool]:
         """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.
@@ -453,11 +358,8 @@ class Engine:
         """
         if not (self.early_writes and tier.early_writes and codec == codecs.RAW and job.committer is None):
             return [False] * len(job.ready)
-        with self.jobs.lock:
-            last = self._last_hashed
-        if last is not None and last[0] is job.layout:
-            return last[2]
-        return [True] * len(job.ready)
+        changed = self.hasher.changed(job.layout)
+        return changed if changed is not None else [True] * len(job.ready)
 
     def final_manifest(self, job: Job) -> Version:
         """The manifest to commit: its parent is the nearest ancestor that became durable.
@@ -664,7 +566,7 @@ class Engine:
     def wait_published(self) -> None:
         """Block until every staged version's manifest is in the catalog (hashing is quick)."""
         if not self._closed:
-            self._hasher.submit(lambda: None).result()
+            self._hash_thread.submit(lambda: None).result()
 
     def pending_jobs(self) -> list[str]:
         """Ids of versions still being written."""
@@ -785,7 +687,7 @@ class Engine:
         for writer in self._writers.values():
             writer.close()
         self.finisher.shutdown()
-        self._hasher.shutdown()
+        self._hash_thread.shutdown()
         self._stager.close()
         self.ramcache.close()
         lost = self.take_losses()
