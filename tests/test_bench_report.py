@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench.report import Row, Verdict, evaluate
@@ -52,3 +58,18 @@ def test_ram_restore_uses_the_paired_memcpy_when_measured() -> None:
 def test_a_target_without_its_limit_has_no_verdict() -> None:
     v = _verdict([Row("tc.save_wait", "wait", "tiercache", runs=[0.2])], "tc.save_wait")
     assert (v.limit_key, v.limit_ratio, v.met) == (None, None, None)
+
+
+def test_the_paired_commit_check_prints_its_medians(tmp_path: Path) -> None:
+    # bench/regress.py as docs/benchmarks.md runs it, on a tiny state: one JSON line of medians.
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "regress.py"), "--label", "here", "--size", str(1 << 20),
+         "--saves", "2", "--restores", "2", "--dir", str(tmp_path)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120, check=True,
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["label"] == "here"
+    assert set(figures) == {"label", "save_wait_s", "to_local_s", "restore_into_cold_s", "memcpy_s"}
+    assert 0 < figures["save_wait_s"] <= figures["to_local_s"]
+    assert list(tmp_path.iterdir()) == []  # the disk tier is removed afterwards
