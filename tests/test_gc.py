@@ -136,6 +136,18 @@ def test_the_reflog_keeps_what_a_rollback_left_behind_until_it_expires(tmp_path:
         assert [m.why for m in later.reflog("main")] == ["save"]
 
 
+def test_a_new_branch_after_gc_never_names_a_collected_version_as_parent(tmp_path: Path) -> None:
+    # Found by tests/test_state_machine.py: the version this process last saved was collected,
+    # and a save on a new branch (which starts from the last saved version) still named it.
+    with tiercache.open(_cfg(tmp_path, reflog_keep=0)) as cache:
+        v1 = cache.save({"w": torch.zeros(8)}, step=1).wait("local")
+        v2 = cache.save({"w": torch.ones(8)}, step=2, branch="ft").wait("local")
+        cache.rollback("ft", v1)
+        assert cache.gc(grace=0).versions == (v2,)
+        v3 = cache.save({"w": torch.ones(8)}, step=3, branch="dev").wait("local")
+        assert {v.id: v.parent for v in cache.versions()} == {v1: None, v3: None}
+
+
 def test_a_hole_in_the_lineage_keeps_every_older_version_of_the_branch(cache: TierCache, tmp_path: Path) -> None:
     _, (v1, v2, v3), _ = _history(cache)
     (tmp_path / version_key(v2)).unlink()  # v3 now names a parent that no tier holds

@@ -710,7 +710,15 @@ class TierCache:
         self._wait_published()
         engine = self._engine
         evicted = None if engine is None else lambda ids: engine.ramcache.evict(chunk_key(i) for i in ids)
-        return repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
+        report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
+        if not dry_run and report.versions:
+            # A collected version is never the parent of a later save (of a new branch, or a resume).
+            gone = set(report.versions)
+            with self._save_lock:
+                if self._last in gone:
+                    self._last = None
+                self._resumed = {b: v for b, v in self._resumed.items() if v not in gone}
+        return report
 
     def doctor(self, *, abort_stale: float | None = None, unsafe: bool = False,
                probe: bool = False) -> repo_ops.DoctorReport:
