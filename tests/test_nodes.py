@@ -94,11 +94,15 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
         assert torch.equal(restored["shard"], want["shard"]) and torch.equal(restored["emb"], want["emb"])
 
     # verify on a node checks that node's part only: the other node's chunks are not "missing" here,
-    # but a lost chunk of its own part is.
+    # but a lost chunk of its own part is. The disk says whose part it holds, so a process that
+    # names its node otherwise (a CLI run on the node without torchrun's variables) checks the same.
     own = sorted(part_chunks(version, 0))
     with tiercache.open({"disk": {"path": str(disks["a"])}, "node": "a"}) as cache:
         assert cache.verify().ok
         (disks["a"] / chunk_key(own[0])).unlink()
+        report = cache.verify()
+    assert [(d.key, d.problem) for d in report.damage] == [(chunk_key(own[0]), "missing")]
+    with tiercache.open({"disk": {"path": str(disks["a"])}, "node": "a-renamed"}) as cache:
         report = cache.verify()
     assert [(d.key, d.problem) for d in report.damage] == [(chunk_key(own[0]), "missing")]
 

@@ -316,7 +316,8 @@ class _Coordinator:
         result: Status = ("ok", None)
         if commits and err is None:
             try:
-                owner.cache.repo.commit(self.tier, merged, rnd.ref, held=node_chunks)
+                node = owner.topology.names[owner.topology.node_of[owner.rank]] if by_node else None
+                owner.cache.repo.commit(self.tier, merged, rnd.ref, held=node_chunks, node=node)
             except Exception as e:
                 result = status_of(e)
         if by_node:

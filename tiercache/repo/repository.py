@@ -46,6 +46,8 @@ log = logging.getLogger("tiercache.repo")
 
 #: Where a tier's last conditional-write probe is kept for ``tiercache doctor``.
 PROBE_RECORD_KEY = "stats/probe.json"
+#: Which node a node-local tier belongs to, recorded by the node's commits (see :meth:`Repo.node_of`).
+NODE_RECORD_KEY = "stats/node.json"
 
 #: Reads one verified chunk object (as stored) from the best tier holding it: ``(data, tier)``.
 ObjectReader = Callable[[str, int, str], tuple[bytes, str]]
@@ -71,6 +73,7 @@ class Repo:
         # Per tier whose names need syncing: chunks whose names this process knows are durable.
         self._synced: dict[str, set[str]] = {n: set() for n, t in tiers.items() if t.names_need_sync}
         self._probes_recorded: dict[str, datetime] = {}
+        self._nodes_recorded: dict[str, str] = {}
 
     # ------------------------------------------------------------------ tiers
 
@@ -117,14 +120,15 @@ class Repo:
         self.catalog.note_chunks(tier, ids)
 
     def commit(self, tier: str, version: Version, ref: RefRecord | None, *, written: Iterable[str] = (),
-               owner: str | None = None, held: Iterable[str] | None = None) -> None:
+               owner: str | None = None, held: Iterable[str] | None = None, node: str | None = None) -> None:
         """Commit ``version`` on ``tier``: chunk names, manifest, then the ref (if any).
 
         Every chunk of the version must be durable on ``tier``: those in ``written`` were put by
         the caller with ``sync_name=False``; the others were found there (their names are synced
         here once per process if the tier needs it, as the process that wrote them may have died
         before syncing them). ``held``: the chunks ``tier`` holds, when that is not every chunk
-        of the version (a node-local tier holds its node's part of a multi-rank version).
+        of the version (a node-local tier holds its node's part of a multi-rank version), and
+        ``node`` the node it belongs to, recorded on the tier for :meth:`node_of`.
 
         Raises:
             ConflictError: If another writer moved the ref (the version stays stored, off the branch).
@@ -139,6 +143,8 @@ class Repo:
             if unsynced:
                 t.sync_names(chunk_key(c) for c in sorted(unsynced))
                 synced |= unsynced
+        if node is not None:
+            self._record_node(tier, t, node)
         self.catalog.add(version)
         t.put(version_key(version.id), version.to_json())
         self.catalog.mark_on(tier, version.id)
@@ -148,6 +154,31 @@ class Repo:
         if ref is not None:
             self.catalog.write_ref(tier, ref)
             self._record_probe(tier, t)
+
+    def _record_node(self, name: str, tier: Tier, node: str) -> None:
+        """Record on node-local ``tier`` which node it belongs to (read once per process, written on change).
+
+        Before the manifest: a manifest that holds only a node's part is never on a tier that
+        does not say whose part it is.
+        """
+        if self._nodes_recorded.get(name) == node:
+            return
+        record = json.dumps({"node": node}).encode()
+        if tier.get(NODE_RECORD_KEY) != record:
+            tier.put(NODE_RECORD_KEY, record)
+        self._nodes_recorded[name] = node
+
+    def node_of(self, name: str) -> str | None:
+        """The node a node-local tier belongs to, as its node's commits recorded (``None``: none did).
+
+        ``verify`` asks it, so a disk is checked for its own node's part whatever the process
+        reading it is called (a CLI run on the node has no launcher variables).
+        """
+        try:
+            data = self._durable[name].get(NODE_RECORD_KEY)
+            return str(json.loads(data)["node"]) if data is not None else None
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def _record_probe(self, name: str, tier: Tier) -> None:
         """Keep the tier's conditional-write probe (run before its first ref write) for ``tiercache doctor``.

@@ -4,8 +4,9 @@
 that holds the version's manifest, or that lists the chunk, verifies it, and reports each copy that
 is missing or damaged. A tier holds a version's chunks only where it holds its manifest: an
 evicted version's chunks are not expected there. A node-local tier holds only its node's part of a
-version saved on several nodes (and the parts it keeps peer copies of): this process's node
-(:func:`tiercache.nodes.this_node`) tells which; on a node the version does not name, only the
+version saved on several nodes (and the parts it keeps peer copies of): the node its commits
+recorded on it (:meth:`Repo.node_of`), else this process's node (:func:`tiercache.nodes.this_node`)
+tells which; on a node the version does not name, only the
 chunks the tier lists are checked. With ``repair`` each bad copy is rewritten from a
 good copy on another tier (never from the bad tier itself).
 """
@@ -106,11 +107,12 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     listed = {name: cat.chunks_on(name) for name in tiers}
     # (tier, chunk id) -> (nbytes, hash algo) for every copy that should be there.
     wanted: dict[tuple[str, str], tuple[int, str]] = {}
-    node = this_node(repo.config)[0]
+    # Whose part a node-local tier holds: what its node's commits recorded there, else this process's node.
+    node_of = {name: repo.node_of(name) or this_node(repo.config)[0] for name, t in tiers.items() if t.node_local}
     for v in versions:
         for name, tier in tiers.items():
             on = cat.manifest_on(name, v.id)
-            held = v.node_chunk_ids(node) if tier.node_local and len(v.nodes) > 1 else None
+            held = v.node_chunk_ids(node_of[name]) if tier.node_local and len(v.nodes) > 1 else None
             for c in v.chunks:
                 if (on and (held is None or c.id in held)) or c.id in listed[name]:
                     wanted[(name, c.id)] = (c.nbytes, v.hash_algo)
