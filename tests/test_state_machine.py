@@ -81,6 +81,7 @@ class CacheModel(RuleBasedStateMachine):
     def hold(self) -> None:
         self.go.clear()
 
+    @precondition(lambda self: not self.go.is_set())
     @rule()
     def settle(self) -> None:
         self.go.set()
@@ -195,7 +196,7 @@ class CacheModel(RuleBasedStateMachine):
 
 def test_cache_matches_the_model(slow: bool) -> None:
     machine = settings(
-        max_examples=60 if slow else 15, stateful_step_count=30 if slow else 15, deadline=None,
+        max_examples=60 if slow else 25, stateful_step_count=30 if slow else 20, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )(CacheModel)
     machine.TestCase().runTest()

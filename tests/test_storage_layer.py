@@ -239,6 +239,29 @@ def test_a_save_that_asks_for_a_chunk_gc_is_deleting_waits_and_writes_it_again(t
     _restores_from_disk_alone(tmp_path, v2, _state(1))
 
 
+def test_a_pending_save_outlives_a_rollback_gc_and_ram_eviction_meanwhile(tmp_path: Path) -> None:
+    with tiercache.open(_disk(tmp_path, reflog_keep=0)) as cache:
+        v0 = cache.save(_state(0), step=0).wait("local")
+        v1 = cache.save(_state(2), step=1).wait("local")
+        vx = cache.save(_state(1), step=1, branch="x").wait("local")  # state 1's chunk, soon an orphan's
+        cache.rollback("x", v0)
+        with _hold("repo.after_claim", _dedup_on_disk) as gate:
+            h2 = cache.save(_state(1), step=2)
+            gate.wait_arrived()  # the disk writer leased state 1's chunk, found it stored, relies on it
+            assert cache.rollback("main", v0) == v0
+            report = cache.gc(grace=0)
+            cache.evict(h2.version, "ram")
+            gate.open()
+            assert h2.wait("local") == h2.version
+        # gc took the orphan's manifest but not the chunk h2 had leased, nor h2's parent v1.
+        assert (report.versions, report.chunks["disk"]) == ((vx,), 0)
+        assert cache.refs() == {"branch/main": v0, "branch/x": v0}  # the rollback stands
+        assert {v.id: v.parent for v in cache.versions()} == {v0: None, v1: v0, h2.version: v1}
+    _restores_from_disk_alone(tmp_path, h2.version, _state(1))
+    with tiercache.open(_disk(tmp_path, reflog_keep=0)) as cache:  # now off every branch: garbage
+        assert sorted(cache.gc(grace=0).versions) == sorted([v1, h2.version])
+
+
 # ---------------------------------------------------------------------- close() against save()
 
 
