@@ -316,12 +316,23 @@ def scenario_peer_dies(cache: tiercache.TierCache, rank: int, world: int, out: d
     out["levels"] = _levels(h)
 
 
+def scenario_nodes_burst(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                         work: Path) -> None:
+    """Save 8 versions back to back without waiting (the default policy decides), then read every level."""
+    handles = [cache.save(node_state(rank, step), step=step, group=dist.group.WORLD) for step in range(1, 9)]
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [_levels(h) for h in handles]
+    cache.flush()
+    _restore(cache, "main", node_state(rank, 8), out, "restored")
+    out["history"] = [cache.resolve(f"main~{k}") for k in range(8)]
+
+
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
-             "throttled": scenario_throttled}
+             "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst}
 #: Scenarios after which a rank is gone: tearing the group down would wait for it.
 _BROKEN = {"kill", "peer_dies"}
 

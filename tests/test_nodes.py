@@ -146,6 +146,32 @@ def test_peer_copies_restore_a_lost_node_without_s3(tmp_path: Path, s3_config: S
             assert torch.equal(restored["shard"], node_state(rank, 2)["shard"])
 
 
+def test_the_default_policy_puts_every_group_version_on_every_node_and_in_s3(tmp_path: Path,
+                                                                            s3_config: S3Config) -> None:
+    # The default config (throughput-adaptive, no policy named), two nodes with their own disks and
+    # S3, eight saves back to back: each rank's policy decides on its own (it may coalesce a version
+    # away from S3 on one rank and not the other), yet every version is local on both nodes, the
+    # ranks see the same outcome on each level, the newest is remote, and the history has no hole.
+    config = {k: v for k, v in base_config(s3=s3_config.model_dump(mode="json")).items() if k != "policy"}
+    work = tmp_path / "work"
+    assert run_ranks("nodes_burst", 2, work, config, env=node_env(tmp_path, ["a", "b"])) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    versions = outs[0]["versions"]
+    assert outs[1]["versions"] == versions and len(set(versions)) == 8
+    assert outs[0]["levels"] == outs[1]["levels"]
+    for vid, levels in zip(versions, outs[0]["levels"], strict=True):
+        assert levels["local"] == levels["durable"] == vid
+        assert levels["remote"] == vid or (levels["remote"][0] == "SkippedError" and "coalesced" in levels["remote"][1])
+    assert outs[0]["levels"][-1]["remote"] == versions[-1]
+    for out in outs:
+        assert out["restored_equal"] is True
+        assert out["history"] == versions[::-1]  # main~k is step 8-k: every version, in order
+    for node in "ab":
+        with tiercache.open({"disk": {"path": str(tmp_path / f"disk-{node}")}}) as cache:
+            parents = {v.id: v.parent for v in cache.versions()}
+        assert parents == dict(zip(versions, [None, *versions[:-1]], strict=True))
+
+
 def test_a_peer_dying_mid_copy_fails_replicated_only_with_one_error(tmp_path: Path) -> None:
     env = node_env(tmp_path, ["a", "b", "c", "d"])
     work = tmp_path / "work"

@@ -44,6 +44,8 @@ class Placement:
         self.last_remote: float | None = None
         # Remote tiers count for residency only once listed: a decision never waits on a bucket.
         self._remote = frozenset(n for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote")
+        # A multi-rank version is never skipped on the first durable tier (see :meth:`must_write`).
+        self._anchor = next(iter(engine.repo.durable), None)
 
     # ------------------------------------------------------------------ what the policy sees
 
@@ -130,12 +132,24 @@ class Placement:
 
     # ------------------------------------------------------------------ decisions
 
+    def must_write(self, job: Job, tier: str) -> bool:
+        """Whether ``job`` goes to ``tier`` whatever the policy says: a multi-rank version's first durable tier.
+
+        Each rank's policy decides on its own measurements and queue, and a tier a version skips
+        on one rank fails for the whole group, with no fallback (the group settles tier by tier).
+        Two ranks skipping different tiers (one coalescing the disk, the other S3) would leave
+        the version on none; so no rank skips the first durable tier (the disk when there is one)
+        for a group version, and every group version is durable there on every node.
+        """
+        return job.committer is not None and tier == self._anchor
+
     def place(self, job: Job) -> list[str]:
         """Ask where a just-staged version goes; record the skips; return the tiers it is queued for."""
         tiers = self.engine.repo.durable
         placement = self.policy.place(self.view(job), self.context())
-        targets = [p.tier for p in placement.plans if not p.skip and p.tier in tiers]
         named = [p.tier for p in placement.plans if p.tier in tiers]
+        targets = [n for n in [*named, *(n for n in tiers if n not in named)]
+                   if not placement.plan_for(n).skip or self.must_write(job, n)]
         with self.engine.jobs.lock:
             job.order = tuple(named + [n for n in tiers if n not in named])
             for name in tiers:
@@ -149,7 +163,8 @@ class Placement:
 
     def plan(self, job: Job, tier: str) -> TierPlan:
         """Ask again, right before ``tier`` writes ``job``, what to do there."""
-        return self.policy.place(self.view(job), self.context()).plan_for(tier)
+        plan = self.policy.place(self.view(job), self.context()).plan_for(tier)
+        return TierPlan(tier) if plan.skip and self.must_write(job, tier) else plan
 
     def coalesce(self, newest: Job) -> None:
         """Ask the policy again about every queued version now that ``newest`` is pending.
@@ -165,6 +180,8 @@ class Placement:
             with self.engine.jobs.lock:
                 queued = [j for j in self.engine.jobs.snapshot() if name in j.pending and j is not newest][1:]
             for job in queued:
+                if self.must_write(job, name):
+                    continue
                 plan = self.policy.place(self.view(job), ctx).plan_for(name)
                 if plan.skip:
                     self.skip_tier(name, job, plan.reason or "policy decision", unless_oldest=True)
