@@ -327,12 +327,29 @@ def scenario_nodes_burst(cache: tiercache.TierCache, rank: int, world: int, out:
     out["history"] = [cache.resolve(f"main~{k}") for k in range(8)]
 
 
+def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                           work: Path) -> None:
+    """Save 3 versions while S3 refuses: no save may raise; then read every level and restore."""
+    out["save_errors"] = []
+    handles = []
+    for step in range(1, 4):
+        try:
+            handles.append(cache.save(node_state(rank, step), step=step, group=dist.group.WORLD))
+        except Exception as e:  # the requirement is that none is raised: recorded to fail the test with it
+            out["save_errors"].append([type(e).__name__, str(e)])
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [_levels(h) for h in handles]
+    out["flush"] = _error(cache.flush)
+    _restore(cache, "main", node_state(rank, 3), out, "restored")
+
+
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
-             "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst}
+             "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst,
+             "nodes_s3_down": scenario_nodes_s3_down}
 #: Scenarios after which a rank is gone: tearing the group down would wait for it.
 _BROKEN = {"kill", "peer_dies"}
 

@@ -8,6 +8,7 @@ nothing but the S3 prefix, reached through a relay that counts bytes and can ref
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,46 @@ def test_the_default_policy_puts_every_group_version_on_every_node_and_in_s3(tmp
         with tiercache.open({"disk": {"path": str(tmp_path / f"disk-{node}")}}) as cache:
             parents = {v.id: v.parent for v in cache.versions()}
         assert parents == dict(zip(versions, [None, *versions[:-1]], strict=True))
+
+
+def test_a_group_keeps_saving_locally_while_s3_refuses(tmp_path: Path, s3_config: S3Config) -> None:
+    # Default config, two nodes, S3 refusing every connection from the start: the ranks open
+    # degraded, no save() raises, every version is local on both nodes, remote fails on every rank
+    # with the same reason, and the newest restores bit-exact from the nodes' disks. When S3 is
+    # back, a process on node a catches S3 up with what it holds whole (a single-process branch
+    # and tag), and leaves the group's versions, of which it holds only its part, to the group.
+    with ThrottledProxy(s3_config.endpoint_url or "") as relay:
+        relay.mode = "refuse"
+        s3 = s3_config.model_copy(update={"endpoint_url": relay.url}).model_dump(mode="json")
+        on_a = {"disk": {"path": str(tmp_path / "disk-a")}, "s3": s3, "node": "a"}
+        with tiercache.open(on_a) as cache:
+            solo = cache.save(node_state(0, 9), step=9, branch="solo").wait("local")
+            cache.tag("best", solo)
+        config = {k: v for k, v in base_config(s3=s3).items() if k != "policy"}
+        work = tmp_path / "work"
+        assert run_ranks("nodes_s3_down", 2, work, config, env=node_env(tmp_path, ["a", "b"])) == [0, 0]
+        outs = [rank_out(work, r) for r in range(2)]
+        versions = outs[0]["versions"]
+        assert [o["save_errors"] for o in outs] == [[], []] and len(versions) == 3
+        assert outs[0]["levels"] == outs[1]["levels"]
+        for vid, levels in zip(versions, outs[0]["levels"], strict=True):
+            assert levels["local"] == levels["durable"] == vid
+            assert levels["remote"][0] == "SkippedError"
+            assert "s3 unavailable (TierUnavailableError" in levels["remote"][1]
+        for out in outs:
+            assert out["flush"] is None and out["restored_equal"] is True
+            assert set(out["restored_report"]) <= {"ram", "disk"}
+
+        relay.mode = "up"
+        with tiercache.open(on_a) as cache:
+            x = cache.save(node_state(0, 10), step=10, branch="x").wait("remote")
+            deadline = time.monotonic() + 60
+            # The catch-up runs on a thread of its own, started by the first save; the tag is its last ref.
+            while cache.repo.catalog.ref_on("s3", "tag", "best") is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+    with tiercache.open({"s3": s3_config.model_dump(mode="json")}) as bucket:
+        assert bucket.refs() == {"branch/solo": solo, "tag/best": solo, "branch/x": x}
+        assert {v.id for v in bucket.versions()} == {solo, x}
 
 
 def test_a_peer_dying_mid_copy_fails_replicated_only_with_one_error(tmp_path: Path) -> None:

@@ -605,7 +605,8 @@ class Engine:
         Runs when a down tier answers again (and once per process, see :meth:`_start_catch_up`);
         refs are moved with the usual compare-and-swap, so another writer's newer head is left
         alone. Versions in between stay on the tiers that hold them. A local tier (the disk) is
-        not caught up: what it lacks is on S3 already, and ``promote`` copies it when wanted.
+        not caught up: what it lacks is on S3 already, and ``promote`` copies it when wanted. A
+        version no tier of this process holds whole (a multi-node version) is left to the group.
         """
         if TIER_LEVEL.get(name) != "remote":
             return
@@ -618,6 +619,14 @@ class Engine:
                 self.wait_job(rec.version)
                 version = cat.get(rec.version)
                 if cat.manifest_on(name, version.id) and name in cat.residency(version):
+                    self.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
+                    continue
+                if not [t for t in cat.residency(version) if t != name]:
+                    # No tier of this process holds all of it: a version saved by ranks on several
+                    # nodes, each node's disk holding its own part. No process can copy it alone;
+                    # the group's next save reaches the tier.
+                    log.info("not catching %s up with version %s (%s/%s): this node holds only its part of it",
+                             name, version.id, rec.kind, rec.name)
                     continue
                 copied = self.repo.copy_version(version, name, self._read_object, ref=rec)
                 log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind,

@@ -554,6 +554,10 @@ class Catalog:
             self._logged.add((tier, move.id))
             self._reflog[move.id] = move
 
+    def ref_on(self, tier: str, kind: str, name: str) -> RefRecord | None:
+        """The ref ``kind``/``name`` as tier ``tier`` holds it now (read from the tier, ``None`` if absent)."""
+        return self._read_ref(tier, ref_key(kind, name))[1]
+
     def _read_ref(self, tier: str, key: str) -> tuple[str | None, RefRecord | None]:
         got = self._tiers[tier].read_ref(key)
         if got is None:

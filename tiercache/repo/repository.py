@@ -265,6 +265,14 @@ class Repo:
         finally:
             self.leases.close(owner)
 
+    def ensure_ref(self, tier: str, record: RefRecord) -> None:
+        """Move ref ``record`` on ``tier``, which holds its version already, unless the tier has it so.
+
+        Catching a tier up: a tag on a version copied there under a branch still needs its ref.
+        """
+        if self.catalog.ref_on(tier, record.kind, record.name) != record:
+            self.catalog.write_ref(tier, record)
+
     def adopt(self, version: Version, tiers: Iterable[str], chunks: Iterable[str] | None = None) -> None:
         """Know ``version`` as committed on ``tiers``, with ``chunks`` there (other processes wrote parts of it).
 
