@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic import ByteSize as PydanticByteSize
-from pydantic_settings import EnvSettingsSource
-from pydantic_settings.exceptions import SettingsError
+from pydantic_settings import EnvSettingsSource, SettingsError
 
 from tiercache.errors import ConfigError
 

@@ -74,9 +74,10 @@ class Catalog:
         self._refs: dict[tuple[str, str], RefRecord] = {}
         self._chunks: dict[str, set[str]] = {}
         # residency() is asked for every version on every policy decision: cache it per version
-        # and drop an entry only when one of its chunks or its manifest moves, so a decision's
-        # cost does not grow with the number of saves.
-        self._residency: dict[str, tuple[str, ...]] = {}
+        # (and per set of tiers not listed yet, see residency) and drop a version's entries only
+        # when one of its chunks or its manifest moves, so a decision's cost does not grow with
+        # the number of saves.
+        self._residency: dict[str, dict[frozenset[str], tuple[str, ...]]] = {}
         self._chunk_users: defaultdict[str, set[str]] = defaultdict(set)
         self._ref_locks: dict[tuple[str, str], threading.Lock] = {}
         # Per (tier, ref key): the CAS token and record this process last saw or wrote there.
@@ -327,19 +328,22 @@ class Catalog:
         not holding is the safe side (nothing is evicted or skipped on the strength of it).
         """
         with self._lock:
-            got = self._residency.get(version.id)
-            if got is not None and self._versions.get(version.id) is version:
+            unknown = frozenset(n for n in listed_only if n in self._tiers and n not in self._chunks)
+            known = self._residency.get(version.id, {}) if self._versions.get(version.id) is version else {}
+            got = known.get(frozenset())  # a full answer holds for every caller
+            if got is None:
+                got = known.get(unknown)
+            if got is not None:
                 return got
             names = [n for n, t in self._tiers.items() if t.durable or t.name == "ram"]
-            unknown = {n for n in listed_only if n in self._tiers and n not in self._chunks}
         # Listings first, without the lock: a listing in progress on another thread needs it to land.
         held = {n: self.chunks_on(n) for n in names if n not in unknown}
         ids = {c.id for c in version.chunks}
         with self._lock:
             got = tuple(n for n in names if n in held and ids <= held[n]
                         and (self.manifest_on(n, version.id) or not ids))
-            if not unknown and self._versions.get(version.id) is version:
-                self._residency[version.id] = got
+            if self._versions.get(version.id) is version:
+                self._residency.setdefault(version.id, {})[unknown] = got
             return got
 
     # ------------------------------------------------------------------ outcomes
