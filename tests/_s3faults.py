@@ -149,5 +149,10 @@ class SlowDownChunks:
                 return None
             self.left -= 1
             self.answered += 1
+        # A real server reads the request before it answers: consume the body as it would, so a
+        # retry that reuses a spent stream sends nothing (and the test sees it).
+        if hasattr(request.body, "read"):
+            while request.body.read(1 << 20):
+                pass
         body = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>injected</Message></Error>"
         return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))

@@ -71,5 +71,6 @@ def test_the_paired_commit_check_prints_its_medians(tmp_path: Path) -> None:
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["label"] == "here"
     assert set(figures) == {"label", "save_wait_s", "to_local_s", "restore_into_cold_s", "memcpy_s"}
-    assert 0 < figures["save_wait_s"] <= figures["to_local_s"]
+    assert all(figures[k] > 0 for k in figures if k.endswith("_s"))
+    assert figures["save_wait_s"] <= figures["to_local_s"]
     assert list(tmp_path.iterdir()) == []  # the disk tier is removed afterwards

@@ -26,6 +26,7 @@ def test_a_bad_size_names_the_field_and_an_example(bad: object) -> None:
         load_config({"disk": {"path": "/x", "capacity": bad}}, env={})
     msg = str(info.value)
     assert msg.startswith("invalid config (dict): field 'disk.capacity': ") and "\n" not in msg
+    assert "such as 4GiB" in msg or "cannot be negative" in msg
 
 
 def test_variables_override_the_file_field_by_field(tmp_path: Path) -> None:

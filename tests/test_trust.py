@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache import failpoints
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StateMismatchError
@@ -99,22 +101,24 @@ def test_the_engine_overrides_a_policy_that_places_a_version_nowhere(tmp_path: P
 
 
 def test_on_full_skip_still_drops_versions_and_their_children_name_a_durable_parent(tmp_path: Path) -> None:
-    # The explicit way to drop versions stays: a 1-version arena and on_full="skip".
+    # The explicit way to drop versions stays: a 1-version arena and on_full="skip". The disk
+    # writer is held after its first claim, so the arena is full after the first save for sure:
+    # the five saves after it are dropped, and the next save once there is room names the kept one.
     cfg = {"disk": {"path": str(tmp_path)}, "ram": {"capacity": "1MiB"},
            "policy": {"name": "write-through", "params": {"on_full": "skip"}}}
-    kept: list[str] = []
+    go = threading.Event()
     with tiercache.open(cfg) as cache:
-        for i in range(6):
-            h = cache.save(_state(i, 512 * 1024), step=i)
-            if h.future("staged").exception() is None:
-                h.wait("local")
-                kept.append(h.version)
-            else:
-                assert "policy said skip" in str(h.future("staged").exception())
+        with failpoints.hooked("repo.after_claim", lambda tier, missing: go.wait(60)):
+            hs = [cache.save(_state(i, 512 * 1024), step=i) for i in range(6)]
+            go.set()
+        errors = [h.future("staged").exception() for h in hs]
+        kept = [h.wait("local") for h, e in zip(hs, errors, strict=True) if e is None]
+        assert [hs[0].version] == kept
+        assert all("policy said skip" in str(e) for e in errors[1:])
+        h6 = cache.save(_state(6, 512 * 1024), step=6)  # the arena has room again
+        kept.append(h6.wait("local"))
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as fresh:
-        infos = fresh.versions()
-        assert [v.id for v in infos] == kept
-        assert all(v.parent in (None, *kept) for v in infos)
+        assert [(v.id, v.parent) for v in fresh.versions()] == [(kept[0], None), (kept[1], kept[0])]
 
 
 # ----------------------------------------------------------------------------- resume

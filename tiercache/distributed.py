@@ -500,10 +500,13 @@ class DistributedCache:
                 rnd.stage_error = e
                 self._submit(rnd)
                 raise
-            if self.rank == 0 or (self.node_local and self.topology.leads(self.rank)):
-                nxt.version = vid  # this rank commits the move on a tier
-            else:
-                cache.catalog.set_ref(ref)  # follow the group's head (rank 0 or the node's leader moves the ref)
+            staged = rnd.local.future("staged")
+            # Skipped here (the group then fails it everywhere): the branch does not move to it.
+            if not (staged.done() and staged.exception() is not None):
+                if self.rank == 0 or (self.node_local and self.topology.leads(self.rank)):
+                    nxt.version = vid  # this rank commits the move on a tier
+                else:
+                    cache.catalog.set_ref(ref)  # follow the group's head (rank 0 or the node's leader moves it)
         self._submit(rnd)
         return self._handle(rnd)
 

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -202,9 +202,11 @@ class Catalog:
     def add(self, version: Version, tier: str | None = None) -> None:
         """Record a version this process created or copied (on ``tier``, if given)."""
         with self._lock:
-            self._put_version(version)
+            if self._versions.get(version.id) is not version:  # each tier's commit adds it again
+                self._put_version(version)
             if tier is not None:
                 self._on_tier[tier].add(version.id)
+                self._residency.pop(version.id, None)
 
     def _put_version(self, version: Version) -> None:
         old = self._versions.get(version.id)
@@ -239,6 +241,11 @@ class Catalog:
         with self._lock:
             (self._on_tier[tier].add if present else self._on_tier[tier].discard)(version_id)
             self._residency.pop(version_id, None)
+
+    def users_of(self, chunk_id: str) -> frozenset[str]:
+        """Ids of the known versions whose manifests name chunk ``chunk_id``."""
+        with self._lock:
+            return frozenset(self._chunk_users.get(chunk_id, ()))
 
     def manifest_on(self, tier: str, version_id: str) -> bool:
         """Whether ``tier`` holds the manifest of ``version_id``."""
@@ -575,10 +582,10 @@ class Catalog:
             ConflictError: If ``cur`` is another writer's move.
         """
         with self._lock:
-            chain = self._base_chain(record)
-            if cur in chain:
-                return True
-            root = chain[-1]
+            root: RefRecord | None = None
+            for root in self._base_chain(record):  # lazily: the match is nearly always the first base
+                if root == cur:
+                    return True
             _, seen = self._tokens.get(lk, (None, None))
             if cur == seen and root is not None and (cur is None or cur.seq < root.seq):
                 return True  # this tier lags behind the head we built on, and nobody moved it since
@@ -594,16 +601,14 @@ class Catalog:
             f"{record.version} is stored but not on the branch; save again to build on the new head"
         )
 
-    def _base_chain(self, record: RefRecord) -> list[RefRecord | None]:
+    def _base_chain(self, record: RefRecord) -> Iterator[RefRecord | None]:
         """The heads ``record`` may replace: its base, then the bases of this process's own moves before it."""
-        out: list[RefRecord | None] = []
         base = self._moves.get(record)
-        while len(out) <= len(self._moves):
-            out.append(base)
+        for _ in range(len(self._moves) + 1):  # bounded: a cycle of moves cannot loop forever
+            yield base
             if base is None or base not in self._moves:
-                break
+                return
             base = self._moves[base]
-        return out
 
     def _follow(self, tier: str, record: RefRecord, cur: RefRecord | None) -> None:
         """After a lost compare-and-swap, make another writer's head this process's view of the ref."""
@@ -616,7 +621,7 @@ class Catalog:
             if data is None:
                 break
             v = Version.from_json(data, source=f"{tier}:{version_key(vid)}")
-            self._versions[vid] = v
+            self._put_version(v)
             self._on_tier[tier].add(vid)
             vid = v.parent
         log.info("%s: another writer moved %s/%s to %s; following it", tier, record.kind, record.name, cur.version)

@@ -384,7 +384,7 @@ class Repo:
         def named(ids: set[str]) -> set[str]:
             # A version committed on the tier since the caller decided (its lease has ended):
             # its manifest names what it relies on.
-            return {c.id for v in cat.all() if cat.manifest_on(tier, v.id) for c in v.chunks} & ids
+            return {cid for cid in ids if any(cat.manifest_on(tier, vid) for vid in cat.users_of(cid))}
 
         def delete(free: set[str]) -> dict[str, int]:
             failpoint("repo.chunks_doomed", tier, free)

@@ -443,9 +443,13 @@ class S3Tier(Tier):
         full = self._full(key)
         view = byte_view(data)
         if len(view) <= self._part_size:
-            body: Any = data if isinstance(data, bytes) else ViewReader(view) if len(view) else b""
-            self.pacer.run(lambda: self._call("put", key, self._client.put_object, Key=full, Body=body,
-                                              ChecksumAlgorithm=_CHECKSUM), _throttled)
+            def attempt() -> Any:
+                # A stream of its own per attempt: a throttled attempt has read the last one to its end.
+                body = data if isinstance(data, bytes) else ViewReader(view) if len(view) else b""
+                return self._call("put", key, self._client.put_object, Key=full, Body=body,
+                                  ChecksumAlgorithm=_CHECKSUM)
+
+            self.pacer.run(attempt, _throttled)
         else:
             self._put_multipart(full, key, view)
 
