@@ -1,4 +1,4 @@
-"""Multi-rank save and restore (tiercache.distributed): 2 and 4 gloo ranks on CPU, all three tiers.
+"""Multi-rank save and restore (tiercache.group): 2 and 4 gloo ranks on CPU, all three tiers.
 
 Every rank is a forked process (``_multirank_worker.py``) with its own cache on one shared disk
 directory (a node-local cache) and one S3 prefix on the real local S3 server. The test then opens
@@ -21,10 +21,12 @@ from _multirank_worker import ddp_state, forked, full_tensors
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.distributed import _Round, assign_owners, merge_parts
-from tiercache.errors import GroupSaveError, InvalidArgumentError
+from tiercache.errors import GroupSaveError, IntegrityError
+from tiercache.group.owners import assign_owners
+from tiercache.group.round import Round
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, utcnow
 from tiercache.names import chunk_key
+from tiercache.parts import group_header, merge, part_of
 
 
 def free_port() -> int:
@@ -54,7 +56,7 @@ def run_ranks(
     port = free_port()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.distributed", "_multirank_worker"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.group", "_multirank_worker"])
     procs = [ctx.Process(target=forked, args=(scenario, r, world, port, work)) for r in range(world)]
     for p in procs:
         p.start()
@@ -120,9 +122,8 @@ def test_ddp_two_ranks_all_tiers_dedup_failure_and_restore(tmp_path: Path, s3_co
         assert r0["v3"] in message and "rank 1" in message and "injected: disk full on rank 1" in message
 
     # In the ranks' own view the branch moved to version 3 when it was saved, as in a single-process
-    # save, so restoring "main" there names the failure; "main~1" is version 2.
-    assert r0["restore_failed"] == r1["restore_failed"]
-    assert r0["restore_failed"][0] == "VersionNotFoundError" and r0["v3"] in r0["restore_failed"][1]
+    # save, and back to version 2 when the group failed it: "main" restores version 2.
+    assert r0["head"] == r1["head"] == r0["v2"]
 
     for tier in ("disk", "s3"):
         with one_tier(config, tier) as cache:
@@ -259,29 +260,34 @@ def test_owners_split_shared_chunks_and_keep_own_ones() -> None:
     a, b, c, d, own0, own1 = (f"{i:032x}" for i in range(1, 7))
     parts = [_part(0, [(a, 100), (b, 100), (c, 100), (d, 100), (own0, 10)]),
              _part(1, [(a, 100), (b, 100), (c, 100), (d, 100), (own1, 10)])]
-    owned = assign_owners(parts)
+    owned = assign_owners([[(ch.id, ch.nbytes) for ch in p.chunks] for p in parts])
     assert owned == [{own0, a, c}, {own1, b, d}]
-    merged = merge_parts(parts)
+    header = group_header(id=parts[0].id, parent=None, branch="main", step=1, created_at=utcnow(), meta={},
+                          hash_algo="xxh3-128", ranks=2, nbytes=820)
+    merged = merge(header, [part_of(p, r) for r, p in enumerate(parts)])
     assert [ch.id for ch in merged.chunks] == [a, b, c, d, own0, own1]
     assert [t.path for t in merged.tensors][5:] == ["1/t0", "1/t1", "1/t2", "1/t3", "1/t4"]
     assert merged.tensors[9].pieces[0].chunk == 5
     assert merged.tree[2] == ["dict", {f"t{i}": ["t", 5 + i] for i in range(5)}]
     assert [(p.first, p.count) for p in merged.parts] == [(0, 5), (5, 5)]
-    assert Version.from_json(merged.to_json()) == merged
+    # Stored, the merged version is its group manifest: no rank's table in it.
+    assert Version.from_json(merged.to_json()) == header
 
 
-def test_merge_refuses_mixed_hash_algorithms() -> None:
+def test_merge_refuses_parts_that_do_not_add_up_to_the_group_manifest() -> None:
     p0 = _part(0, [("a" * 32, 4)])
-    p1 = _part(1, [("b" * 32, 4)]).model_copy(update={"hash_algo": "blake2b"})
-    with pytest.raises(InvalidArgumentError):
-        merge_parts([p0, p1])
+    header = group_header(id=p0.id, parent=None, branch="main", step=1, created_at=utcnow(), meta={},
+                          hash_algo="xxh3-128", ranks=2, nbytes=8)
+    with pytest.raises(IntegrityError, match="do not add up"):
+        merge(header, [part_of(p0, 0)])
 
 
 def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles_first() -> None:
-    # Each rank settles its tiers in the order their coordinators finish, which differs between
-    # ranks; the durable error must not, or the ranks report different errors for one version.
-    owner = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None})))
-    rnd = _Round(owner, "v", RefRecord(kind="branch", name="main", version="v", seq=0))  # type: ignore[arg-type]
+    # Each rank settles its tiers in the order their phases finish, which differs between ranks;
+    # the durable error must not, or the ranks report different errors for one version.
+    view = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None})), nodes=())
+    rnd = Round(view, "v", RefRecord(kind="branch", name="main", version="v", seq=0), step=1,  # type: ignore[arg-type]
+                parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
     on_disk, on_s3 = GroupSaveError("failed on disk"), GroupSaveError("failed on s3")
     rnd.settle("s3", on_s3)
     rnd.settle("disk", on_disk)
@@ -290,7 +296,7 @@ def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles
 
 
 def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:
-    from tiercache.hash_split import declared_chunks, owners_by_position
+    from tiercache.group.hashing import declared_chunks, owners_by_position
     from tiercache.layout import plan_layout
 
     # model/w: 3 chunks of 64 KiB; model/b and rng (small) share one pack chunk.

@@ -1,4 +1,4 @@
-"""Many nodes (tiercache.nodes, tiercache.peers, tiercache.group_restore): node-local disks, peer copies, read once.
+"""Many nodes (tiercache.group: topology, peers, restore): node-local disks, peer copies, read once.
 
 Nodes are simulated on this machine: every rank gets ``TIERCACHE_NODE`` and a disk directory of
 its node (``TIERCACHE_DISK__PATH``), so the ranks of a node share a directory and nodes share
@@ -19,16 +19,16 @@ from test_multirank import rank_out, run_ranks
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.distributed import rank_view
-from tiercache.errors import ConfigError
-from tiercache.group_restore import plan_moves
+from tiercache.errors import ConfigError, IntegrityError
+from tiercache.group.peers import copy_moves
+from tiercache.group.restore import plan_moves
+from tiercache.group.topology import Topology, choose_peers
+from tiercache.group.transfer import Move, batches
 from tiercache.manifest import ChunkRef, NodePart, Version, utcnow
 from tiercache.names import chunk_key
-from tiercache.nodes import Topology, choose_peers
-from tiercache.peers import copy_moves
+from tiercache.parts import rank_view
 from tiercache.restore import chunk_targets, empty_aligned
 from tiercache.testing import ThrottledProxy
-from tiercache.transfer import Move, batches
 
 
 def node_env(tmp_path: Path, nodes: list[str]) -> list[dict[str, str]]:
@@ -46,13 +46,13 @@ def stored_chunks(disk: Path) -> set[str]:
     return {p.name for p in (disk / "chunks").glob("*/*")}
 
 
-def part_chunks(version: Version, rank: int) -> set[str]:
-    """The chunks rank ``rank``'s part of ``version`` reads."""
-    view = rank_view(version, rank)
+def part_chunks(version: Version, rank: int | None = None) -> set[str]:
+    """The chunks rank ``rank``'s part of a merged ``version`` reads (``rank=None``: ``version`` is a part)."""
+    view = rank_view(version, rank) if rank is not None else version
     return {view.chunks[p.chunk].id for t in view.tensors for p in t.pieces}
 
 
-def part_bytes(version: Version, rank: int) -> int:
+def part_bytes(version: Version, rank: int | None = None) -> int:
     sizes = {c.id: c.nbytes for c in version.chunks}
     return sum(sizes[c] for c in part_chunks(version, rank))
 
@@ -67,29 +67,37 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
         assert out["v2_levels"]["local"] == out["v2_levels"]["durable"] == v2
         assert out["v2_levels"]["replicated"][0] == "ConfigError" and "copies is 0" in out["v2_levels"]["replicated"][1]
         assert out["restored_equal"] is True and out["restored_in_place"] is True
-    # A rank whose into= does not match fails with its own error, the others name it; nothing is read.
-    assert outs[1]["mismatch"][0] == outs[0]["mismatch"][0] == "StateMismatchError"
-    assert "'shard'" in outs[1]["mismatch"][1] and "rank 1's into= does not match" in outs[0]["mismatch"][1]
-    # `local` is true on every node: each holds the manifest, the ref, and the chunks of its own part.
+    # A rank whose into= does not match fails the restore on every rank with the same error, naming
+    # that rank and the tensor; nothing is read.
+    assert outs[1]["mismatch"] == outs[0]["mismatch"]
+    assert outs[0]["mismatch"][0] == "StateMismatchError"
+    assert "rank 1 (node b)" in outs[0]["mismatch"][1] and "'shard'" in outs[0]["mismatch"][1]
+    # `local` is true on every node: each holds the group manifest, the ref, and its own part: the
+    # part manifest and its chunks (never the other node's).
     disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
-    with tiercache.open({"disk": {"path": str(disks["a"])}}) as cache:
-        version = cache.manifest("main")
-    assert version.id == v2
-    assert version.nodes == (NodePart(name="a", ranks=(0,)), NodePart(name="b", ranks=(1,)))
+    parts = {}
     for rank, node in enumerate("ab"):
-        assert (disks[node] / "versions" / f"{v2}.json").read_bytes() == version.to_json()
         with tiercache.open({"disk": {"path": str(disks[node])}}) as cache:
             assert cache.resolve("main") == v2
-        assert part_chunks(version, rank) <= stored_chunks(disks[node])
+            header = cache.manifest("main")
+            assert header.is_header and (header.id, header.ranks) == (v2, 2)
+            assert header.nodes == (NodePart(name="a", ranks=(0,)), NodePart(name="b", ranks=(1,)))
+            assert (disks[node] / "versions" / f"{v2}.json").read_bytes() == header.to_json()
+            parts[rank] = cache.catalog.part(header, rank)
+            assert cache.catalog.part(header, 1 - rank) is None
+            # One process on one node cannot restore the whole version: it says which parts it lacks.
+            with pytest.raises(IntegrityError, match=f"parts of ranks {1 - rank} are on no tier"):
+                cache.restore("main")
+        assert parts[rank] is not None and part_chunks(parts[rank]) <= stored_chunks(disks[node])
     # The shards of one node are not on the other (nobody asked for peer copies).
-    assert not part_chunks(version, 0) - part_chunks(version, 1) & stored_chunks(disks["b"])
+    assert not part_chunks(parts[0]) - part_chunks(parts[1]) & stored_chunks(disks["b"])
 
     # A restarted job restores on every node from that node's own disk, nothing else.
     assert run_ranks("nodes_restore", 2, work, base_config(), env=env) == [0, 0]
     for rank in range(2):
         out = rank_out(work, rank)
         assert out["restored_equal"] is True
-        assert out["restored_report"] == {"disk": part_bytes(version, rank)}
+        assert out["restored_report"] == {"disk": part_bytes(parts[rank])}
         restored = torch.load(work / f"restored{rank}.pt", weights_only=True)
         want = node_state(rank, 2)
         assert torch.equal(restored["shard"], want["shard"]) and torch.equal(restored["emb"], want["emb"])
@@ -97,7 +105,7 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
     # verify on a node checks that node's part only: the other node's chunks are not "missing" here,
     # but a lost chunk of its own part is. The disk says whose part it holds, so a process that
     # names its node otherwise (a CLI run on the node without torchrun's variables) checks the same.
-    own = sorted(part_chunks(version, 0))
+    own = sorted(part_chunks(parts[0]))
     with tiercache.open({"disk": {"path": str(disks["a"])}, "node": "a"}) as cache:
         assert cache.verify().ok
         (disks["a"] / chunk_key(own[0])).unlink()
@@ -223,7 +231,7 @@ def test_a_peer_dying_mid_copy_fails_replicated_only_with_one_error(tmp_path: Pa
     errors = {tuple(o["levels"]["replicated"]) for o in outs}
     assert len(errors) == 1
     [(name, message)] = errors
-    assert name == "GroupSaveError" and vid in message and "peers" in message and "process group failed" in message
+    assert name == "GroupBrokenError" and vid in message and "peers" in message and "rank 3 (node d) is gone" in message
     for out in outs:
         assert out["levels"]["local"] == out["levels"]["durable"] == vid
         assert out["levels"]["remote"][0] == "ConfigError"
@@ -290,13 +298,14 @@ def test_copy_moves_send_what_a_peer_lacks_once_from_its_writer() -> None:
     topo = Topology.of([("n0", ""), ("n0", ""), ("n1", ""), ("n2", "")])
     version = _version([(a, 10), (b, 20), (c, 30)])
     writers = [{a: 0, b: 1}, {a: 2}, {c: 3}]
-    moves = copy_moves(topo, [(1, 2), (2,), (0,)], writers, version)
+    moves = copy_moves(topo, [(1, 2), (2,), (0,)], writers, {c.id: c.nbytes for c in version.chunks})
     # n0's b goes to n1 and n2 from its writer, rank 1, read once; n1 holds a already, n2 lacks it;
     # n2's c goes to n0.
     assert moves == [Move(b, 20, 1, (2, 3)), Move(a, 10, 0, (3,)), Move(c, 30, 3, (0,))]
     # The ranks of a receiving node take turns.
     topo = Topology.of([("n0", ""), ("n1", ""), ("n1", "")])
-    assert copy_moves(topo, [(1,), (0,)], [{a: 0, b: 0}, {}], version) == [Move(a, 10, 0, (1,)), Move(b, 20, 0, (2,))]
+    sizes = {c.id: c.nbytes for c in version.chunks}
+    assert copy_moves(topo, [(1,), (0,)], [{a: 0, b: 0}, {}], sizes) == [Move(a, 10, 0, (1,)), Move(b, 20, 0, (2,))]
 
 
 def test_restore_plan_reads_each_missing_chunk_once() -> None:

@@ -13,6 +13,8 @@ Example:
     >>> cache.restore("main")["w"]
 """
 
+from __future__ import annotations
+
 from typing import TYPE_CHECKING
 
 from tiercache.errors import (
@@ -24,6 +26,7 @@ from tiercache.errors import (
     ConfigError,
     ConflictError,
     DeadlineExceededError,
+    GroupBrokenError,
     GroupSaveError,
     IntegrityError,
     InvalidArgumentError,
@@ -41,9 +44,13 @@ from tiercache.errors import (
 )
 
 if TYPE_CHECKING:
-    from tiercache.cache import TierCache, open
+    from datetime import timedelta
+
+    from torch.distributed import ProcessGroup
+
+    from tiercache.cache import ConfigLike, MultiRank, TierCache
     from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
-    from tiercache.distributed import DistributedCache
+    from tiercache.group import GroupView
     from tiercache.handle import SaveHandle
     from tiercache.manifest import RefMove, TierState, VersionInfo
     from tiercache.policy.base import Placement, Policy, PolicyContext, TierPlan, TierStats, VersionView
@@ -53,15 +60,43 @@ __version__ = "0.1.0"
 #: Where each public name lives: imported on first use, so that `import tiercache` (and with it
 #: `tiercache --help` or `tiercache ls`) pays only for what it touches, never for torch.
 _HOME = {
-    "TierCache": "cache", "open": "cache",
+    "TierCache": "cache",
     "CacheConfig": "config", "DiskConfig": "config", "PolicyConfig": "config", "RamConfig": "config",
     "S3Config": "config", "load_config": "config",
-    "DistributedCache": "distributed",
+    "GroupView": "group",
     "SaveHandle": "handle",
     "RefMove": "manifest", "TierState": "manifest", "VersionInfo": "manifest",
     "Placement": "policy.base", "Policy": "policy.base", "PolicyContext": "policy.base", "TierPlan": "policy.base",
     "TierStats": "policy.base", "VersionView": "policy.base",
 }
+
+
+def open(config: ConfigLike = None) -> TierCache:
+    """Open a cache.
+
+    Args:
+        config: A dict with the tables ``ram``, ``disk``, ``s3``, ``policy`` (any subset of the
+            tiers), a path to a TOML file with the same tables, a :class:`CacheConfig`, or
+            ``None`` to use the file named by ``TIERCACHE_CONFIG`` (or ``./tiercache.toml``).
+
+    Returns:
+        The open cache; use it as a context manager or call :meth:`TierCache.close`.
+
+    Raises:
+        ConfigError: If the config is invalid (the message names the field).
+        BucketNotFoundError, TierUnavailableError, AccessDeniedError: If the S3 tier cannot be used.
+    """
+    from tiercache.cache import TierCache
+    from tiercache.config import load_config
+
+    return TierCache(load_config(config), group_views=_group_view)
+
+
+def _group_view(cache: TierCache, group: ProcessGroup | None, timeout: timedelta | None) -> MultiRank:
+    """The group view of ``cache`` (made on first use: multi-rank code and torch.distributed load only then)."""
+    from tiercache.group import DEFAULT_TIMEOUT, GroupView
+
+    return GroupView(cache, group, timeout=timeout or DEFAULT_TIMEOUT)
 
 
 def __getattr__(name: str) -> object:
@@ -86,8 +121,9 @@ __all__ = [
     "ConflictError",
     "DeadlineExceededError",
     "DiskConfig",
-    "DistributedCache",
+    "GroupBrokenError",
     "GroupSaveError",
+    "GroupView",
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidNameError",

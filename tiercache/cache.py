@@ -3,12 +3,17 @@
 It wires the layers together and implements the user-facing verbs (save, restore, versions, refs,
 branch, rollback, tag, promote, evict, verify, gc, doctor) with no storage logic of its own:
 
-    TierCache (this facade)  ->  Engine (tiercache.pipeline), DistributedCache, DCP writer/reader
+    TierCache (this facade)  ->  Engine (tiercache.pipeline)
                              ->  Repo (tiercache.repo: catalog, commits, deletion, leases, gc)
                              ->  tiers (tiercache.tiers: ram, disk, s3)
 
 The engine (and with it torch) is made on first use: a cache opened to list, inspect or collect
 versions (``tiercache ls``, ``log``, ``gc``...) imports no torch and starts no thread of it.
+
+Multi-rank saves and restores (``save(..., group=g)``) are the group view's
+(:mod:`tiercache.group`), which sits above this facade and uses it through its public methods
+(``engine``, ``next_version``, ``restore_version``, ``note_restored``, ``repo``...). This module
+never imports it: :func:`tiercache.open` hands each cache a :data:`GroupViews` factory.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache import repo as repo_ops
 from tiercache.advisor import Advisor, Figure, PlanInputs, measured_inputs, snapshot_rate
-from tiercache.config import CacheConfig, load_config, parse_duration
+from tiercache.config import CacheConfig, parse_duration
 from tiercache.errors import (
     BranchNotFoundError,
     CacheClosedError,
@@ -43,7 +48,7 @@ from tiercache.errors import (
     VersionNotFoundError,
 )
 from tiercache.handle import TIER_LEVEL, SaveHandle
-from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, parse_ref
+from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, check_meta, parse_ref
 from tiercache.names import check_name, chunk_key
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
@@ -56,7 +61,6 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from tiercache.distributed import DistributedCache
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
     from tiercache.restore import Fill, Progress, Reader, RestoreReport
@@ -69,22 +73,26 @@ METER_KEY = "stats/meter.json"
 ConfigLike = CacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-def open(config: ConfigLike = None) -> TierCache:
-    """Open a cache.
+class MultiRank(Protocol):
+    """What the facade asks of a group view (:class:`tiercache.group.GroupView`)."""
 
-    Args:
-        config: A dict with the tables ``ram``, ``disk``, ``s3``, ``policy`` (any subset of the
-            tiers), a path to a TOML file with the same tables, a :class:`CacheConfig`, or
-            ``None`` to use the file named by ``TIERCACHE_CONFIG`` (or ``./tiercache.toml``).
+    def save(self, state: Any, *, step: int, branch: str, meta: Mapping[str, Any] | None,
+             replicated: Collection[str], optimizer: Any) -> SaveHandle:
+        """Save this rank's part of a version of the group."""
+        ...
 
-    Returns:
-        The open cache; use it as a context manager or call :meth:`TierCache.close`.
+    def restore(self, ref: str, *, into: Any, map_location: Any, progress: Progress | None, strict: bool,
+                resume: bool) -> Any:
+        """Restore this rank's part of a version of the group."""
+        ...
 
-    Raises:
-        ConfigError: If the config is invalid (the message names the field).
-        BucketNotFoundError, TierUnavailableError, AccessDeniedError: If the S3 tier cannot be used.
-    """
-    return TierCache(load_config(config))
+    def close(self) -> None:
+        """Stop once every version submitted is settled."""
+        ...
+
+
+#: Makes the group view of a cache for a process group (``None``: the world), with a timeout.
+GroupViews = Callable[["TierCache", "ProcessGroup | None", "timedelta | None"], MultiRank]
 
 
 def _probe_at_open(tiers: dict[str, Tier], health: TierHealth, *, has_ram: bool) -> None:
@@ -135,8 +143,9 @@ class TierCache:
     called from the training loop and returns as soon as the state is copied into RAM.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, *, group_views: GroupViews | None = None) -> None:
         self.config = config
+        self._group_views = group_views
         self.policy = load_policy(config.policy)
         self.meter = ThroughputMeter()
         self._tiers = _make_tiers(config)
@@ -160,7 +169,7 @@ class TierCache:
         #: The version this process last restored or saved: a save on a new branch starts there.
         self._last: str | None = None
         self._closed = False
-        self._groups: dict[ProcessGroup, DistributedCache] = {}
+        self._groups: dict[ProcessGroup, MultiRank] = {}
         #: What the last restore of this process read, from where (bytes per source).
         self.last_restore: RestoreReport | None = None
         # Made by the first save (or advisor): a cache that only reads publishes nothing.
@@ -258,14 +267,14 @@ class TierCache:
             meta: JSON-able metadata (loss, metrics...).
             group: A torch.distributed process group (``dist.group.WORLD`` for all ranks): every
                 rank of it calls ``save`` with its own part and the group commits one version;
-                see :mod:`tiercache.distributed`. ``None`` saves this process's state alone.
+                see :mod:`tiercache.group.view`. ``None`` saves this process's state alone.
             optimizer: The optimizer whose ``step()`` is the only thing that changes its
                 parameters and state until its next call: their copy is deferred to overlap the
                 next forward and backward. Anything else that changes them in between (in-place
                 edits, EMA swaps, loading weights) must call ``handle.wait("staged")`` first.
             replicated: With ``group``, key paths of ``state`` that are the same on every rank
                 (a DDP model and its optimizer state): each rank hashes and writes only its share
-                of them; see :meth:`tiercache.distributed.DistributedCache.save`.
+                of them; see :meth:`tiercache.group.GroupView.save`.
 
         Returns:
             A :class:`SaveHandle` with the version id and one future per durability level.
@@ -279,11 +288,10 @@ class TierCache:
         """
         started, t0 = time.time(), time.perf_counter()
         if group is not None:
-            if optimizer is not None:
-                raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
-                                           "before returning; leave optimizer out")
-            handle = self.distributed(group).save(state, step=step, branch=branch, meta=_json_meta(meta),
-                                                  replicated=replicated)
+            # Every check of this call happens in the group's first exchange, so a bad input on one
+            # rank fails the save on every rank instead of leaving the others waiting.
+            handle = self.distributed(group).save(state, step=step, branch=branch, meta=meta, replicated=replicated,
+                                                  optimizer=optimizer)
         else:
             if replicated:
                 raise InvalidArgumentError("save(replicated=...) declares what the ranks of a group hold alike: "
@@ -301,7 +309,7 @@ class TierCache:
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
-        meta = _json_meta(meta)
+        meta = check_meta(meta)
         engine = self.engine
         owned = None
         if optimizer is not None:
@@ -358,7 +366,7 @@ class TierCache:
             return resumed, "resume"
         return head.version, "save"
 
-    def distributed(self, group: ProcessGroup | None = None, *, timeout: timedelta | None = None) -> DistributedCache:
+    def distributed(self, group: ProcessGroup | None = None, *, timeout: timedelta | None = None) -> MultiRank:
         """The multi-rank view of this cache for ``group`` (the world by default), made once per group.
 
         Call it on every rank of the group. ``save(..., group=g)`` and ``restore(..., group=g)``
@@ -366,18 +374,22 @@ class TierCache:
 
         Args:
             group: The process group.
-            timeout: How long a rank waits for the others (only when the view is first made;
-                default :data:`tiercache.distributed.DEFAULT_TIMEOUT`).
+            timeout: How long a rank waits for the others at each phase (only when the view is
+                first made; default :data:`tiercache.group.DEFAULT_TIMEOUT`).
+
+        Raises:
+            ConfigError: If this cache was not opened with :func:`tiercache.open`, or the ranks'
+                configs differ in a setting that must be the same.
         """
         import torch.distributed as dist
 
-        from tiercache.distributed import DEFAULT_TIMEOUT, DistributedCache
-
         self.check_open()
+        if self._group_views is None:
+            raise ConfigError("multi-rank saves need a cache opened with tiercache.open()")
         key = group if group is not None else dist.group.WORLD
         view = self._groups.get(key)
         if view is None:
-            view = self._groups[key] = DistributedCache(self, group, timeout=timeout or DEFAULT_TIMEOUT)
+            view = self._groups[key] = self._group_views(self, group, timeout)
         return view
 
     # ------------------------------------------------------------------ restore
@@ -407,7 +419,7 @@ class TierCache:
             map_location: Device for the tensors that are allocated.
             progress: Called with the number of bytes of each chunk read.
             group: A process group: every rank calls ``restore`` and gets its own part of a
-                multi-rank version (see :meth:`tiercache.distributed.DistributedCache.restore`).
+                multi-rank version (see :mod:`tiercache.group.restore`).
             strict: With ``into``, refuse (before reading anything) tensors of ``into`` that
                 match no tensor of the version, or whose dtype or shape differ. With
                 ``strict=False`` the matching ones are filled and the call returns
@@ -431,7 +443,7 @@ class TierCache:
             return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress,
                                                    strict=strict, resume=resume)
         self.check_open()
-        version = self.manifest(ref)
+        version = self.catalog.get(self.resolve(ref))
         out = self.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict)
         if resume:
             self.note_restored(ref, version)
@@ -513,9 +525,15 @@ class TierCache:
         return state
 
     def manifest(self, ref: str) -> Version:
-        """Return the manifest of the version ``ref`` resolves to."""
-        vid = self.resolve(ref)
-        return self.catalog.get(vid)
+        """Return the manifest of the version ``ref`` resolves to.
+
+        A version saved by several ranks comes with its ranks' parts merged (rank ``r``'s tensors
+        under ``r/``), or, where some rank's part is on no tier this process can read (the
+        node-local disk of another node), as its group manifest alone
+        (:attr:`~tiercache.manifest.Version.is_header`).
+        """
+        cat = self.catalog
+        return cat.materialize(cat.peek(self.resolve(ref)))
 
     # ------------------------------------------------------------------ versions and refs
 
@@ -638,7 +656,7 @@ class TierCache:
             TierUnavailableError: If tier ``to`` is down.
         """
         self.check_open()
-        version = self.manifest(ref)
+        version = self.catalog.get(self.resolve(ref))
         if to != "ram" and to not in self._tiers:
             raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
         if (outage := self.health.outage(to)) is not None:
@@ -1025,12 +1043,3 @@ def _flush_at_exit(ref: weakref.ReferenceType[TierCache]) -> None:
             cache.close()
         except Exception as e:  # at exit there is nobody left to raise to
             log.error("tiercache: a background write failed: %s", e)
-
-
-def _json_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
-    out = dict(meta or {})
-    try:
-        json.dumps(out, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"meta must be JSON-able (plain numbers, strings, lists, dicts): {e}") from None
-    return out

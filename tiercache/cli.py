@@ -200,7 +200,7 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
     The cache is closed (pending writes waited for) before the verb's process exits.
     """
     opts: _Options = ctx.obj
-    from tiercache.cache import open as open_cache  # not at import: `tiercache --help` stays quick
+    from tiercache import open as open_cache  # not at import: `tiercache --help` stays quick
 
     with _cli_errors(opts.debug), open_cache(_config(opts)) as cache:
         yield cache

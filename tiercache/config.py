@@ -519,6 +519,19 @@ def load_config(
     return cfg
 
 
+def this_node(config: CacheConfig) -> tuple[str, str]:
+    """This process's node name and failure domain (``""`` when none is configured).
+
+    The name is ``config.node`` (``TIERCACHE_NODE``), else the launcher's node (torchrun's
+    ``GROUP_RANK``, see :func:`launcher_node`), else the host name.
+    """
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip(".")[:128]
+    return config.node or launcher_node() or host or "localhost", config.failure_domain or ""
+
+
 def launcher_node(env: Mapping[str, str] | None = None) -> str | None:
     """The node name a launcher gives this process, or ``None``.
 

@@ -123,6 +123,14 @@ class GroupSaveError(TierCacheError):
     """
 
 
+class GroupBrokenError(GroupSaveError):
+    """The process group cannot save or restore any more: a rank died, or the job's store is gone.
+
+    Every later save and restore through the group fails at once with this error, whose message
+    says what broke and when; restart the job (or the failed ranks) to go on.
+    """
+
+
 class CacheClosedError(TierCacheError, RuntimeError):
     """The cache was closed; no further calls are accepted."""
 
@@ -141,6 +149,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "DeadlineExceededError",
+    "GroupBrokenError",
     "GroupSaveError",
     "IntegrityError",
     "InvalidArgumentError",

@@ -155,13 +155,14 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise IntegrityError(f"unknown tensor dtype {name!r} in a manifest") from None
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
+def flatten(state: Any, *, allow_pickle: bool = False, shards: bool = False) -> Flat:
     """Split a training state into a JSON-able object tree and its tensors, in one pass.
 
     Args:
         state: Nested dicts, OrderedDicts, lists and tuples of tensors and plain values, e.g.
             ``{"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}``.
         allow_pickle: Pickle leaves that cannot be stored otherwise instead of refusing them.
+        shards: Store each DTensor as this rank's local shard (a rank's part of a multi-rank save).
 
     Returns:
         The tree, the tensors (not copied), their metadata, and the structure key.
@@ -171,7 +172,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
             dict key that is not str/int/float/bool/None, a reference cycle, or nesting deeper
             than Python's recursion limit; the message names the key path and what to do.
     """
-    enc = _Encoder(allow_pickle)
+    enc = _Encoder(allow_pickle, _dtensor_class() if shards else None)
     try:
         tree = enc.encode(state, "")
     except RecursionError:
@@ -186,6 +187,14 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> Flat:
         pickled=enc.pickled,
         structure_key=key,
     )
+
+
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed tensors holds none
+        return None
+    return DTensor
 
 
 # The last structure key and its metas: saves of one training run share a structure, and building
@@ -262,10 +271,12 @@ def _decode_float(node: Any) -> float:
 class _Encoder:
     """One :func:`flatten` pass: the tree is returned, tensors and tokens accumulate here."""
 
-    __slots__ = ("_active", "allow_pickle", "paths", "pickled", "skeleton", "tensors")
+    __slots__ = ("_active", "allow_pickle", "paths", "pickled", "shards", "skeleton", "tensors")
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, shards: type | None = None) -> None:
         self.allow_pickle = allow_pickle
+        #: The DTensor class, when DTensors are saved as their local shards.
+        self.shards = shards
         self.tensors: list[torch.Tensor] = []
         self.paths: list[str] = []
         # Prefix-free token stream of the structure: a tag and length per container, keys in
@@ -292,6 +303,8 @@ class _Encoder:
         if leaf is not _NO_ENCODING:
             self.skeleton.append(_LEAF_TOKEN)
             return leaf
+        if self.shards is not None and isinstance(x, self.shards):
+            return self._tensor(x.to_local(), path)  # a view of this rank's shard: no copy
         return self._other(x, path)
 
     def _tensor(self, t: torch.Tensor, path: str) -> Any:

@@ -13,11 +13,13 @@ inside its chunk and its tensor, so a damaged or hostile manifest is refused wit
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -25,7 +27,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tiercache.dtypes import DTYPES
-from tiercache.errors import IntegrityError, InvalidNameError
+from tiercache.errors import IntegrityError, InvalidArgumentError, InvalidNameError
 from tiercache.names import check_chunk_id, check_name
 
 MANIFEST_SCHEMA = 1
@@ -99,7 +101,7 @@ class TensorEntry(_Model):
 
 
 class RankPart(_Model):
-    """One rank's part of a multi-rank version (see :mod:`tiercache.distributed`).
+    """One rank's part of a multi-rank version, merged (see :mod:`tiercache.parts`).
 
     Attributes:
         first: Index in :attr:`Version.tensors` of the rank's first tensor; its tensors are a
@@ -154,6 +156,12 @@ class Version(_Stored):
             left out of the stored JSON so that older readers still parse it.
         nodes: For a multi-rank version, the nodes its ranks ran on (see :class:`NodePart`);
             empty otherwise (and then left out of the stored JSON too).
+        ranks: For a multi-rank version stored as a group manifest and one part manifest per
+            rank (``parts/<id>/<rank>.json``, see :mod:`tiercache.parts`), how many ranks saved
+            it; ``0`` otherwise. Stored, such a version has no chunks, tensors or tree of its own
+            (:attr:`is_header`); once its parts are read it is their merge
+            (:func:`tiercache.parts.merge`), with :attr:`parts` set too.
+        rank: Set in a part manifest: this is rank ``rank``'s part of group version :attr:`id`.
     """
 
     schema_version: Literal[1] = MANIFEST_SCHEMA
@@ -171,6 +179,8 @@ class Version(_Stored):
     nbytes: int = Field(ge=0)
     parts: tuple[RankPart, ...] = ()
     nodes: tuple[NodePart, ...] = ()
+    ranks: int = Field(default=0, ge=0)
+    rank: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> Version:
@@ -195,7 +205,14 @@ class Version(_Stored):
             if covered != t.nbytes:
                 raise ValueError(f"tensor {t.path!r}: pieces cover {covered} of {t.nbytes} bytes")
             total += t.nbytes
-        if total != self.nbytes:
+        if self.rank is not None and (self.parts or self.ranks or self.nodes):
+            raise ValueError("a part manifest holds one rank's part only (no parts, ranks or nodes)")
+        if self.is_header:
+            if self.tensors or self.chunks:
+                raise ValueError("a group manifest names its ranks' parts and holds no tensors or chunks itself")
+        elif self.ranks and self.ranks != len(self.parts):
+            raise ValueError(f"{self.ranks} ranks but {len(self.parts)} merged parts")
+        if total != self.nbytes and not self.is_header:
             raise ValueError(f"nbytes {self.nbytes} is not the sum of the tensors ({total})")
         end = 0
         for r, part in enumerate(self.parts):
@@ -207,7 +224,7 @@ class Version(_Stored):
         if self.nodes:
             names = [n.name for n in self.nodes]
             ranks = sorted(r for n in self.nodes for r in n.ranks)
-            if ranks != list(range(len(self.parts))) or len(set(names)) != len(names):
+            if ranks != list(range(self.ranks or len(self.parts))) or len(set(names)) != len(names):
                 raise ValueError("nodes must name each rank part once, under distinct node names")
             if any(c not in names or c == n.name for n in self.nodes for c in n.copies):
                 raise ValueError("a node's copies must name other nodes of the version")
@@ -215,23 +232,52 @@ class Version(_Stored):
 
     _what: ClassVar[str] = "manifest"
 
+    @property
+    def is_header(self) -> bool:
+        """Whether this is a group manifest whose parts have not been read (see :attr:`ranks`)."""
+        return self.ranks > 0 and not self.parts
+
+    @property
+    def world(self) -> int:
+        """How many ranks saved this version (1 for a single-process version)."""
+        return self.ranks or len(self.parts) or 1
+
+    def header(self) -> Version:
+        """The group manifest of a multi-rank version saved split (itself if it is one already)."""
+        if not self.ranks or not self.parts:
+            return self
+        return self.model_copy(update={"chunks": (), "tensors": (), "tree": None, "pickled": False, "parts": ()})
+
+    def node_ranks(self, node: str) -> list[int]:
+        """The ranks whose parts a node-local tier of node ``node`` holds once this version is ``replicated``.
+
+        Those of its own ranks and of the ranks of the nodes it holds copies of; none if ``node``
+        is not one of :attr:`nodes`.
+        """
+        names = {n.name for n in self.nodes if n.name == node or node in n.copies}
+        return sorted(r for n in self.nodes if n.name in names for r in n.ranks)
+
     def node_chunk_ids(self, node: str) -> frozenset[str]:
         """The chunks a node-local tier of node ``node`` holds once this version is ``replicated``.
 
-        Those of its own ranks' parts and of the parts of nodes it holds copies of; empty if
-        ``node`` is not one of :attr:`nodes`.
+        Those of the parts of :meth:`node_ranks` (this version's parts must be merged).
         """
-        names = {n.name for n in self.nodes if n.name == node or node in n.copies}
-        ranks = [r for n in self.nodes if n.name in names for r in n.ranks]
         return frozenset(self.chunks[p.chunk].id
-                         for r in ranks
+                         for r in self.node_ranks(node)
                          for t in self.tensors[self.parts[r].first : self.parts[r].first + self.parts[r].count]
                          for p in t.pieces)
 
     def to_json(self) -> bytes:
-        """Serialize for storage (without empty ``parts`` and ``nodes``, so older readers still parse it)."""
-        empty = {name for name in ("parts", "nodes") if not getattr(self, name)}
-        return self.model_dump_json(exclude=empty or None).encode()
+        """Serialize for storage (leaving out empty multi-rank fields, so older readers still parse it).
+
+        A multi-rank version whose parts were merged in memory is stored as its group manifest
+        (:meth:`header`): its parts are stored apart, by their ranks.
+        """
+        me = self.header()
+        empty = {name for name in ("parts", "nodes", "ranks") if not getattr(me, name)}
+        if me.rank is None:
+            empty.add("rank")
+        return me.model_dump_json(exclude=empty or None).encode()
 
 
 class RefRecord(_Stored):
@@ -405,6 +451,20 @@ def new_version_id() -> str:
         _last_id[0], _last_id[1] = ms, rnd
     value = (ms << 80) | rnd
     return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
+
+
+def check_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``meta`` as a dict, if it is JSON-able (what a version's ``meta`` may hold).
+
+    Raises:
+        InvalidArgumentError: If it holds anything JSON cannot carry (or NaN/inf).
+    """
+    out = dict(meta or {})
+    try:
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"meta must be JSON-able (plain numbers, strings, lists, dicts): {e}") from None
+    return out
 
 
 def utcnow() -> datetime:

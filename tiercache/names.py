@@ -23,6 +23,8 @@ REFS = "refs/"
 STATUS = "status/"
 #: Branch and tag moves that left a version behind (rollback, resume, branch, tag).
 REFLOG = "reflog/"
+#: The ranks' part manifests of multi-rank versions (see :mod:`tiercache.parts`).
+PARTS = "parts/"
 
 
 def check_name(name: object, what: str = "name") -> str:
@@ -83,6 +85,14 @@ def version_key(version_id: str) -> str:
     """Storage key of a version manifest: ``versions/<id>.json``."""
     check_name(version_id, "version id")
     return f"{VERSIONS}{version_id}.json"
+
+
+def part_key(version_id: str, rank: int) -> str:
+    """Storage key of rank ``rank``'s part manifest of a multi-rank version: ``parts/<id>/<rank>.json``."""
+    check_name(version_id, "version id")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidNameError(f"invalid rank {rank!r}: expected an int >= 0")
+    return f"{PARTS}{version_id}/{rank}.json"
 
 
 def ref_key(kind: str, name: str) -> str:

@@ -149,13 +149,15 @@ class Engine:
         chunk_bytes: int | None = None,
         committer: Committer | None = None,
         defer: Owned | None = None,
+        flat: Flat | None = None,
     ) -> SaveHandle:
         """Copy ``state`` into the arena and start writing it; return the handle.
 
-        ``version_id``, ``chunk_bytes`` and ``committer`` serve multi-rank saves
-        (:mod:`tiercache.distributed`): the group's agreed version id, a chunk size that splits
-        replicated tensors among the ranks, and the committer that writes the manifest and ref
-        for the whole group in place of this engine. ``defer``: the address ranges of an
+        ``version_id``, ``chunk_bytes``, ``committer`` and ``flat`` serve multi-rank saves
+        (:mod:`tiercache.group`): the group's agreed version id, a chunk size that splits
+        replicated tensors among the ranks, the committer that has the group commit the version
+        in place of this engine, and the state already flattened (``state`` is then ignored: a
+        state is flattened once per save). ``defer``: the address ranges of an
         optimizer's tensors, whose copy may finish after this returns (see
         :mod:`tiercache.pipeline.deferred`); the ``staged`` future completes when it has.
 
@@ -168,7 +170,8 @@ class Engine:
         """
         if self._closed:
             raise CacheClosedError("the cache is closed: open a new one to save")
-        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        if flat is None:
+            flat = flatten(state, allow_pickle=self.config.allow_pickle)
         plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
         layout = plan.layout
         vid = version_id or new_version_id()
@@ -250,6 +253,15 @@ class Engine:
             pending = list(self._deferred)
         for f in pending:
             f.exception()
+
+    def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
+        """The chunk layout a save of ``flat`` gets (planned once per structure and chunk size)."""
+        return self._plan(flat, chunk_bytes or self.config.chunk_bytes).layout
+
+    def published(self, version_id: str) -> Future[Version] | None:
+        """The future of a staged version's manifest (resolved once hashed), or ``None`` if it is not in flight."""
+        job = self.jobs.get(version_id)
+        return job.published if job is not None else None
 
     def _plan(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
         """The chunk layout and copy plan of ``flat``'s structure, computed once per structure."""
@@ -617,7 +629,7 @@ class Engine:
                 if self._closed or not self.health.available(name):
                     return
                 self.wait_job(rec.version)
-                version = cat.get(rec.version)
+                version = cat.materialize(cat.peek(rec.version))
                 if cat.manifest_on(name, version.id) and name in cat.residency(version):
                     self.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
                     continue

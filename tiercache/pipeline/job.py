@@ -34,17 +34,21 @@ class Committer(Protocol):
     """Commits one version for a group of processes in place of the engine (multi-rank saves).
 
     A tier's writer thread calls :meth:`owned` before writing the version's chunks and
-    :meth:`commit` once its chunks are durable; the engine then completes that level. Both may
-    block while the group agrees, and raise to fail the level. The hasher thread calls
-    :meth:`split_hashing` once per version, before naming its first chunk.
+    :meth:`commit` once the chunks it wrote are durable with their names synced; the engine then
+    completes that level. Both may block while the group agrees, and raise to fail the level.
+    The hasher thread calls :meth:`split_hashing` once per version, before naming its first chunk.
     """
 
     def owned(self, tier: str) -> Collection[str]:
         """Ids of the version's chunks this process writes to ``tier`` (the others write the rest)."""
         ...
 
-    def commit(self, tier: str) -> None:
-        """Return once the group's manifest and ref are committed on ``tier``; raise if they are not."""
+    def commit(self, tier: str, manifest: Version) -> None:
+        """Hand this process's part (``manifest``) to the group; return once it committed the version on ``tier``.
+
+        Raises:
+            TierCacheError: If the group did not commit it there (the same error on every process).
+        """
         ...
 
     def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:

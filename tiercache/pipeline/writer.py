@@ -127,8 +127,8 @@ class TierWriter:
             eng.meter.record(name, "write", sum(n for n, _, _ in spans), _busy_seconds(spans))
         eng.repo.stored(name, written)
         if job.committer is not None:
-            eng.repo.sync_chunks(name, written)  # before the group's rank 0 commits the manifest
-            job.committer.commit(name)
+            eng.repo.sync_chunks(name, written)  # before the group commits a manifest naming them
+            job.committer.commit(name, job.published.result())
             eng.repo.release(job.version_id, name)
             eng.tier_done(name, job)
             return

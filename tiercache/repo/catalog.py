@@ -35,7 +35,19 @@ from tiercache.manifest import (
     parse_ref,
     utcnow,
 )
-from tiercache.names import CHUNKS, REFLOG, REFS, STATUS, VERSIONS, ref_key, reflog_key, status_key, version_key
+from tiercache.names import (
+    CHUNKS,
+    REFLOG,
+    REFS,
+    STATUS,
+    VERSIONS,
+    part_key,
+    ref_key,
+    reflog_key,
+    status_key,
+    version_key,
+)
+from tiercache.parts import check_part, merge
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -44,6 +56,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
 _CAS_ATTEMPTS = 8
 
@@ -70,6 +93,8 @@ class Catalog:
         self._health = health
         self._lock = threading.RLock()
         self._versions: dict[str, Version] = {}
+        # The part manifests read so far of multi-rank versions known by their group manifest.
+        self._parts: dict[str, dict[int, Version]] = {}
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
         self._refs: dict[tuple[str, str], RefRecord] = {}
         self._chunks: dict[str, set[str]] = {}
@@ -213,22 +238,29 @@ class Catalog:
         if old is not None:
             self._drop_users(old)
         self._versions[version.id] = version
-        for c in version.chunks:
-            self._chunk_users[c.id].add(version.id)
+        for cid in self._names(version):
+            self._chunk_users[cid].add(version.id)
         self._residency.pop(version.id, None)
 
+    def _names(self, version: Version) -> set[str]:
+        """The chunks ``version`` names as far as known (of a group manifest: its parts read so far)."""
+        if version.is_header:
+            return {c.id for p in self._parts.get(version.id, {}).values() for c in p.chunks}
+        return {c.id for c in version.chunks}
+
     def _drop_users(self, version: Version) -> None:
-        for c in version.chunks:
-            users = self._chunk_users.get(c.id)
+        for cid in self._names(version):
+            users = self._chunk_users.get(cid)
             if users is not None:
                 users.discard(version.id)
                 if not users:
-                    del self._chunk_users[c.id]
+                    del self._chunk_users[cid]
 
     def forget(self, version_ids: Iterable[str]) -> None:
         """Drop versions (collected by GC) from the catalog, so listing and resolution no longer see them."""
         with self._lock:
             for vid in version_ids:
+                self._parts.pop(vid, None)
                 old = self._versions.pop(vid, None)
                 if old is not None:
                     self._drop_users(old)
@@ -252,8 +284,13 @@ class Catalog:
         with self._lock:
             return version_id in self._on_tier[tier]
 
-    def get(self, version_id: str) -> Version:
-        """Return a version's manifest.
+    def peek(self, version_id: str) -> Version:
+        """A version's manifest as known, without reading anything more.
+
+        A multi-rank version whose parts were not read is its group manifest
+        (:attr:`~tiercache.manifest.Version.is_header`): step, branch, parent, meta and sizes,
+        but no tensors or chunks. The save path and the policy use this: they never read
+        other ranks' parts.
 
         Raises:
             VersionNotFoundError: If no tier has it.
@@ -265,11 +302,108 @@ class Catalog:
             raise VersionNotFoundError(f"version {version_id} not found on any tier")
         return v
 
-    def all(self) -> list[Version]:
-        """Every known version, oldest first."""
+    def get(self, version_id: str) -> Version:
+        """Return a version's whole manifest (a multi-rank version's parts read and merged, once).
+
+        Raises:
+            VersionNotFoundError: If no tier has it.
+            IntegrityError: If it is a multi-rank version and some rank's part is on no tier this
+                process can read (a node-local disk of another node): the message names the ranks.
+        """
+        v = self.peek(version_id)
+        if not v.is_header:
+            return v
+        got = self.materialize(v)
+        if got.is_header:
+            missing = [r for r in range(v.ranks) if r not in self._parts.get(v.id, {})]
+            raise IntegrityError(
+                f"version {v.id} was saved by {v.ranks} ranks and the parts of ranks {_ranges(missing)} are on "
+                "no tier this process can read (each node's disk holds its own ranks' parts): restore it on its "
+                "nodes with restore(..., group=...), or from a tier that holds every part (S3)"
+            )
+        return got
+
+    def all(self, *, whole: bool = True) -> list[Version]:
+        """Every known version, oldest first.
+
+        Args:
+            whole: Read and merge the parts of multi-rank versions (those with a part on no
+                readable tier stay group manifests); ``False`` returns them as known (see
+                :meth:`peek`), reading nothing.
+        """
         self.load()
         with self._lock:
-            return sorted(self._versions.values(), key=lambda v: v.id)
+            known = sorted(self._versions.values(), key=lambda v: v.id)
+        if not whole or not any(v.is_header for v in known):
+            return known
+        return [self.materialize(v) if v.is_header else v for v in known]
+
+    # ------------------------------------------------------------------ multi-rank versions
+
+    def add_part(self, part: Version) -> None:
+        """Record a part manifest this process wrote or read (its own part of a multi-rank version)."""
+        assert part.rank is not None
+        with self._lock:
+            self._parts.setdefault(part.id, {})[part.rank] = part
+            for c in part.chunks:  # a deletion sees them named by the version
+                self._chunk_users[c.id].add(part.id)
+
+    def part(self, header: Version, rank: int, tiers: Collection[str] | None = None) -> Version | None:
+        """Rank ``rank``'s part of the multi-rank version ``header``, read from the first tier that has it.
+
+        Args:
+            header: The version's group manifest.
+            rank: The rank.
+            tiers: The tiers to look in, in that order (default: every available durable tier).
+
+        Returns:
+            The part, or ``None`` if no tier in ``tiers`` has it (a damaged copy is logged and skipped).
+        """
+        with self._lock:
+            got = self._parts.get(header.id, {}).get(rank)
+        if got is not None:
+            return got
+        key = part_key(header.id, rank)
+        for name in self._durable if tiers is None else tiers:
+            if not self.available(name):
+                continue
+            try:
+                data = self._tiers[name].get(key)
+                if data is None:
+                    continue
+                part = check_part(header, rank, Version.from_json(data, source=f"{name}:{key}"), f"{name}:{key}")
+            except (IntegrityError, StorageError) as e:
+                log.warning("cannot read rank %d's part of version %s on %s: %s", rank, header.id, name, e)
+                continue
+            self.add_part(part)
+            return part
+        return None
+
+    def materialize(self, header: Version) -> Version:
+        """The whole multi-rank version (parts read from the tiers that hold them, merged once).
+
+        Returns ``header`` itself if some rank's part is on no readable tier.
+        """
+        if not header.is_header:
+            return header
+        ranks = range(header.ranks)
+        with ThreadPoolExecutor(8) as pool:
+            parts = list(pool.map(lambda r: self.part(header, r), ranks))
+        if any(p is None for p in parts):
+            return header
+        merged = merge(header, parts)  # type: ignore[arg-type]
+        with self._lock:
+            if self._versions.get(header.id) is header:
+                self._put_version(merged)
+            return self._versions.get(header.id, merged)
+
+    def chunks_of(self, version: Version) -> set[str]:
+        """The chunk ids ``version`` names.
+
+        Of a multi-rank version known only by its group manifest: those of the parts read so far.
+        """
+        with self._lock:
+            return self._names(version)
 
     # ------------------------------------------------------------------ chunks
 
@@ -343,6 +477,8 @@ class Catalog:
             if got is not None:
                 return got
             names = [n for n, t in self._tiers.items() if t.durable or t.name == "ram"]
+        if version.is_header:
+            return ()  # its chunks are known only once its parts are read (see materialize)
         # Listings first, without the lock: a listing in progress on another thread needs it to land.
         held = {n: self.chunks_on(n) for n in names if n not in unknown}
         ids = {c.id for c in version.chunks}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache.errors import IntegrityError, InvalidArgumentError, TierUnavailableError
 from tiercache.failpoints import failpoint
 from tiercache.manifest import RefRecord, Version
-from tiercache.names import CHUNKS, REFS, VERSIONS, version_key
+from tiercache.names import CHUNKS, PARTS, REFS, VERSIONS, version_key
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -172,26 +172,39 @@ def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
             roots |= {m.version, *([m.previous] if m.previous else [])}
     versions = {v.id: v for v in cat.all()}
     for name, tier in tiers.items():
-        versions.update(_tier_manifests(tier, name, versions))
+        versions.update({vid: cat.materialize(v) for vid, v in _tier_manifests(tier, name, versions).items()})
     pending = repo.leases.pending()
     young = [vid for vid, v in versions.items() if now - v.created_at.timestamp() < grace]
     extra = [*pending, *(p for p in pending.values() if p is not None), *young]
     live = _live(versions, roots, extra)
     dead = sorted(vid for vid in versions if vid not in live)
-    needed = {c.id for vid in live if vid in versions for c in versions[vid].chunks}
+    needed = {c for vid in live if vid in versions for c in cat.chunks_of(versions[vid])}
+    for vid in sorted(live):
+        v = versions.get(vid)
+        if v is not None and v.is_header:  # some rank's part is on no tier: keep what its other parts name
+            log.warning("gc: version %s is live but some of its ranks' parts are on no tier; keeping what its "
+                        "other parts name", vid)
 
     manifests: dict[str, list[str]] = {}
     chunks: dict[str, int] = {}
     freed: dict[str, int] = {}
     spared = 0
+    orphans: dict[str, list[str]] = {}
     for name, tier in tiers.items():
         listing = _listing(tier, VERSIONS)
         manifests[name] = [vid for vid in dead if version_key(vid) in listing]
         freed[name] = sum(listing[version_key(vid)][0] for vid in manifests[name])
+        # Parts of multi-rank versions whose group manifest was never written (the version failed).
+        parts = _listing(tier, PARTS)
+        orphans[name] = sorted(key for key, (_, mtime) in parts.items()
+                               if key.split("/")[1] not in versions and now - mtime >= grace)
+        freed[name] += sum(parts[key][0] for key in orphans[name])
     if not dry_run:
         cat.forget_reflog(expired)
         for name, vids in manifests.items():
             repo.drop_manifests(name, vids)
+            for key in orphans[name]:
+                tiers[name].delete(key)
         repo.forget(dead)
     failpoint("gc.after_manifest_delete")
     deleted: list[str] = []

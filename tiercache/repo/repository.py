@@ -35,7 +35,8 @@ from tiercache.config import CacheConfig
 from tiercache.errors import IntegrityError, LastCopyError, TierCacheError, TierUnavailableError
 from tiercache.failpoints import failpoint
 from tiercache.manifest import MoveReason, RefRecord, TierOutcome, TierState, Version
-from tiercache.names import chunk_key, status_key, version_key
+from tiercache.names import PARTS, chunk_key, part_key, status_key, version_key
+from tiercache.parts import part_of
 from tiercache.repo.catalog import Catalog
 from tiercache.repo.health import TierHealth
 from tiercache.repo.leases import Leases
@@ -155,6 +156,15 @@ class Repo:
             self.catalog.write_ref(tier, ref)
             self._record_probe(tier, t)
 
+    def put_part(self, tier: str, part: Version) -> None:
+        """Write a rank's part manifest of a multi-rank version to ``tier`` (durably, before the group's manifest).
+
+        Its chunks must be there with their names synced (:meth:`sync_chunks`).
+        """
+        assert part.rank is not None
+        self._all[tier].put(part_key(part.id, part.rank), part.to_json())
+        self.catalog.add_part(part)
+
     def _record_node(self, name: str, tier: Tier, node: str) -> None:
         """Record on node-local ``tier`` which node it belongs to (read once per process, written on change).
 
@@ -260,6 +270,13 @@ class Repo:
                     copied += len(data)
                 if progress:
                     progress(c.nbytes)
+            if version.ranks:  # a multi-rank version: its parts, then its group manifest
+                self.sync_chunks(to, written)
+                for rank in range(version.ranks):
+                    part = self.catalog.part(version.header(), rank)
+                    if part is None:
+                        raise IntegrityError(f"version {version.id}: rank {rank}'s part is on no readable tier")
+                    self.put_part(to, part)
             self.commit(to, version, ref, written=written, owner=owner)
             return copied
         finally:
@@ -284,6 +301,16 @@ class Repo:
         for name in tiers:
             self.catalog.mark_on(name, version.id)
             self.catalog.note_chunks(name, ids)
+
+    def adopt_group(self, header: Version, tier: str, own: Version, rank: int) -> None:
+        """Know a multi-rank version as committed on ``tier``, with this process's part (``own``) there.
+
+        The catalog keeps its group manifest and this rank's part: nothing of the other ranks'.
+        """
+        self.catalog.add_part(part_of(own, rank))
+        self.catalog.add(header)
+        self.catalog.mark_on(tier, header.id)
+        self.catalog.note_chunks(tier, [c.id for c in own.chunks])
 
     def committed_on(self, version_id: str) -> list[str]:
         """Durable tiers that hold ``version_id``'s manifest (asked of the tiers where the catalog does not know).
@@ -330,7 +357,7 @@ class Repo:
         """
         self._require(tier)
         cat = self.catalog
-        version = cat.get(version_id)
+        version = cat.materialize(cat.peek(version_id))
         if version_id in self.leases.pending():
             if by == "policy":
                 return None
@@ -342,8 +369,8 @@ class Repo:
             if version_id in pinned or newest or not cat.manifest_on(tier, version_id):
                 return None
         others = [n for n in self._durable if n != tier]
-        keep = {c.id for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id) for c in v.chunks}
-        ids = {c.id for c in version.chunks} & cat.chunks_on(tier)
+        keep = {c for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id) for c in cat.chunks_of(v)}
+        ids = cat.chunks_of(version) & cat.chunks_on(tier)
         lonely = [i for i in ids - keep if not any(i in cat.chunks_on(n) for n in others)]
         if lonely and by == "user":
             raise LastCopyError(
@@ -364,6 +391,9 @@ class Repo:
             t.delete(status_key(vid))
             t.delete(version_key(vid))
             self.catalog.mark_on(tier, vid, present=False)
+            if t.durable:  # a multi-rank version's parts go after its group manifest
+                for key in t.list(f"{PARTS}{vid}/"):
+                    t.delete(key)
 
     def drop_chunks(self, tier: str, ids: Iterable[str], sizes: Mapping[str, int] | None = None) -> dict[str, int]:
         """Delete the chunks among ``ids`` that no pending version leases on ``tier``.

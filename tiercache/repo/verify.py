@@ -5,7 +5,7 @@ that holds the version's manifest, or that lists the chunk, verifies it, and rep
 is missing or damaged. A tier holds a version's chunks only where it holds its manifest: an
 evicted version's chunks are not expected there. A node-local tier holds only its node's part of a
 version saved on several nodes (and the parts it keeps peer copies of): the node its commits
-recorded on it (:meth:`Repo.node_of`), else this process's node (:func:`tiercache.nodes.this_node`)
+recorded on it (:meth:`Repo.node_of`), else this process's node (:func:`tiercache.config.this_node`)
 tells which; on a node the version does not name, only the
 chunks the tier lists are checked. With ``repair`` each bad copy is rewritten from a
 good copy on another tier (never from the bad tier itself).
@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from tiercache.config import this_node
 from tiercache.errors import IntegrityError, TierCacheError
 from tiercache.manifest import Version
-from tiercache.names import VERSIONS, chunk_key, version_key
-from tiercache.nodes import this_node
+from tiercache.names import PARTS, VERSIONS, chunk_key, part_key, version_key
+from tiercache.parts import check_part
 from tiercache.repo.objects import read_verified
 
 if TYPE_CHECKING:
@@ -109,13 +110,18 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     wanted: dict[tuple[str, str], tuple[int, str]] = {}
     # Whose part a node-local tier holds: what its node's commits recorded there, else this process's node.
     node_of = {name: repo.node_of(name) or this_node(repo.config)[0] for name, t in tiers.items() if t.node_local}
+    # (tier, version id, rank) -> the version: a multi-rank version's part manifests each tier should hold.
+    parts: dict[tuple[str, str, int], Version] = {}
     for v in versions:
         for name, tier in tiers.items():
             on = cat.manifest_on(name, v.id)
-            held = v.node_chunk_ids(node_of[name]) if tier.node_local and len(v.nodes) > 1 else None
-            for c in v.chunks:
-                if (on and (held is None or c.id in held)) or c.id in listed[name]:
-                    wanted[(name, c.id)] = (c.nbytes, v.hash_algo)
+            node = node_of[name] if tier.node_local and len(v.nodes) > 1 else None
+            if v.ranks and on:
+                for r in v.node_ranks(node) if node is not None else range(v.ranks):
+                    parts[(name, v.id, r)] = v
+            for cid, nbytes, held in _chunk_refs(repo, v, name, node):
+                if (on and held) or cid in listed[name]:
+                    wanted[(name, cid)] = (nbytes, v.hash_algo)
 
     def check(item: tuple[tuple[str, str], tuple[int, str]]) -> Damage | None:
         (name, cid), (nbytes, algo) = item
@@ -132,17 +138,51 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     with ThreadPoolExecutor(max(1, repo.config.io_threads), thread_name_prefix="tiercache-verify") as pool:
         found = [d for d in pool.map(check, sorted(wanted.items())) if d is not None]
     found += _check_manifests(repo, versions, tiers)
+    found += _check_parts(parts, tiers)
     if repair:
-        found, unrepairable = _repair(repo, versions, found)
+        found, unrepairable = _repair(repo, versions, found, wanted)
     else:
         unrepairable = _without_good_copy(found, wanted)
     for d in found:
         log.warning("verify: %s copy of %s on %s: %s%s", d.problem, d.key, d.tier, d.detail,
                     f" (repaired from {d.repaired_from})" if d.repaired_from else "")
     chunks = {cid for _, cid in wanted}
-    copies = len(wanted) + sum(cat.manifest_on(n, v.id) for v in versions for n in tiers)
+    copies = len(wanted) + len(parts) + sum(cat.manifest_on(n, v.id) for v in versions for n in tiers)
     return VerifyReport(len(versions), len(chunks), copies, tuple(sorted(found, key=lambda d: (d.tier, d.key))),
                         tuple(sorted(unrepairable)))
+
+
+def _chunk_refs(repo: Repo, v: Version, tier: str, node: str | None) -> list[tuple[str, int, bool]]:
+    """``(chunk id, raw length, whether tier holds it)`` for the chunks of ``v`` a check of ``tier`` covers.
+
+    ``node``: the node a node-local ``tier`` belongs to, when ``v`` was saved on several nodes
+    (the tier then holds the chunks of that node's part and of the parts it copies). Of a
+    multi-rank version whose parts could not all be read, the parts ``tier`` holds.
+    """
+    if not v.is_header:
+        held = v.node_chunk_ids(node) if node is not None else None
+        return [(c.id, c.nbytes, held is None or c.id in held) for c in v.chunks]
+    out = []
+    for r in v.node_ranks(node) if node is not None else range(v.ranks):
+        part = repo.catalog.part(v, r, [tier])
+        out += [(c.id, c.nbytes, True) for c in part.chunks] if part is not None else []
+    return out
+
+
+def _check_parts(parts: dict[tuple[str, str, int], Version], tiers: dict[str, Any]) -> list[Damage]:
+    """Each part manifest a tier should hold: there, and rank ``r``'s part of its version."""
+    out = []
+    for (name, vid, rank), v in sorted(parts.items()):
+        key = part_key(vid, rank)
+        data = tiers[name].get(key)
+        if data is None:
+            out.append(Damage(name, key, "missing", f"rank {rank}'s part of version {vid} is not there"))
+            continue
+        try:
+            check_part(v.header(), rank, Version.from_json(data, source=f"{name}:{key}"), f"{name}:{key}")
+        except IntegrityError as e:
+            out.append(Damage(name, key, "damaged", str(e)))
+    return out
 
 
 def _check_manifests(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[Damage]:
@@ -157,7 +197,7 @@ def _check_manifests(repo: Repo, versions: list[Version], tiers: dict[str, Any])
                 out.append(Damage(name, key, "missing", "manifest listed but not readable"))
                 continue
             try:
-                if Version.from_json(data, source=f"{name}:{key}") != v:
+                if Version.from_json(data, source=f"{name}:{key}") != v.header():
                     out.append(Damage(name, key, "damaged", "manifest differs from the other tiers' copy"))
             except IntegrityError as e:
                 out.append(Damage(name, key, "damaged", str(e)))
@@ -172,8 +212,9 @@ def _without_good_copy(found: list[Damage], wanted: dict[tuple[str, str], tuple[
     return [key for key, names in holders.items() if all((n, key) in bad for n in names)]
 
 
-def _repair(repo: Repo, versions: list[Version], found: list[Damage]) -> tuple[list[Damage], list[str]]:
-    sizes = {c.id: (c.nbytes, v.hash_algo) for v in versions for c in v.chunks}
+def _repair(repo: Repo, versions: list[Version], found: list[Damage],
+            wanted: dict[tuple[str, str], tuple[int, str]]) -> tuple[list[Damage], list[str]]:
+    sizes = {cid: spec for (_, cid), spec in wanted.items()}
     by_id = {v.id: v for v in versions}
     out: list[Damage] = []
     unrepairable: list[str] = []
@@ -184,6 +225,17 @@ def _repair(repo: Repo, versions: list[Version], found: list[Damage]) -> tuple[l
             # The catalog's copy parsed and was checked when it was loaded: it is the good one.
             tier.put(d.key, by_id[vid].to_json())
             out.append(Damage(d.tier, d.key, d.problem, d.detail, repaired_from="catalog"))
+            continue
+        if d.key.startswith(PARTS):
+            vid, rank = d.key[len(PARTS) : -len(".json")].split("/")
+            others = [n for n in repo.durable if n != d.tier and repo.available(n)]
+            part = repo.catalog.part(by_id[vid].header(), int(rank), others)
+            if part is None:
+                unrepairable.append(d.key)
+                out.append(d)
+                continue
+            tier.put(d.key, part.to_json())
+            out.append(Damage(d.tier, d.key, d.problem, d.detail, repaired_from="another tier"))
             continue
         cid = d.key.rsplit("/", 1)[-1]
         nbytes, algo = sizes[cid]

@@ -1,15 +1,16 @@
 """Chunk transfers between the ranks of a private gloo group: one reader, any number of receivers.
 
-Peer copies (:mod:`tiercache.peers`) and restores over the group (:mod:`tiercache.group_restore`)
-both come down to the same step: every rank computes the same list of :class:`Move` (a chunk,
-the rank that reads it, the ranks that receive it), then each rank reads the chunks it sends,
-sends them point to point, and receives the chunks it gets. :func:`run_moves` does that step.
+Peer copies (:mod:`tiercache.group.peers`) and restores over the group
+(:mod:`tiercache.group.restore`) both come down to the same step: the coordinator plans a list of
+:class:`Move` (a chunk, the rank that reads it, the ranks that receive it), :func:`schedule` gives
+each a tag and a batch, and each rank is told only its own (:func:`own`); each rank then reads
+the chunks it sends, sends them point to point, and receives the chunks it gets:
+:func:`run_moves` does that step.
 
 Each move is two messages from its source to each destination: a one-element header (1: the
 payload follows and is good; 0: the source could not read it) and the payload, ``nbytes`` raw
-bytes. Tags are the move's position in the plan, so messages never match the wrong move. Moves
-run in batches, in plan order, so that no rank receives more than ``budget`` bytes at once;
-every rank cuts the same batches from the same plan.
+bytes. Tags come from the move's position in the plan, so messages never match the wrong move.
+Moves run in batches, in plan order, so that no rank receives more than ``budget`` bytes at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +26,10 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Move:
-    """One chunk going from one rank to others.
+    """One chunk (or other object) going from one rank to others.
 
     Attributes:
-        chunk: The chunk's id.
+        chunk: The chunk's id (or another object's name: a part manifest is ``part:<rank>``).
         nbytes: Its raw length.
         src: The group rank that reads it and sends it.
         dsts: The group ranks that receive it.
@@ -43,6 +45,36 @@ class Move:
 Read = Callable[[Move], torch.Tensor]
 #: ``land(move, data)``: a received chunk (unverified raw bytes), or ``None`` if its source failed.
 Land = Callable[[Move, torch.Tensor | None], None]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A move in a schedule: its tag (messages ``tag`` and ``tag + 1``) and its batch."""
+
+    tag: int
+    batch: int
+    move: Move
+
+    def to_json(self) -> list[Any]:
+        """A compact JSON form (a rank receives its slots in a verdict)."""
+        m = self.move
+        return [self.tag, self.batch, m.chunk, m.nbytes, m.src, list(m.dsts)]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Any]) -> Slot:
+        """The slot :meth:`to_json` wrote."""
+        tag, batch, chunk, nbytes, src, dsts = data
+        return cls(int(tag), int(batch), Move(str(chunk), int(nbytes), int(src), tuple(int(d) for d in dsts)))
+
+
+def schedule(moves: Sequence[Move], budget: int) -> list[Slot]:
+    """Tag and batch ``moves`` (see :func:`batches`)."""
+    return [Slot(2 * i, b, m) for b, batch in enumerate(batches(moves, budget)) for i, m in batch]
+
+
+def own(slots: Sequence[Slot], rank: int) -> list[Slot]:
+    """The slots ``rank`` sends or receives."""
+    return [s for s in slots if s.move.src == rank or rank in s.move.dsts]
 
 
 def batches(moves: Sequence[Move], budget: int) -> list[list[tuple[int, Move]]]:
@@ -66,9 +98,9 @@ def batches(moves: Sequence[Move], budget: int) -> list[list[tuple[int, Move]]]:
 
 
 def run_moves(
-    group: dist.ProcessGroup, rank: int, moves: Sequence[Move], *, read: Read, land: Land, budget: int, threads: int
+    group: dist.ProcessGroup, rank: int, slots: Sequence[Slot], *, read: Read, land: Land, threads: int
 ) -> None:
-    """Carry out this rank's side of ``moves`` (the same list on every rank of ``group``).
+    """Carry out this rank's side of a schedule (its own slots, see :func:`own`).
 
     Reads run on ``threads`` threads and each chunk is sent as soon as it is read; ``land`` is
     called on the calling thread once a batch's messages are all in. An error ``read`` raises is
@@ -79,23 +111,28 @@ def run_moves(
         Exception: The first error of ``read`` (after every message of its batch went out).
     """
     failed: BaseException | None = None
+    by_batch: dict[int, list[Slot]] = {}
+    for s in slots:
+        by_batch.setdefault(s.batch, []).append(s)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="tiercache-send") as pool:
-        for batch in batches(moves, budget):
+        for b in sorted(by_batch):
+            batch = by_batch[b]
             incoming: list[tuple[Move, torch.Tensor, torch.Tensor]] = []
             works: list[dist.Work] = []
-            for i, m in batch:
+            for s in batch:
+                m = s.move
                 if rank in m.dsts:
                     head = torch.zeros(1, dtype=torch.int64)
                     data = torch.empty(m.nbytes, dtype=torch.uint8)
-                    works.append(_op(dist.irecv(head, group=group, group_src=m.src, tag=2 * i)))
-                    works.append(_op(dist.irecv(data, group=group, group_src=m.src, tag=2 * i + 1)))
+                    works.append(_op(dist.irecv(head, group=group, group_src=m.src, tag=s.tag)))
+                    works.append(_op(dist.irecv(data, group=group, group_src=m.src, tag=s.tag + 1)))
                     incoming.append((m, head, data))
-            reads: dict[Future[torch.Tensor], tuple[int, Move]] = {
-                pool.submit(read, m): (i, m) for i, m in batch if m.src == rank
-            }
+            reads: dict[Future[torch.Tensor], Slot] = {pool.submit(read, s.move): s for s in batch
+                                                       if s.move.src == rank}
             keep: list[torch.Tensor] = []  # sent buffers live until their sends complete
             for fut in as_completed(reads):
-                i, m = reads[fut]
+                s = reads[fut]
+                m = s.move
                 try:
                     data = fut.result()
                     ok = 1
@@ -105,8 +142,8 @@ def run_moves(
                 head = torch.tensor([ok], dtype=torch.int64)
                 keep += [head, data]
                 for d in m.dsts:
-                    works.append(_op(dist.isend(head, group=group, group_dst=d, tag=2 * i)))
-                    works.append(_op(dist.isend(data, group=group, group_dst=d, tag=2 * i + 1)))
+                    works.append(_op(dist.isend(head, group=group, group_dst=d, tag=s.tag)))
+                    works.append(_op(dist.isend(data, group=group, group_dst=d, tag=s.tag + 1)))
             for w in works:
                 w.wait()
             for m, head, data in incoming:
@@ -120,4 +157,4 @@ def _op(work: dist.Work | None) -> dist.Work:
     return work
 
 
-__all__ = ["Land", "Move", "Read", "batches", "run_moves"]
+__all__ = ["Land", "Move", "Read", "Slot", "batches", "own", "run_moves", "schedule"]

@@ -2,39 +2,21 @@
 
 RAM and disk are node-local: a multi-rank version is ``local`` when every node holds what its own
 ranks need, and peer copies put each node's part on other nodes too. So every rank needs the
-same picture of the nodes: :func:`this_node` names the node of this process (``TIERCACHE_NODE``,
-else the launcher's node, else the host name) and its failure domain, and :meth:`Topology.gather`
-collects them over a group. :func:`choose_peers` is a pure function of that picture.
+same picture of the nodes: :func:`tiercache.config.this_node` names the node of this process
+(``TIERCACHE_NODE``, else the launcher's node, else the host name) and its failure domain, the
+group view gathers them when it is made (:class:`tiercache.group.view.GroupView`), and
+:meth:`Topology.of` turns them into this picture. :func:`choose_peers` is a pure function of it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from tiercache.config import CacheConfig, launcher_node
 from tiercache.errors import ConfigError
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-log = logging.getLogger("tiercache.nodes")
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def this_node(config: CacheConfig) -> tuple[str, str]:
-    """This process's node name and failure domain (``""`` when none is configured).
-
-    The name is ``config.node`` (``TIERCACHE_NODE``), else the launcher's node (torchrun's
-    ``GROUP_RANK``, see :func:`tiercache.config.launcher_node`), else the host name.
-    """
-    name = config.node or launcher_node() or _UNSAFE.sub("-", socket.gethostname()).lstrip(".")[:128] or "localhost"
-    return name, config.failure_domain or ""
+log = logging.getLogger("tiercache.group.topology")
 
 
 @dataclass(frozen=True)
@@ -82,15 +64,6 @@ class Topology:
                                   f"in {domains[i]!r}: give every rank of a node the same TIERCACHE_FAILURE_DOMAIN")
             node_of.append(i)
         return cls(tuple(names), tuple(domains), tuple(node_of))
-
-    @classmethod
-    def gather(cls, config: CacheConfig, group: dist.ProcessGroup, world_size: int) -> Topology:
-        """Collect every rank's :func:`this_node` over ``group`` (a collective: call it on every rank)."""
-        import torch.distributed as dist
-
-        labels: list[tuple[str, str] | None] = [None] * world_size
-        dist.all_gather_object(labels, this_node(config), group=group)
-        return cls.of([label for label in labels if label is not None])
 
     @property
     def count(self) -> int:
@@ -156,4 +129,4 @@ def choose_peers(topology: Topology, copies: int) -> list[tuple[int, ...]]:
     return out
 
 
-__all__ = ["Topology", "choose_peers", "this_node"]
+__all__ = ["Topology", "choose_peers"]

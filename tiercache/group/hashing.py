@@ -2,7 +2,7 @@
 
 A data-parallel job holds the same model and optimizer state on every rank. Naming its chunks
 costs every rank a hash of its whole replica, although each rank writes only its share of them
-(:func:`tiercache.distributed.assign_owners`). When the caller declares which parts of the state
+(:mod:`tiercache.group.owners`). When the caller declares which parts of the state
 are the same on every rank (``save(..., group=g, replicated=("model", "optim"))``), and the
 ranks' layouts of those parts match, the chunks holding only declared tensors are given an owner
 by position, each rank hashes only the chunks it owns plus its own (undeclared) ones, and the
@@ -15,22 +15,20 @@ as the owner's bytes on every rank. Nothing is split when no rank declares anyth
 the ranks' declared chunks do not line up (then every rank hashes all of its own, as before).
 
 The ranks agree at ``save()`` that their states have the same structure and declare the same
-key paths (:func:`signature`, exchanged with the save's first collective), so each rank derives
-the same owners from its own layout without asking the others. The one collective of a version,
-the trade of ids, runs on the engine's hasher thread, on a private gloo group of its own, in save
-order on every rank.
+key paths (:func:`signature`, sent with the save's first exchange), so each rank derives the same
+owners from its own layout without asking the others. The one exchange of a version, the trade
+of ids (phase ``<version>/trade``), runs on the engine's hasher thread; a rank that could not
+hash its share (or did not stage the version at all) still answers it, with its error.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
-import torch.distributed as dist
-
-from tiercache.errors import GroupSaveError
 from tiercache.format import Flat
+from tiercache.group.collective import Channel, Decision
+from tiercache.group.status import Status
 from tiercache.layout import Layout
 
 
@@ -54,48 +52,72 @@ def owners_by_position(chunks: Sequence[tuple[int, int]], world_size: int) -> di
     return out
 
 
-class _Split:
-    """One version's split (see :class:`tiercache.pipeline.job.HashSplit`)."""
+class Split:
+    """One version's split (see :class:`tiercache.pipeline.job.HashSplit`).
 
-    def __init__(self, owner: SharedHashing, owners: dict[int, int], total: int) -> None:
-        self._owner = owner
+    Args:
+        channel: The hasher thread's channel to the group.
+        vid: The version.
+        rank: This rank.
+        owners: Each shared chunk position -> the rank that hashes it.
+        total: The number of chunks of this rank's layout.
+    """
+
+    def __init__(self, channel: Channel, vid: str, rank: int, owners: dict[int, int], total: int) -> None:
+        self._channel = channel
+        self._vid = vid
         self._owners = owners
-        rank = owner.rank
         self.mine = [i for i in range(total) if owners.get(i, rank) == rank]
         self.theirs = [i for i in range(total) if owners.get(i, rank) != rank]
         #: Once traded: the id of every shared chunk -> the rank that hashed (and so writes) it.
         self.hashed_by: dict[str, int] = {}
 
     def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Trade the ids of the shared chunks; raise if some rank failed to hash its share."""
-        shared = None if ids is None else {i: cid for i, cid in ids.items() if i in self._owners}
-        got: list[Any] = [None] * self._owner.world_size
-        dist.all_gather_object(got, shared, group=self._owner.group)
-        failed = [r for r, g in enumerate(got) if g is None]
-        if failed:
-            raise GroupSaveError(f"rank {failed[0]} could not hash its share of the replicated chunks")
-        merged: dict[int, str] = {}
-        for g in got:
-            merged.update(g)
-        self.hashed_by = {cid: self._owners[i] for i, cid in merged.items()}
-        return merged
+        """Trade the ids of the shared chunks; raise the group's error if some rank failed to hash its share."""
+        return trade(self._channel, self._vid, self, ids)
+
+
+def trade(channel: Channel, vid: str, split: Split | None, ids: dict[int, str] | None,
+          failure: BaseException | None = None) -> dict[int, str]:
+    """This rank's side of a version's trade of ids (also for a rank that has no split: it failed before).
+
+    Raises:
+        TierCacheError: The group's failure (the same on every rank).
+    """
+    if split is None or ids is None:
+        mine = Status.of(failure) if failure is not None else Status("error", error="GroupSaveError",
+                                                                       message="could not hash its share")
+    else:
+        mine = Status("ok", {str(i): cid for i, cid in ids.items() if i in split._owners})
+
+    def merge(statuses: list[Status]) -> Decision:
+        merged: dict[str, str] = {}
+        for s in statuses:
+            merged.update(s.payload)
+        return Decision(merged)
+
+    verdict = channel.exchange(f"{vid}/trade", mine, what=f"version {vid} at hashing", decide=merge)
+    verdict.raise_failure(wrap=True)
+    merged = {int(i): cid for i, cid in verdict.status.payload.items()}
+    if split is not None:
+        split.hashed_by = {cid: split._owners[i] for i, cid in merged.items()}
+    return merged
 
 
 class SharedHashing:
-    """The hashing split of one process group's versions.
+    """The hashing split of one group's versions.
 
     Args:
-        group: A private gloo group of the process group, used only by the engine's hasher thread.
-        rank: This process's rank in ``group``.
-        world_size: The size of ``group``.
+        rank: This process's rank in the group.
+        world_size: The group's size.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
-        self.group = group
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
 
-    def split(self, layout: Layout, paths: Sequence[str], declared: Sequence[str]) -> _Split | None:
+    def split(self, channel: Channel, vid: str, layout: Layout, paths: Sequence[str],
+              declared: Sequence[str]) -> Split | None:
         """Who hashes which chunk of this version (the same on every rank: their signatures matched).
 
         Returns:
@@ -104,7 +126,7 @@ class SharedHashing:
         shared = declared_chunks(layout, paths, declared)
         if not shared:
             return None
-        return _Split(self, owners_by_position(shared, self.world_size), len(layout.chunks))
+        return Split(channel, vid, self.rank, owners_by_position(shared, self.world_size), len(layout.chunks))
 
 
 def signature(flat: Flat, declared: Sequence[str]) -> str:
@@ -116,4 +138,4 @@ def signature(flat: Flat, declared: Sequence[str]) -> str:
     return hashlib.blake2b(repr((flat.structure_key, sorted(declared))).encode(), digest_size=16).hexdigest()
 
 
-__all__ = ["SharedHashing", "declared_chunks", "owners_by_position", "signature"]
+__all__ = ["SharedHashing", "Split", "declared_chunks", "owners_by_position", "signature", "trade"]

@@ -1,0 +1,172 @@
+"""The group's collective layer (tiercache.group.collective): tagged exchanges over a real TCPStore.
+
+Ranks are simulated by threads of this process, each with its own :class:`Collective` on one
+store server, so every fault (a rank that raises, never answers, comes late, dies, or a store that
+goes away) is driven on purpose and every rank's verdict is compared.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tiercache.errors import GroupBrokenError, GroupSaveError, InvalidArgumentError
+from tiercache.group.collective import Collective, Decision, Verdict
+from tiercache.group.status import OK, Status
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def group(store: dist.Store, world: int, **kw: Any) -> list[Collective]:
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    prefixed = dist.PrefixStore("t/", client)
+    opts = {"timeout": 1.0, "heartbeat": 0.05, "dead_after": 0.6, **kw}
+    return [Collective(prefixed, r, world, **opts) for r in range(world)]
+
+
+def run(ranks: list[Collective], body: Callable[[Collective], Any]) -> list[Any]:
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(body, ranks))
+
+
+def failure(v: Verdict) -> tuple[str, str]:
+    err = v.status.error_object()
+    return type(err).__name__, str(err)
+
+
+def test_every_rank_gets_the_decision_and_its_own_share(store: dist.TCPStore) -> None:
+    ranks = group(store, 3)
+
+    def decide(statuses: list[Status]) -> Decision:
+        total = sum(s.payload for s in statuses)
+        return Decision(total, [f"share of {r}" for r in range(len(statuses))])
+
+    out = run(ranks, lambda c: c.channel().exchange("v1/sum", Status("ok", c.rank + 1), what="v1", decide=decide))
+    assert [(v.ok, v.status.payload, v.mine) for v in out] == [(True, 6, f"share of {r}") for r in range(3)]
+    # Nothing is left in the store once every rank read the verdict (but the heartbeats).
+    keys = [k for k in store.list_keys() if "/hb/" not in k]
+    assert keys == [], keys
+
+
+def test_a_rank_error_fails_the_phase_on_every_rank_with_its_type_and_name(store: dist.TCPStore) -> None:
+    ranks = group(store, 3)
+
+    def body(c: Collective) -> Verdict:
+        mine = Status.of(InvalidArgumentError("meta must be JSON-able")) if c.rank == 1 else OK
+        return c.channel().exchange("v1/begin", mine, what="the save of step 3")
+
+    out = run(ranks, body)
+    assert {failure(v) for v in out} == {
+        ("InvalidArgumentError", "the save of step 3 failed: rank 1: meta must be JSON-able")}
+    # A failed phase leaves the group usable: the next one goes through.
+    assert all(v.ok for v in run(ranks, lambda c: c.channel().exchange("v2/begin", OK, what="v2")))
+
+
+def test_a_rank_that_does_not_answer_is_named_and_learns_the_outcome_when_it_comes(store: dist.TCPStore) -> None:
+    ranks = group(store, 3, dead_after=30.0)
+    late: list[Verdict] = []
+
+    def body(c: Collective) -> Verdict | None:
+        if c.rank == 2:
+            time.sleep(2.5)  # past the timeout (1 s) and the others' patience (1 s + 5 s margin is for rank 0)
+            late.append(c.channel().exchange("v1/hashed", OK, what="version v1 at hashing"))
+            return None
+        return c.channel().exchange("v1/hashed", OK, what="version v1 at hashing")
+
+    out = run(ranks, body)
+    want = ("GroupSaveError", "version v1 at hashing failed: rank 2 did not answer within 1s")
+    assert failure(out[0]) == failure(out[1]) == failure(late[0]) == want
+    assert all(c.broken is None for c in ranks)  # slow is not dead
+    assert [k for k in store.list_keys() if "/hb/" not in k] == []
+
+
+def test_a_coordinator_that_comes_too_late_gets_the_failure_the_others_set(store: dist.TCPStore) -> None:
+    ranks = group(store, 2, dead_after=60.0)
+    decided: list[bool] = []
+
+    def body(c: Collective) -> Verdict:
+        if c.rank == 0:
+            time.sleep(7.0)  # past the others' patience: timeout 1 s + 5 s margin
+        return c.channel().exchange("v1/disk", OK, what="version v1 on disk",
+                                    decide=lambda s: decided.append(True) or Decision())
+
+    out = run(ranks, body)
+    want = ("GroupSaveError", "version v1 on disk failed: rank 0 did not answer within 1s")
+    assert failure(out[0]) == failure(out[1]) == want
+    assert decided == []  # the late coordinator never decided (nor committed anything)
+
+
+def test_a_dead_rank_breaks_the_group_once_and_later_phases_fail_at_once(store: dist.TCPStore) -> None:
+    ranks = group(store, 3, timeout=30.0)
+    ranks[2].close()  # its heartbeat stops, as when the process is killed
+
+    def body(c: Collective) -> Verdict | None:
+        if c.rank == 2:
+            return None
+        return c.channel().exchange("v1/parts", OK, what="version v1 at parts")
+
+    t0 = time.monotonic()
+    out = run(ranks, body)
+    assert time.monotonic() - t0 < 30  # the heartbeat told, not the 30 s timeout
+    name, message = failure(out[0])
+    assert (name, message) == failure(out[1])
+    assert name == "GroupBrokenError" and "rank 2 is gone" in message
+    later = run(ranks[:2], lambda c: c.channel().exchange("v2/begin", OK, what="v2"))
+    assert {failure(v) for v in later} == {("GroupBrokenError", message)}
+    assert isinstance(ranks[0].broken, GroupBrokenError)
+
+
+def test_a_failing_decision_fails_the_phase_naming_rank_0_and_the_group_goes_on(store: dist.TCPStore) -> None:
+    ranks = group(store, 2)
+
+    def decide(statuses: list[Status]) -> Decision:
+        raise InvalidArgumentError("the ranks hash with different algorithms")
+
+    out = run(ranks, lambda c: c.channel().exchange("v1/parts", OK, what="version v1", decide=decide))
+    assert {failure(v) for v in out} == {
+        ("InvalidArgumentError", "version v1 failed: rank 0: the ranks hash with different algorithms")}
+    assert all(c.broken is None for c in ranks)
+    assert all(v.ok for v in run(ranks, lambda c: c.channel().exchange("v2/parts", OK, what="v2")))
+
+
+def test_a_store_that_goes_away_breaks_the_group_with_that_reason() -> None:
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, datetime, torch.distributed as d; "
+         "s = d.TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False); "
+         "print(s.port, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        ranks = [Collective(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5)), r, 2,
+                            timeout=5.0, heartbeat=0.05) for r in range(2)]
+        channels = [c.channel() for c in ranks]
+        assert all(v.ok for v in run(ranks, lambda c: channels[c.rank].exchange("v1/a", OK, what="v1")))
+        server.kill()
+        server.wait()
+        out = run(ranks, lambda c: channels[c.rank].exchange("v2/a", OK, what="version v2 at begin"))
+        for v in out:
+            name, message = failure(v)
+            assert name == "GroupBrokenError" and message.startswith("version v2 at begin: the job's store stopped")
+    finally:
+        server.kill()
+
+
+def test_statuses_round_trip_and_unknown_error_types_become_group_errors() -> None:
+    s = Status("error", error="ZeroDivisionError", message="division by zero", extra={"missing": [1]})
+    assert Status.decode(s.encode()) == s
+    err = s.error_object()
+    assert type(err) is GroupSaveError and str(err) == "ZeroDivisionError: division by zero"
+    with pytest.raises(GroupSaveError, match="cannot read"):
+        Status.decode(b"\x80not json")
+    assert threading.active_count() >= 1

@@ -1,0 +1,203 @@
+"""The background phases of a multi-rank version, each one exchange of the group (DESIGN.md section 7).
+
+After ``save()`` staged a rank's part (the memcpy, on the training thread), the group goes on
+without it, on worker threads of each rank, every version in save order:
+
+1. ``<v>/parts`` (one worker): every rank sends a small summary of its part once hashed (its
+   chunk ids and sizes, how big its part is) or why it has none (its stage failed, the arena was
+   full and the policy skipped it). The coordinator decides once, for every tier, which rank
+   writes which chunk (:mod:`tiercache.group.owners`) and sends each rank its own share, and
+   every rank the version's total size: with what the group agreed on before, that is all any
+   rank needs to write the group manifest (:func:`tiercache.parts.group_header`). This is the
+   only time per version anything is gathered about the parts, and it is O(chunks), never
+   O(leaves).
+2. ``<v>/<tier>`` (one worker per durable tier): every rank sends whether its chunks and its
+   part manifest are durable there. On a tier every node shares (S3), the coordinator then
+   commits the group manifest and moves the ref, inside the exchange (it claimed the verdict
+   first, so no rank can give up on it half-way). On a node-local tier each node's leader
+   commits on its node's disk, and ``<v>/<tier>/commit`` says whether every node did.
+3. ``<v>/peers`` (with peer copies): see :mod:`tiercache.group.peers`.
+
+A phase that fails (a rank's error or skip, a rank that does not answer in time or dies) fails
+that level of the version on every rank with the same error; a version that failed everywhere is
+never a parent (the next commit names the nearest durable ancestor) and its branch move is
+taken back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tiercache.errors import TierCacheError
+from tiercache.group.collective import Channel, Decision
+from tiercache.group.hashing import trade
+from tiercache.group.owners import assign_owners, writers_by_node
+from tiercache.group.round import Round
+from tiercache.group.status import Status
+from tiercache.manifest import Version
+from tiercache.parts import group_header, part_of
+
+if TYPE_CHECKING:
+    from tiercache.group.peers import Replicator
+    from tiercache.group.view import GroupView
+
+log = logging.getLogger("tiercache.group.phases")
+
+
+class Worker:
+    """One thread that runs one kind of phase for every version, in save order, on its own channel."""
+
+    def __init__(self, view: GroupView, name: str, run: Callable[[Round, Channel], None]) -> None:
+        self._run = run
+        self._channel = view.collective.channel()
+        self._queue: queue.Queue[Round | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"tiercache-group-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, rnd: Round) -> None:
+        """Run the phase for ``rnd`` after the versions submitted before it."""
+        self._queue.put(rnd)
+
+    def close(self) -> None:
+        """Stop once every submitted version is through."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (rnd := self._queue.get()) is not None:
+            try:
+                self._run(rnd, self._channel)
+            except Exception as e:  # a bug here must not leave the version's futures pending forever
+                log.exception("version %s: a group phase failed", rnd.vid)
+                rnd.fail_all(e)
+
+
+class Phases:
+    """The workers of one group view (see the module docstring)."""
+
+    def __init__(self, view: GroupView, replicator: Replicator | None = None) -> None:
+        self.view = view
+        self._workers = [Worker(view, "parts", self._parts)]
+        self._workers += [Worker(view, tier, lambda rnd, ch, tier=tier: self._tier(tier, rnd, ch))
+                          for tier in view.cache.repo.durable]
+        if replicator is not None:
+            self._workers.append(Worker(view, "peers", replicator.run))
+
+    def submit(self, rnd: Round) -> None:
+        """Start the background phases of a staged (or failed-to-stage) version."""
+        for w in self._workers:
+            w.submit(rnd)
+
+    def close(self) -> None:
+        """Stop once every submitted version is settled."""
+        for w in self._workers:
+            w.close()
+
+    # ------------------------------------------------------------------ parts
+
+    def _parts(self, rnd: Round, ch: Channel) -> None:
+        view = self.view
+        own = rnd.own_manifest()
+        if rnd.trade and isinstance(own, Status) and (rnd.stage_error is not None or rnd.published is None):
+            # This rank never hashed the version, so its hasher never traded ids: answer for it.
+            with contextlib.suppress(TierCacheError):  # the parts phase below fails it with this rank's reason
+                trade(ch, rnd.vid, None, None, failure=own.error_object())
+        if isinstance(own, Version):
+            status = Status("ok", {"chunks": [[c.id, c.nbytes] for c in own.chunks], "nbytes": own.nbytes,
+                                   "part": len(part_of(own, view.rank).to_json())})
+        else:
+            status = own
+        verdict = ch.exchange(f"{rnd.vid}/parts", status, what=f"version {rnd.vid} at staging",
+                              decide=lambda statuses: self._assign(rnd, statuses))
+        try:
+            if not verdict.ok:
+                rnd.fail_all(verdict.status.error_object(wrap=True))
+                return
+            assert isinstance(own, Version)
+            mine: dict[str, Any] = verdict.mine
+            rnd.plan.nbytes = verdict.status.payload
+            for tier, positions in mine.items():
+                rnd.owners[tier].set_result(frozenset(own.chunks[i].id for i in positions))
+        finally:
+            rnd.parts_done.set()  # the tier phases go on (or skip the version) from here, on every rank alike
+
+    def _assign(self, rnd: Round, statuses: list[Status]) -> Decision:
+        """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""
+        view = self.view
+        chunks = [[(cid, n) for cid, n in s.payload["chunks"]] for s in statuses]
+        preset = rnd.hashed_by()
+        owners: dict[str, list[set[str]]] = {}
+        writers: list[dict[str, int]] = []
+        for tier in view.cache.repo.durable:
+            if tier in view.node_local:
+                writers = writers_by_node(chunks, view.topology, preset)
+                owners[tier] = [{c for c, w in writers[view.topology.node_of[r]].items() if w == r}
+                                for r in range(view.world_size)]
+            else:
+                owners[tier] = assign_owners(chunks, preset)
+        rnd.plan.writers = writers
+        rnd.plan.part_bytes = [s.payload["part"] for s in statuses]
+        rnd.plan.sizes = {cid: n for own in chunks for cid, n in own}
+        per_rank = []
+        for r, own in enumerate(chunks):
+            position = {cid: i for i, (cid, _) in enumerate(own)}
+            per_rank.append({t: sorted(position[c] for c in owned[r]) for t, owned in owners.items()})
+        return Decision(sum(s.payload["nbytes"] for s in statuses), per_rank)
+
+    # ------------------------------------------------------------------ tiers
+
+    def _tier(self, tier: str, rnd: Round, ch: Channel) -> None:
+        view = self.view
+        rnd.parts_done.wait()
+        if rnd.failed is not None:
+            return
+        status = rnd.written(tier)
+        pacer = view.cache.repo.durable[tier].pacer
+        throttled = pacer.take_throttled() if pacer is not None else 0
+        if status.ok:
+            status = Status("ok", throttled)
+        shared = tier not in view.node_local
+        verdict = ch.exchange(f"{rnd.vid}/{tier}", status, what=f"version {rnd.vid} on {tier}",
+                              decide=(lambda s: self._commit_shared(tier, rnd, s)) if shared else None)
+        if pacer is not None and not throttled and verdict.ok and verdict.status.payload:
+            pacer.slow_down()  # the ranks share the store's key prefixes: one rank's SlowDown is the group's
+        if verdict.ok and not shared:
+            verdict = ch.exchange(f"{rnd.vid}/{tier}/commit", self._commit_node(tier, rnd),
+                                  what=f"version {rnd.vid} on {tier}")
+        if not verdict.ok:
+            rnd.settle(tier, verdict.status.error_object(wrap=True))
+            return
+        view.adopt(rnd, tier)
+        rnd.settle(tier, None)
+
+    def _header(self, rnd: Round) -> Version:
+        view = self.view
+        cfg = view.cache.config
+        return group_header(id=rnd.vid, parent=view.durable_parent(rnd), branch=rnd.ref.name, step=rnd.step,
+                            created_at=rnd.created_at, meta=rnd.meta, hash_algo=cfg.hash, ranks=view.world_size,
+                            nbytes=rnd.plan.nbytes, nodes=rnd.nodes)
+
+    def _commit_shared(self, tier: str, rnd: Round, statuses: list[Status]) -> Decision:
+        """The coordinator commits the version on a tier every node shares (every rank's part is there)."""
+        self.view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=())
+        return Decision(any(s.payload for s in statuses))  # whether some rank was throttled
+
+    def _commit_node(self, tier: str, rnd: Round) -> Status:
+        """A node's leader commits the version on its node's disk (its node's parts are there)."""
+        view = self.view
+        if not view.topology.leads(view.rank):
+            return Status()
+        try:
+            view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=(),
+                                   node=view.topology.names[view.node])
+        except Exception as e:
+            return Status.of(e)
+        return Status()
+
+
+__all__ = ["Phases", "Worker"]

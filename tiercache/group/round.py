@@ -1,0 +1,202 @@
+"""One multi-rank version on its way: what the engine asks of the group, and the group's futures.
+
+A :class:`Round` is made by :meth:`tiercache.group.view.GroupView.save` once the ranks agreed on
+the version (its id, parent, chunk size). It is the engine's
+:class:`~tiercache.pipeline.job.Committer` for this rank's part: the engine's writer of each
+durable tier asks it which chunks this rank writes there (:meth:`owned`, known once the group's
+``parts`` phase decided), and hands it the part once its chunks are durable (:meth:`commit`:
+the part manifest is written, then the writer waits for the group's verdict on that tier). The
+phases themselves run on the group's worker threads (:mod:`tiercache.group.phases`), which
+settle the round's futures: one per durability level, the same outcome on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tiercache.errors import TierCacheError
+from tiercache.group.status import Status
+from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.manifest import NodePart, RefRecord, Version
+from tiercache.parts import part_of
+
+if TYPE_CHECKING:
+    from tiercache.group.hashing import Split
+    from tiercache.group.view import GroupView
+    from tiercache.layout import Layout
+
+
+@dataclass
+class Plan:
+    """What the coordinator decided for a version at its ``parts`` phase (rank 0 only keeps all of it).
+
+    Attributes:
+        nbytes: The version's tensor bytes, all ranks together.
+        sizes: Every chunk of the version (raw length), in the ranks' order (rank 0 only).
+        writers: Per node, each chunk of its part -> the rank that wrote it to the node's disk.
+        part_bytes: Each rank's part manifest's size (peer copies send them).
+    """
+
+    nbytes: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)
+    writers: list[dict[str, int]] = field(default_factory=list)
+    part_bytes: list[int] = field(default_factory=list)
+
+
+class Round:
+    """One version of the group on this rank (see the module docstring).
+
+    Args:
+        view: The group view.
+        vid: The version id the group agreed on.
+        ref: The branch move the group commits.
+        step: The training step.
+        parent: The parent rank 0 proposed (the commit names the nearest durable ancestor).
+        created_at: When rank 0's save was called (the group manifest's ``created_at``).
+        meta: Rank 0's metadata.
+        trade: Whether the ranks trade ids of chunks they hold alike (a ``trade`` phase).
+        declared: The key paths the ranks declared replicated.
+    """
+
+    def __init__(self, view: GroupView, vid: str, ref: RefRecord, *, step: int, parent: str | None,
+                 created_at: Any, meta: dict[str, Any], trade: bool, declared: tuple[str, ...]) -> None:
+        self.view = view
+        self.vid = vid
+        self.ref = ref
+        self.step = step
+        self.parent = parent
+        self.created_at = created_at
+        self.meta = meta
+        self.trade = trade
+        self.declared = declared
+        tiers = list(view.cache.repo.durable)
+        #: This rank's chunk ids to write per tier (set by the ``parts`` phase).
+        self.owners: dict[str, Future[frozenset[str]]] = {t: Future() for t in tiers}
+        #: Set when this rank's chunks and part are durable on a tier (or its write there failed).
+        self.ready: dict[str, Future[None]] = {t: Future() for t in tiers}
+        #: The group's verdict per tier, which the engine's writer waits for in :meth:`commit`.
+        self.outcome: dict[str, Future[None]] = {t: Future() for t in tiers}
+        self.futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        self.local: SaveHandle | None = None
+        #: The engine's manifest of this rank's part, once hashed (``None``: the engine skipped it).
+        self.published: Future[Version] | None = None
+        self.stage_error: BaseException | None = None
+        self.split: Split | None = None
+        #: The coordinator's plan (rank 0), and what a node leader needs to commit on its disk.
+        self.plan = Plan()
+        self.nodes: tuple[NodePart, ...] = view.nodes
+        #: Once the ``parts`` phase failed: the group's failure (every later phase is skipped).
+        self.failed: BaseException | None = None
+        #: Set once the ``parts`` phase is over, whatever its outcome.
+        self.parts_done = threading.Event()
+        self._lock = threading.Lock()
+        self._settled: dict[str, BaseException | None] = {}
+
+    # -- the engine's side (hasher and writer threads) --
+
+    def split_hashing(self, layout: Layout, paths: list[str]) -> Split | None:
+        """See :meth:`tiercache.pipeline.job.Committer.split_hashing`."""
+        if not self.trade:
+            return None
+        self.split = self.view.hashing.split(self.view.hash_channel, self.vid, layout, paths, self.declared)
+        return self.split
+
+    def owned(self, tier: str) -> Collection[str]:
+        """See :meth:`tiercache.pipeline.job.Committer.owned` (waits for the group's ``parts`` phase)."""
+        return self.owners[tier].result()
+
+    def commit(self, tier: str, manifest: Version) -> None:
+        """See :meth:`tiercache.pipeline.job.Committer.commit`: write this rank's part, wait for the group."""
+        try:
+            self.view.cache.repo.put_part(tier, part_of(manifest, self.view.rank))
+        except BaseException as e:
+            self.ready[tier].set_exception(e)
+            raise
+        self.ready[tier].set_result(None)
+        self.outcome[tier].result()
+
+    def hashed_by(self) -> dict[str, int]:
+        """Replicated chunk id -> the rank that hashed it (empty if the ranks did not split hashing)."""
+        return self.split.hashed_by if self.split is not None else {}
+
+    # -- what this rank tells the group --
+
+    def own_manifest(self) -> Version | Status:
+        """This rank's part once hashed, or the status it sends instead (its stage or hashing failed)."""
+        if self.stage_error is not None:
+            return Status.of(self.stage_error)
+        if self.published is None:  # the engine skipped it: the arena was full and the policy said skip
+            assert self.local is not None
+            staged = self.local.future("staged")
+            return Status.of(staged.exception() or TierCacheError(f"version {self.vid} was not staged here"))
+        try:
+            return self.published.result()
+        except BaseException as e:
+            return Status.of(e)
+
+    def written(self, tier: str) -> Status:
+        """Block until this rank's chunks and part are durable on ``tier`` or its write there failed."""
+        if self.stage_error is not None:
+            return Status.of(self.stage_error)
+        assert self.local is not None
+        level = self.local.future(TIER_LEVEL[tier])  # type: ignore[arg-type]
+        wait([self.ready[tier], level], return_when=FIRST_COMPLETED)
+        if self.ready[tier].done():
+            err = self.ready[tier].exception()
+            return Status.of(err) if err is not None else Status()
+        return Status.of(level.exception() or TierCacheError(f"the write to {tier} ended without a commit"))
+
+    # -- settling --
+
+    def fail_all(self, err: BaseException) -> None:
+        """The group failed the version before any tier: every level fails with ``err``."""
+        self.failed = err
+        for tier in self.owners:
+            self.settle(tier, err)
+
+    def settle(self, tier: str, err: BaseException | None) -> None:
+        """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict)."""
+        for f in (self.owners[tier], self.outcome[tier]):
+            if f.done():
+                continue
+            if err is None:
+                f.set_result(frozenset() if f is self.owners[tier] else None)  # type: ignore[arg-type]
+            else:
+                f.set_exception(err)
+        level = self.futures[TIER_LEVEL[tier]]
+        if not level.done():
+            if err is None:
+                level.set_result(self.vid)
+            else:
+                level.set_exception(err)
+        with self._lock:
+            self._settled[tier] = err
+            done = len(self._settled) == len(self.outcome)
+            durable = self.futures["durable"]
+            if durable.done():
+                return
+            if err is None:
+                durable.set_result(self.vid)
+            elif done:
+                # The first failed tier in tier order, not in the order they settled here, so
+                # every rank reports the same error.
+                durable.set_exception(next(e for t in self.outcome if (e := self._settled[t]) is not None))
+
+    def handle(self) -> SaveHandle:
+        """The handle ``save()`` returns: this rank's ``staged``, the group's other levels."""
+        local = self.local
+        assert local is not None
+        futures = {"staged": local.future("staged"), **{lvl: f for lvl, f in self.futures.items() if lvl != "staged"}}
+        for tier, lvl in TIER_LEVEL.items():
+            if tier not in self.outcome:  # a level with no tier behind it keeps the engine's ConfigError
+                futures[lvl] = local.future(lvl)  # type: ignore[arg-type]
+        if not self.outcome:
+            futures["durable"] = local.future("durable")
+        return SaveHandle(self.vid, futures)
+
+
+__all__ = ["Plan", "Round"]

@@ -1,0 +1,413 @@
+"""The multi-rank view of a cache: save and restore as a process group (DESIGN.md section 7).
+
+Every rank of a process group calls ``cache.save(state, step=..., group=g)`` with its own part of
+the state (a DDP replica, its FSDP/DTensor shards: DTensors are saved as their local shards).
+Each rank's cache (one per process) stages and writes that part; the group commits one version.
+
+Every exchange goes through the group's one collective layer (:mod:`tiercache.group.collective`),
+tagged with the version and the phase, answered by every rank even when its own work failed:
+
+* ``view`` (once, when the view is made): the ranks' nodes, and the settings that must be the
+  same on every rank (chunk size, pack size, hash, peer copies, which tiers are node-local);
+  differing settings fail every rank with a :class:`~tiercache.errors.ConfigError` naming the
+  setting and the ranks.
+* ``save/<n>`` (on the training thread, the only exchange ``save()`` waits for): each rank's
+  local checks of its call (an open cache, a valid branch and step, JSON-able meta, a state it
+  can store: flattened once, here) and rank 0's proposal of the version (id, parent, ref seq).
+  A bad input on one rank fails the save on every rank at once, naming the rank and the input.
+  Then the rank copies its part into its RAM arena and ``save()`` returns.
+* the background phases of the version (:mod:`tiercache.group.phases`), then its peer copies
+  (:mod:`tiercache.group.peers`).
+
+Outcome: one per version, the same on every rank: each level (``local``, ``remote``,
+``replicated``, ``durable``) resolves with the version id on every rank, or fails on every rank
+with the same error. A failed version leaves the group usable: the next one starts clean. Only
+a rank's death (or the store's) breaks the group, which every rank then reports once, and later
+saves fail at once with that reason.
+
+Restore is collective too (:mod:`tiercache.group.restore`): each rank reads only its own part's
+manifest and chunks, from its own node, else a peer, else S3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Collection, Mapping
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from tiercache.config import this_node
+from tiercache.errors import ConfigError, InvalidArgumentError, TierCacheError
+from tiercache.format import Flat, flatten
+from tiercache.group.collective import Collective, Decision
+from tiercache.group.hashing import SharedHashing, declared_chunks, signature
+from tiercache.group.peers import Replicator
+from tiercache.group.phases import Phases
+from tiercache.group.round import Round
+from tiercache.group.status import Status
+from tiercache.group.topology import Topology, choose_peers
+from tiercache.handle import SaveHandle
+from tiercache.layout import PAGE, round_up
+from tiercache.manifest import NodePart, RefRecord, check_meta, new_version_id, utcnow
+from tiercache.names import check_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiercache.cache import TierCache
+    from tiercache.restore import Progress
+
+log = logging.getLogger("tiercache.group.view")
+
+#: How long a rank waits for the others at one phase of a save or restore.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: The level peer copies provide.
+REPLICATED = "replicated"
+#: Recent versions a view keeps track of (restore waits for them; parents are chosen among them).
+_KEEP_ROUNDS = 64
+#: Views this process made per process group: the same count on every rank, so it names the
+#: view's keys in the group's store the same way everywhere.
+_made: dict[str, int] = {}
+_made_lock = threading.Lock()
+
+
+def _group_store(group: dist.ProcessGroup) -> dist.Store:
+    """A store prefix of the job's store for a new view of ``group``."""
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    name = group.group_name
+    with _made_lock:
+        n = _made.get(name, 0)
+        _made[name] = n + 1
+    # The store the group was made with: reachable by every rank, owned by the launcher (or
+    # rank 0). torch has no public accessor for it.
+    return dist.PrefixStore(f"tiercache/{name}/{n}/", _get_process_group_store(group))
+
+
+class GroupView:
+    """The multi-rank view of one process's cache: save and restore as a process group.
+
+    Made by ``cache.distributed(group)`` (or the first ``save(..., group=g)``) on every rank at
+    the same point; all ranks must then call :meth:`save` and :meth:`restore` in the same
+    order, as with any collective.
+
+    Args:
+        cache: This process's cache (each rank opens its own with the same config; the ranks of
+            a node share its disk directory, and all share the S3 prefix).
+        group: The process group whose ranks save together (default: the world).
+        timeout: How long a rank waits for the others at each phase before the version fails.
+
+    Attributes:
+        rank: This process's rank in the group.
+        world_size: The group's size.
+        topology: The group's nodes.
+        node: This rank's node (an index into ``topology.names``).
+        node_local: The durable tiers each node holds on its own (``{"disk"}`` unless the disk
+            is shared or absent).
+        nodes: What the manifests of this group's versions say about its nodes.
+
+    Raises:
+        ConfigError: If torch.distributed is not initialized, or the ranks' configs differ in a
+            setting that must be the same (on every rank, naming the setting and the ranks).
+    """
+
+    def __init__(self, cache: TierCache, group: dist.ProcessGroup | None = None, *,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("multi-rank saves need torch.distributed: call init_process_group first")
+        self.cache = cache
+        pg = group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        self.rank = ranks.index(dist.get_rank())
+        self.world_size = len(ranks)
+        self.collective = Collective(_group_store(pg), self.rank, self.world_size, timeout=timeout.total_seconds())
+        self._channel = self.collective.channel()  # the calling (training) thread's
+        cfg = cache.config
+        self.node_local = frozenset(n for n, t in cache.repo.durable.items() if t.node_local)
+        name, domain = this_node(cfg)
+        settings = {"chunk_bytes": cfg.chunk_bytes, "pack_below": cfg.pack_below, "hash": cfg.hash,
+                    "[peers] copies": cfg.peers.copies, "durable tiers": sorted(cache.repo.durable),
+                    "node-local tiers": sorted(self.node_local)}
+        verdict = self._channel.exchange("view", Status("ok", {"node": [name, domain], "settings": settings}),
+                                         what="opening the group view", decide=self._agree)
+        if not verdict.ok:
+            self.collective.close()
+            raise verdict.status.error_object()
+        labels = verdict.status.payload
+        self.topology = Topology.of([tuple(label) for label in labels])  # type: ignore[misc]
+        self.node = self.topology.node_of[self.rank]
+        if self.topology.count > 1:
+            names, node_of = self.topology.names, self.topology.node_of
+            self.collective.name = lambda r: f"rank {r} (node {names[node_of[r]]})"
+        peers, self._no_peers = self._choose_peers()
+        self.peers = peers
+        self.nodes = tuple(
+            NodePart(name=n, domain=self.topology.domains[i], ranks=self.topology.ranks(i),
+                     copies=tuple(self.topology.names[p] for p in peers[i]))
+            for i, n in enumerate(self.topology.names)
+        )
+        self.hashing = SharedHashing(self.rank, self.world_size)
+        self.hash_channel = self.collective.channel()  # the engine's hasher thread's
+        self._timeout = timeout
+        # Bulk transfers (peer copies, restores over the group) go point to point over gloo, on
+        # private groups (never the trainer's): made now, while every rank is here.
+        self._transfers = self._gloo(ranks)
+        replicator = None
+        if self._no_peers is None:
+            replicator = Replicator(self, self._gloo(ranks), peers, min(self.node_local))
+        self.phases = Phases(self, replicator)
+        for tier in cache.repo.durable.values():  # a node sends the requests one process would
+            if tier.pacer is not None:
+                tier.pacer.share(len(self.topology.ranks(self.node)))
+        self._rounds: dict[str, Round] = {}
+        self._slot = 0
+        self._restores = 0
+        self._closed = False
+
+    def _gloo(self, ranks: list[int]) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=self._timeout, backend="gloo", use_local_synchronization=True)
+
+    def _agree(self, statuses: list[Status]) -> Decision:
+        """The coordinator's check of the ranks' settings at ``view``: every rank's node, or which differ."""
+        first = statuses[0].payload["settings"]
+        for key, want in first.items():
+            differ = [r for r, s in enumerate(statuses) if s.payload["settings"].get(key) != want]
+            if differ:
+                theirs = statuses[differ[0]].payload["settings"].get(key)
+                raise ConfigError(f"the ranks' configs differ: {key} is {want!r} on rank 0 but {theirs!r} on rank(s) "
+                                  f"{', '.join(map(str, differ))}: open every rank's cache with the same config")
+        labels = [s.payload["node"] for s in statuses]
+        Topology.of([tuple(label) for label in labels])  # type: ignore[misc]  # raises for inconsistent domains
+        return Decision(labels)
+
+    def _choose_peers(self) -> tuple[list[tuple[int, ...]], ConfigError | None]:
+        """Per node, the nodes holding copies of its part; or why this group makes no peer copies."""
+        none: list[tuple[int, ...]] = [() for _ in range(self.topology.count)]
+        copies = self.cache.config.peers.copies
+        if copies == 0:
+            return none, ConfigError(f"no {REPLICATED!r} level: [peers] copies is 0 (set it to 1 or more)")
+        if not self.node_local:
+            return none, ConfigError(f"no {REPLICATED!r} level: peer copies go to node-local disks, and this cache "
+                                     "has no [disk] or declares it shared")
+        try:
+            return choose_peers(self.topology, copies), None
+        except ConfigError as e:
+            return none, ConfigError(f"no {REPLICATED!r} level: {e}")
+
+    def chunk_bytes(self, largest: int) -> int:
+        """The chunk size of a version whose largest tensor (on any rank) has ``largest`` bytes.
+
+        Big tensors are cut into ``min(chunk_bytes, max(pack_below, largest / world_size))``
+        (page rounded), so a replicated tensor splits into one chunk per rank and chunk ids
+        match across ranks for identical tensors.
+        """
+        cfg = self.cache.config
+        share = round_up(math.ceil(largest / self.world_size), PAGE)
+        return min(cfg.chunk_bytes, max(round_up(cfg.pack_below, PAGE), share))
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None,
+        replicated: Collection[str] = (), optimizer: Any = None,
+    ) -> SaveHandle:
+        """Save this rank's part of a version of the group; call it on every rank.
+
+        Returns as soon as this rank's part is copied into its RAM arena; see the module
+        docstring for how the version is committed.
+
+        Args:
+            state: This rank's state (DTensors are saved as their local shards).
+            step: The training step; the same on every rank.
+            branch: The branch; the same on every rank.
+            meta: JSON-able metadata; rank 0's is kept.
+            replicated: Key paths of ``state`` (``"model"``, ``"optim/state"``) whose tensors are
+                the same on every rank, as a DDP model and its optimizer state are: each rank
+                hashes and writes only its share of their chunks (:mod:`tiercache.group.hashing`).
+                A promise: a declared tensor that differs between ranks is saved as one rank's.
+            optimizer: Not supported with a group (refused on every rank).
+
+        Returns:
+            A handle whose levels resolve (or fail with the same error) on every rank together.
+
+        Raises:
+            InvalidArgumentError: If some rank's call is invalid (a bad step, branch or meta), or
+                the ranks save different steps or branches; on every rank, naming the rank.
+            UnsupportedStateError: If a leaf of some rank's state cannot be stored (on every rank).
+            CacheClosedError: If some rank's cache is closed (on every rank).
+            GroupSaveError: If a rank does not answer in time.
+            GroupBrokenError: If the group broke earlier (a rank died): at once.
+        """
+        broken = self.collective.broken
+        if broken is not None:
+            raise broken
+        slot = self._slot
+        self._slot += 1
+        what = f"the group's save of step {step}"
+        cache = self.cache
+        flat: Flat | None = None
+        try:
+            if optimizer is not None:
+                raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
+                                           "before returning; leave optimizer out")
+            cache.check_open()
+            check_name(branch, "branch")
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise InvalidArgumentError(f"step must be an int, got {step!r}")
+            meta = check_meta(meta)
+            flat = flatten(state, allow_pickle=cache.config.allow_pickle, shards=True)
+            sig = signature(flat, list(replicated)) if replicated else None
+        except TierCacheError as e:
+            self._channel.exchange(f"save/{slot}", Status.of(e), what=what, decide=self._begin).raise_failure()
+            raise  # (the verdict always fails: this rank's error is in it)
+        assert flat is not None
+        payload: dict[str, Any] = {"step": step, "branch": branch, "sig": sig,
+                                   "largest": max((m.nbytes for m in flat.metas), default=0)}
+        with contextlib.ExitStack() as stack:
+            try:
+                nxt = stack.enter_context(cache.next_version(branch))  # the save lock: close() waits for this
+            except TierCacheError as e:  # closed meanwhile
+                self._channel.exchange(f"save/{slot}", Status.of(e), what=what, decide=self._begin).raise_failure()
+                raise
+            if self.rank == 0:
+                payload["proposal"] = [new_version_id(), nxt.parent, nxt.seq, utcnow().isoformat(), meta]
+            verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what, decide=self._begin)
+            verdict.raise_failure()
+            rnd = self._stage(verdict.status.payload, flat, step, branch, tuple(replicated))
+            staged = rnd.local.future("staged") if rnd.local is not None else None
+            # Skipped here (the group then fails it everywhere): the branch does not move to it. On
+            # the ranks that commit it (rank 0, the nodes' leaders) this is the move their commits
+            # make; on the others, the group's head in their view.
+            if staged is not None and not (staged.done() and staged.exception() is not None):
+                nxt.version = rnd.vid
+        self._submit(rnd)
+        if rnd.stage_error is not None:
+            raise rnd.stage_error
+        return rnd.handle()
+
+    def _begin(self, statuses: list[Status]) -> Decision:
+        """The coordinator's decision at ``save/<n>``: the same version on every rank, or why not."""
+        tags: dict[tuple[int, str], list[int]] = {}
+        for r, s in enumerate(statuses):
+            tags.setdefault((s.payload["step"], s.payload["branch"]), []).append(r)
+        if len(tags) > 1:
+            sides = "; ".join(f"rank(s) {', '.join(map(str, ranks))} step {step} on {branch!r}"
+                              for (step, branch), ranks in tags.items())
+            raise InvalidArgumentError(f"the ranks save different versions ({sides}): every rank must save the "
+                                       "same step on the same branch")
+        vid, parent, seq, created, meta = statuses[0].payload["proposal"]
+        sigs = [s.payload["sig"] for s in statuses]
+        return Decision({"vid": vid, "parent": parent, "seq": seq, "created": created, "meta": meta,
+                         "chunk": self.chunk_bytes(max(s.payload["largest"] for s in statuses)),
+                         "split": sigs[0] is not None and all(x == sigs[0] for x in sigs)})
+
+    def _stage(self, agreed: dict[str, Any], flat: Flat, step: int, branch: str, declared: tuple[str, ...]) -> Round:
+        """Copy this rank's part into the arena as the version the group agreed on."""
+        engine = self.cache.engine
+        vid, chunk = agreed["vid"], agreed["chunk"]
+        trade = bool(agreed["split"]) and bool(
+            declared_chunks(engine.layout_of(flat, chunk), [m.path for m in flat.metas], declared))
+        rnd = Round(self, vid, RefRecord(kind="branch", name=branch, version=vid, seq=agreed["seq"]), step=step,
+                    parent=agreed["parent"], created_at=datetime.fromisoformat(agreed["created"]),
+                    meta=agreed["meta"], trade=trade, declared=declared if agreed["split"] else ())
+        if not agreed["split"] and declared:
+            log.info("version %s: the ranks' states or replicated= differ; every rank hashes all of its part", vid)
+        try:
+            rnd.local = engine.stage(None, flat=flat, step=step, branch=branch, meta=agreed["meta"],
+                                     parent=agreed["parent"], seq=agreed["seq"], version_id=vid, chunk_bytes=chunk,
+                                     committer=rnd)
+            rnd.published = engine.published(vid)
+        except BaseException as e:
+            rnd.stage_error = e
+        return rnd
+
+    def _submit(self, rnd: Round) -> None:
+        if len(self._rounds) >= _KEEP_ROUNDS:
+            self._rounds.pop(next(iter(self._rounds)))
+        self._rounds[rnd.vid] = rnd
+        rnd.futures["durable"].add_done_callback(lambda f: self._settled(rnd, f))
+        if self._no_peers is not None:
+            rnd.futures[REPLICATED].set_exception(self._no_peers)
+        self.phases.submit(rnd)
+
+    def _settled(self, rnd: Round, durable: Any) -> None:
+        """A version the group failed everywhere is no branch head in this process's view."""
+        if durable.exception() is not None:
+            self.cache.catalog.retract(rnd.ref)
+
+    # ------------------------------------------------------------------ what the phases ask
+
+    def durable_parent(self, rnd: Round) -> str | None:
+        """The parent the group manifest of ``rnd`` names: the nearest ancestor the group made durable.
+
+        Every rank computes the same: the outcomes of the versions before are the same everywhere.
+        """
+        parent = rnd.parent
+        while parent is not None:
+            prev = self._rounds.get(parent)
+            if prev is None or prev.futures["durable"].exception() is None:  # waits: it is older
+                return parent
+            parent = prev.parent
+        return None
+
+    def adopt(self, rnd: Round, tier: str) -> None:
+        """Know the group's version as committed on ``tier`` (this rank's part is there)."""
+        from tiercache.parts import group_header
+
+        cache = self.cache
+        header = group_header(id=rnd.vid, parent=self.durable_parent(rnd), branch=rnd.ref.name, step=rnd.step,
+                              created_at=rnd.created_at, meta=rnd.meta, hash_algo=cache.config.hash,
+                              ranks=self.world_size, nbytes=rnd.plan.nbytes, nodes=rnd.nodes)
+        assert rnd.published is not None
+        own = rnd.published.result()
+        cache.repo.adopt_group(header, tier, own, self.rank)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(
+        self, ref: str = "main", *, into: Any = None, map_location: str | torch.device = "cpu",
+        progress: Progress | None = None, strict: bool = True, resume: bool = True,
+    ) -> Any:
+        """Return this rank's part of the version ``ref`` resolves to; call it on every rank.
+
+        See :func:`tiercache.group.restore.restore`.
+        """
+        from tiercache.group.restore import restore
+
+        broken = self.collective.broken
+        if broken is not None:
+            raise broken
+        slot = self._restores
+        self._restores += 1
+        return restore(self, slot, ref, into=into, map_location=map_location, progress=progress, strict=strict,
+                       resume=resume)
+
+    def round(self, vid: str) -> Round | None:
+        """The round of a recent version saved through this view (``None`` if none)."""
+        return self._rounds.get(vid)
+
+    @property
+    def channel(self) -> Any:
+        """The training thread's channel (restore uses it)."""
+        return self._channel
+
+    @property
+    def transfers(self) -> dist.ProcessGroup:
+        """The private gloo group the training thread moves chunks over (restore)."""
+        return self._transfers
+
+    def close(self) -> None:
+        """Stop the workers once every submitted version is settled (the cache calls this)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.phases.close()
+        self.collective.close()
+
+
+__all__ = ["DEFAULT_TIMEOUT", "REPLICATED", "GroupView"]
