@@ -191,6 +191,20 @@ def scenario_dcp_save(cache: tiercache.TierCache, rank: int, world: int, out: di
     out["versions"] = [w1.version_id, w2.version_id]
 
 
+def scenario_dcp_nodes(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """dcp.save twice over nodes with their own disks and peer copies; report every level of each."""
+    import torch.distributed.checkpoint as dcp
+
+    from tiercache.integrations.dcp import TierCacheStorageWriter
+
+    out["versions"], out["levels"] = [], []
+    for step in (1, 2):
+        w = TierCacheStorageWriter(cache, step=step)
+        dcp.save({**_dtensors(world, full_tensors(step)), "step": step}, storage_writer=w)
+        out["versions"].append(w.version_id)
+        out["levels"].append(_levels(w.handle))
+
+
 def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -345,6 +359,7 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
+             "dcp_nodes": scenario_dcp_nodes,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,

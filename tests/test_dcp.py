@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,34 @@ def test_save_four_ranks_load_two_ranks_and_one_process(tmp_path: Path, s3_confi
         dcp.load(state, storage_reader=TierCacheStorageReader(cache, v1), no_dist=True)
         full = full_tensors(1)
         assert state["step"] == 1 and torch.equal(state["w"], full["w"]) and torch.equal(state["emb"], full["emb"])
+
+
+def test_one_disk_per_node_survives_the_loss_of_a_node_with_peer_copies(tmp_path: Path) -> None:
+    # Two nodes, each with its own disk and no S3; each node's part is copied to the other.
+    from test_nodes import base_config, node_env, stored_chunks
+
+    env = node_env(tmp_path, ["a", "b"])
+    config = base_config(peers={"copies": 1})
+    assert run_ranks("dcp_nodes", 2, tmp_path / "save", config, env=env) == [0, 0]
+    outs = [rank_out(tmp_path / "save", r) for r in range(2)]
+    v1, v2 = outs[0]["versions"]
+    assert outs[1]["versions"] == [v1, v2] and outs[0]["levels"] == outs[1]["levels"]
+    for vid, levels in zip((v1, v2), outs[0]["levels"], strict=True):
+        assert levels["local"] == levels["replicated"] == levels["durable"] == vid
+    disks = {n: tmp_path / f"disk-{n}" for n in "ab"}
+    # Each node committed the version on its own disk, with its own part and, as the other's peer,
+    # the other's: every chunk of the checkpoint is on both disks.
+    for node in "ab":
+        with tiercache.open({"disk": {"path": str(disks[node])}}) as cache:
+            assert cache.resolve("main") == v2 and cache.manifest("main~1").id == v1
+            whole = cache.manifest("main")
+            assert not whole.is_header and whole.ranks == 2
+            assert {c.id for c in whole.chunks} <= stored_chunks(disks[node])
+    # Node b is lost with its disk; a replacement with an empty disk loads both versions bit-exact.
+    shutil.rmtree(disks["b"])
+    assert run_ranks("dcp_load", 2, tmp_path / "load", config, env=env) == [0, 0]
+    for r in range(2):
+        assert rank_out(tmp_path / "load", r)["equal"] == {"main": [2, True, True], "main~1": [1, True, True]}
 
 
 def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> None:

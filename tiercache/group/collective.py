@@ -179,7 +179,7 @@ class Collective:
         with self._lock:
             tags = list(self._published)
         try:
-            while tags and time.monotonic() < end and self._broken is None:
+            while tags and time.monotonic() < end:
                 tags = [t for t in tags if self._store.check([f"v/{t}"])]
                 time.sleep(0.01)
         except Exception as e:  # the store is gone already: nobody is left to read

@@ -46,7 +46,7 @@ from tiercache.group.status import Status
 from tiercache.group.transfer import Move, Slot, own, run_moves, schedule
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, part_key
-from tiercache.parts import rank_view
+from tiercache.parts import check_part, rank_view
 from tiercache.restore import Progress, Targets, byte_view, chunk_targets, into_targets, match_into, scatter
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
     cache = view.cache
     tag = f"restore/{slot}"
     what = f"the group's restore of {ref!r}"
-    version = _part(view, ch, tag, what, _resolve(view, ch, tag, what, ref))
+    version = _part(view, ch, tag, what, resolve(view, ch, tag, what, ref))
     into = into if into is None else _local(into)
     try:
         match_into(version, into_targets(into), strict=strict)
@@ -82,7 +82,7 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
     except TierCacheError as e:
         mine = Status.of(e)
     ch.exchange(f"{tag}/into", mine, what=what).raise_failure()
-    fill = _GroupFill(view, ch, tag, what)
+    fill = GroupFill(view, ch, tag, what)
     out = cache.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict,
                                 fill=fill)
     if resume:
@@ -103,8 +103,16 @@ def _local(into: Any) -> Any:
     return tree_map(lambda x: x.to_local() if isinstance(x, dtensor) else x, into)
 
 
-def _resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict[str, Any]:
-    """The version the group restores: rank 0's resolution of ``ref``, else the first rank's that has one."""
+def resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict[str, Any]:
+    """The version the group reads (a collective): rank 0's resolution of ``ref``, else the first rank's that has one.
+
+    Returns:
+        What every rank needs of it: ``id``, ``branch``, ``parent``, ``step``, ``world`` (how many
+        ranks saved it), ``created`` and ``hash`` (see :func:`header_of`).
+
+    Raises:
+        VersionNotFoundError: If no rank resolves it (rank 0's error, on every rank).
+    """
     cache = view.cache
     try:
         vid = cache.resolve(ref)
@@ -115,8 +123,8 @@ def _resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dic
             raise VersionNotFoundError(f"{ref!r} resolves to version {vid}, which the group failed to save "
                                        f"({rnd.futures['durable'].exception()}): restore an earlier one, e.g. {ref}~1")
         v = cache.catalog.peek(vid)
-        mine = Status("ok", {"id": v.id, "branch": v.branch, "parent": v.parent, "world": v.world,
-                             "split": v.ranks > 0, "hash": v.hash_algo})
+        mine = Status("ok", {"id": v.id, "branch": v.branch, "parent": v.parent, "step": v.step, "world": v.world,
+                             "created": v.created_at.isoformat(), "hash": v.hash_algo})
     except TierCacheError as e:
         mine = Status.of(e)
 
@@ -138,61 +146,79 @@ def _first_known(statuses: list[Status]) -> Decision:
 
 def _part(view: GroupView, ch: Channel, tag: str, what: str, found: dict[str, Any]) -> Version:
     """This rank's part of the agreed version (read here, or sent by a rank whose node holds a copy)."""
-    cache = view.cache
     vid, world = found["id"], found["world"]
     if world > 1 and world != view.world_size:
         raise InvalidArgumentError(
             f"version {vid} was saved by {world} ranks, this group has {view.world_size}: restore it at the same "
             "world size, or save and load it with tiercache.integrations.dcp to reshard")
-    version: Version | None = None
-    problem: Status = Status()
-    try:
-        version = _read_own(view, found)
-    except TierCacheError as e:
-        problem = Status.of(e)
-    mine = problem if not problem.ok else Status("ok", version is not None)
-    verdict = ch.exchange(f"{tag}/parts", mine, what=what,
-                          decide=lambda statuses: Decision([r for r, s in enumerate(statuses) if not s.payload]))
-    verdict.raise_failure()
-    missing: list[int] = verdict.status.payload
-    if not missing:
+    cat = view.cache.catalog
+    if world == 1:  # saved by one process: every rank restores the whole state
+        try:
+            version, mine = cat.get(vid), Status("ok", [])
+        except TierCacheError as e:
+            version, mine = None, Status.of(e)
+        ch.exchange(f"{tag}/parts", mine, what=what, decide=_union_missing).raise_failure()
         assert version is not None
         return version
-    # Some ranks' nodes lost their parts: a rank whose node holds a copy sends each.
-    held = _held_parts(view, vid, missing)
-    offer = ch.exchange(f"{tag}/offer", Status("ok", held), what=what,
-                        decide=lambda statuses: _providers(statuses, missing, vid))
-    offer.raise_failure()
-    for rank in offer.mine or ():
-        data = cache.repo.durable[min(view.node_local)].get(part_key(vid, rank))
-        ch.send(f"{tag}/part/{rank}", data or b"")
-    if version is None:
-        data = ch.receive(f"{tag}/part/{view.rank}", f"{what}: rank {view.rank}'s part of version {vid}")
-        version = Version.from_json(data, source=f"rank {view.rank}'s part of version {vid} (from a peer)")
-        if version.id != vid or version.rank != view.rank:
-            raise IntegrityError(f"{what}: the part a peer sent is not rank {view.rank}'s part of version {vid}")
-    return version
-
-
-def _read_own(view: GroupView, found: dict[str, Any]) -> Version | None:
-    """This rank's part from the tiers this process can read (``None`` if none holds it)."""
-    cache = view.cache
-    vid = found["id"]
-    cat = cache.catalog
-    if found["world"] == 1:  # saved by one process: every rank restores the whole state
-        return cat.get(vid)
     try:
         header = cat.peek(vid)
     except VersionNotFoundError:
-        header = None
-    if header is not None and header.parts:  # merged in memory, or written merged by an older tiercache
-        return rank_view(header, view.rank)
-    order = [*sorted(view.node_local), *(t for t in cache.repo.durable if t not in view.node_local)]
+        header = header_of(found)
+    return fetch_parts(view, ch, tag, what, header, [view.rank])[view.rank]
+
+
+def header_of(found: dict[str, Any]) -> Version:
+    """The group manifest as far as a resolution shared by the group says (enough to read its parts)."""
     from tiercache.parts import group_header
 
-    stub = header or group_header(id=vid, parent=found["parent"], branch=found["branch"], step=0, created_at=None,
-                                  meta={}, hash_algo=found["hash"], ranks=found["world"], nbytes=0)
-    return cat.part(stub, view.rank, order)
+    return group_header(id=found["id"], parent=found["parent"], branch=found["branch"], step=found["step"],
+                        created_at=found["created"], meta={}, hash_algo=found["hash"], ranks=found["world"], nbytes=0)
+
+
+def fetch_parts(view: GroupView, ch: Channel, tag: str, what: str, header: Version,
+                wanted: Sequence[int]) -> dict[int, Version]:
+    """The part manifests ``wanted`` by this rank (a collective: every rank calls it, each with its own list).
+
+    Each rank reads what it can from its own tiers (its node's disk first, then a shared tier);
+    a part no tier of a rank holds (its node was lost, and there is no S3) comes from a rank whose
+    node holds a copy of it (peer copies), through the store.
+
+    Raises:
+        IntegrityError: If some wanted part is on no tier and no node (on every rank).
+    """
+    cache = view.cache
+    order = [*sorted(view.node_local), *(t for t in cache.repo.durable if t not in view.node_local)]
+    got: dict[int, Version] = {}
+    for rank in wanted:
+        # Merged in memory (or written merged by an older tiercache): the part is in it already.
+        part = rank_view(header, rank) if header.parts else cache.catalog.part(header, rank, order)
+        if part is not None:
+            got[rank] = part
+    missing = sorted(set(wanted) - set(got))
+    verdict = ch.exchange(f"{tag}/parts", Status("ok", missing), what=what, decide=_union_missing)
+    verdict.raise_failure()
+    lacking: list[int] = verdict.status.payload
+    if not lacking:
+        return got
+    # Some ranks lack parts: a rank whose node holds a copy sends each to each rank that needs it.
+    held = _held_parts(view, header.id, lacking)
+    offer = ch.exchange(f"{tag}/offer", Status("ok", {"held": held, "missing": missing}), what=what,
+                        decide=lambda statuses: _providers(statuses, header.id))
+    offer.raise_failure()
+    disk = cache.repo.durable[min(view.node_local)] if view.node_local else None
+    for rank, needer in offer.mine or ():
+        data = disk.get(part_key(header.id, rank)) if disk is not None else None
+        ch.send(f"{tag}/part/{rank}/{needer}", data or b"")
+    for rank in missing:
+        data = ch.receive(f"{tag}/part/{rank}/{view.rank}", f"{what}: rank {rank}'s part of version {header.id}")
+        got[rank] = check_part(header, rank, Version.from_json(
+            data, source=f"rank {rank}'s part of version {header.id} (from a peer)"), "the part a peer sent")
+        cache.catalog.add_part(got[rank])
+    return got
+
+
+def _union_missing(statuses: list[Status]) -> Decision:
+    return Decision(sorted({k for s in statuses for k in s.payload}))
 
 
 def _held_parts(view: GroupView, vid: str, ranks: Sequence[int]) -> list[int]:
@@ -210,19 +236,20 @@ def _held_parts(view: GroupView, vid: str, ranks: Sequence[int]) -> list[int]:
     return out
 
 
-def _providers(statuses: list[Status], missing: list[int], vid: str) -> Decision:
-    """Who sends each missing part: the first rank that holds it; or which parts no rank holds."""
-    send: list[list[int]] = [[] for _ in statuses]
-    lost = []
-    for rank in missing:
-        holder = next((r for r, s in enumerate(statuses) if rank in s.payload and r != rank), None)
-        if holder is None:
-            lost.append(rank)
-        else:
-            send[holder].append(rank)
+def _providers(statuses: list[Status], vid: str) -> Decision:
+    """Who sends each missing part to each rank that needs it; or which parts no rank holds."""
+    send: list[list[list[int]]] = [[] for _ in statuses]
+    lost: set[int] = set()
+    for needer, s in enumerate(statuses):
+        for rank in s.payload["missing"]:
+            holder = next((r for r, h in enumerate(statuses) if rank in h.payload["held"] and r != needer), None)
+            if holder is None:
+                lost.add(rank)
+            else:
+                send[holder].append([rank, needer])
     if lost:
-        raise IntegrityError(f"the parts of ranks {', '.join(map(str, lost))} of version {vid} are on no tier and no "
-                             "node that answered (their nodes were lost, with no S3 and no peer copy)")
+        raise IntegrityError(f"the parts of ranks {', '.join(map(str, sorted(lost)))} of version {vid} are on no tier "
+                             "and no node that answered (their nodes were lost, with no S3 and no peer copy)")
     return Decision(None, send)
 
 
@@ -263,7 +290,7 @@ def plan_moves(version: Version, missing: Sequence[Collection[str]], holding: Se
     return moves
 
 
-class _GroupFill:
+class GroupFill:
     """One restore's :data:`~tiercache.restore.Fill` over the group (see the module docstring, step 4)."""
 
     def __init__(self, view: GroupView, ch: Channel, tag: str, what: str) -> None:
@@ -276,6 +303,7 @@ class _GroupFill:
         self._lock = threading.Lock()
 
     def __call__(self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None) -> dict[str, int]:
+        """Fill ``dests`` (one per tensor entry of ``version``); return the bytes read per source."""
         targets = chunk_targets(version, dests)
         needed = [i for i, t in enumerate(targets) if t]
         held = self._held({version.chunks[i].id for i in needed})
@@ -396,4 +424,4 @@ def _union(statuses: list[Status]) -> dict[str, int]:
     return out
 
 
-__all__ = ["PEER", "plan_moves", "restore"]
+__all__ = ["PEER", "GroupFill", "fetch_parts", "header_of", "plan_moves", "resolve", "restore"]

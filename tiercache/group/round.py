@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tiercache.errors import TierCacheError
+from tiercache.errors import ConfigError, SkippedError, TierCacheError
 from tiercache.group.status import Status
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.manifest import NodePart, RefRecord, Version
@@ -142,7 +142,12 @@ class Round:
         """Block until this rank's chunks and part are durable on ``tier`` or its write there failed."""
         if self.stage_error is not None:
             return Status.of(self.stage_error)
-        assert self.local is not None
+        if self.local is None:  # the caller writes the part itself (see GroupView.open_round)
+            try:
+                self.ready[tier].result()
+            except BaseException as e:
+                return Status.of(e)
+            return Status()
         level = self.local.future(TIER_LEVEL[tier])  # type: ignore[arg-type]
         wait([self.ready[tier], level], return_when=FIRST_COMPLETED)
         if self.ready[tier].done():
@@ -187,16 +192,33 @@ class Round:
                 durable.set_exception(next(e for t in self.outcome if (e := self._settled[t]) is not None))
 
     def handle(self) -> SaveHandle:
-        """The handle ``save()`` returns: this rank's ``staged``, the group's other levels."""
+        """The handle ``save()`` returns: this rank's ``staged``, the group's other levels.
+
+        A version whose parts the caller writes itself (a DCP checkpoint) is never staged:
+        its ``staged`` level fails with :class:`~tiercache.errors.SkippedError`.
+        """
         local = self.local
-        assert local is not None
-        futures = {"staged": local.future("staged"), **{lvl: f for lvl, f in self.futures.items() if lvl != "staged"}}
+        futures = {lvl: f for lvl, f in self.futures.items() if lvl != "staged"}
+        if local is None:
+            futures["staged"] = _failed(SkippedError(f"version {self.vid} was written to the durable tiers "
+                                                     "directly (through DCP), never staged in RAM"))
+            for tier, lvl in TIER_LEVEL.items():
+                if tier not in self.outcome:
+                    futures[lvl] = _failed(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
+            return SaveHandle(self.vid, futures)
+        futures["staged"] = local.future("staged")
         for tier, lvl in TIER_LEVEL.items():
             if tier not in self.outcome:  # a level with no tier behind it keeps the engine's ConfigError
                 futures[lvl] = local.future(lvl)  # type: ignore[arg-type]
         if not self.outcome:
             futures["durable"] = local.future("durable")
         return SaveHandle(self.vid, futures)
+
+
+def _failed(err: BaseException) -> Future[str]:
+    f: Future[str] = Future()
+    f.set_exception(err)
+    return f
 
 
 __all__ = ["Plan", "Round"]

@@ -36,6 +36,7 @@ import logging
 import math
 import threading
 from collections.abc import Collection, Mapping
+from concurrent.futures import Future
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -166,7 +167,7 @@ class GroupView:
                 tier.pacer.share(len(self.topology.ranks(self.node)))
         self._rounds: dict[str, Round] = {}
         self._slot = 0
-        self._restores = 0
+        self._slots: dict[str, int] = {}
         self._closed = False
 
     def _gloo(self, ranks: list[int]) -> dist.ProcessGroup:
@@ -284,6 +285,7 @@ class GroupView:
             # the ranks that commit it (rank 0, the nodes' leaders) this is the move their commits
             # make; on the others, the group's head in their view.
             if staged is not None and not (staged.done() and staged.exception() is not None):
+                nxt.seq = rnd.ref.seq  # the group's (this rank's view may lag behind rank 0's)
                 nxt.version = rnd.vid
         self._submit(rnd)
         if rnd.stage_error is not None:
@@ -382,10 +384,47 @@ class GroupView:
         broken = self.collective.broken
         if broken is not None:
             raise broken
-        slot = self._restores
-        self._restores += 1
-        return restore(self, slot, ref, into=into, map_location=map_location, progress=progress, strict=strict,
-                       resume=resume)
+        return restore(self, self.slot("restore"), ref, into=into, map_location=map_location, progress=progress,
+                       strict=strict, resume=resume)
+
+    def slot(self, kind: str) -> int:
+        """The number of this call of a collective of ``kind`` (``restore``, ``dcp-load``...): its tags' prefix."""
+        n = self._slots.get(kind, 0)
+        self._slots[kind] = n + 1
+        return n
+
+    # ------------------------------------------------------------------ DCP (tiercache.integrations.dcp)
+
+    def propose(self, branch: str, step: int, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Rank 0's proposal of a version no ``save()`` stages (a DCP checkpoint): its id, parent and ref seq.
+
+        The branch moves to it in this process's view now (back again if the group fails it).
+        """
+        with self.cache.next_version(branch) as nxt:
+            vid = new_version_id()
+            agreed = {"vid": vid, "parent": nxt.parent, "seq": nxt.seq, "created": utcnow().isoformat(),
+                      "meta": check_meta(meta), "step": step, "branch": branch}
+            nxt.version = vid
+        return agreed
+
+    def open_round(self, agreed: Mapping[str, Any]) -> Round:
+        """A round for a version whose parts the caller writes itself (a DCP checkpoint); every rank calls it.
+
+        The caller resolves ``round.published`` with this rank's part and each ``round.ready``
+        future once its chunks and part are durable on that tier (or fails them); the group's
+        phases commit the version as any other.
+        """
+        vid = agreed["vid"]
+        rnd = Round(self, vid, RefRecord(kind="branch", name=agreed["branch"], version=vid, seq=agreed["seq"]),
+                    step=agreed["step"], parent=agreed["parent"], created_at=datetime.fromisoformat(agreed["created"]),
+                    meta=dict(agreed["meta"]), trade=False, declared=())
+        rnd.published = Future()
+        if self.rank != 0:  # rank 0 moved its view of the branch when it proposed the version
+            with self.cache.next_version(rnd.ref.name) as nxt:
+                nxt.seq = rnd.ref.seq
+                nxt.version = vid
+        self._submit(rnd)
+        return rnd
 
     def round(self, vid: str) -> Round | None:
         """The round of a recent version saved through this view (``None`` if none)."""

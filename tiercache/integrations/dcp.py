@@ -7,24 +7,25 @@ Usage, on every rank::
 
 DCP plans the checkpoint (which rank writes which shard of which tensor, once for replicated
 ones) and reshards on load: a checkpoint saved by 4 ranks loads into 2, or into one process.
-tiercache stores it:
+tiercache stores it as a version like any other, through the same paths as ``save(group=...)``:
 
-- :meth:`TierCacheStorageWriter.write_data` (every rank) lays its write items out as chunks the
-  way ``save`` does (big items cut at ``chunk_bytes``, small ones packed together), names each
-  chunk by the hash of its bytes and writes the chunks it does not already hold to every durable
-  tier of the cache (write-through: DCP's save is synchronous, and ``async_save`` runs it on
-  DCP's own thread, so the engine's RAM staging and the placement policy are not involved).
-  Unchanged shards (a frozen base model) dedupe against earlier versions, DCP or not.
-- :meth:`TierCacheStorageWriter.finish` (the coordinator, once every rank's chunks are durable)
-  builds one tiercache version whose tensor table has one entry per saved shard (path
-  ``<fqn>@<offsets>``) plus the DCP ``Metadata`` object as the bytes entry
-  ``__dcp_metadata__``, writes its manifest to every durable tier and moves the branch ref
-  there. ``tiercache ls``/``log`` list DCP checkpoints like any version, and a plain
-  ``restore`` returns the shards as a flat dict.
-- :class:`TierCacheStorageReader` resolves the ref on rank 0 and shares the manifest with the
-  group (one broadcast in ``read_metadata``, so no rank reads a stale view of the branch), then
-  reads the shards each rank's plan asks for, each chunk from the fastest tier holding a good
-  copy, and narrows them to the requested ranges.
+- Saved by several ranks, it is a multi-rank version (:mod:`tiercache.parts`): each rank's part
+  is its write items (entries ``<fqn>@<offsets>``), laid out as chunks the way ``save`` does
+  (big items cut at ``chunk_bytes``, small ones packed) and written by that rank to every
+  durable tier it reaches: its node's disk (node-local) and S3 (write-through: DCP's save is
+  synchronous, and ``async_save`` runs it on DCP's own thread). The coordinator's part also holds
+  DCP's ``Metadata`` object (entry ``__dcp_metadata__``). The group then commits the version
+  as it commits any (:mod:`tiercache.group.phases`): the group manifest on S3 by the
+  coordinator, on each node's disk by that node's leader, with peer copies (``replicated``) when
+  ``[peers] copies`` asks. So a checkpoint of several nodes lives on each node's own disk, and
+  survives the loss of a node that has a peer copy. The version id, parent and ref move are
+  proposed in ``prepare_global_plan`` and travel to every rank in its plan.
+- Saved by one process (``no_dist=True``, or a world of one), it is a single-process version.
+
+Unchanged shards (a frozen base model) dedupe against earlier versions, DCP or not.
+:class:`TierCacheStorageReader` resolves the ref for the group, reads the metadata and each
+rank's needed entries from its own node, a peer or S3 (a chunk no node holds is read once and
+shared), and narrows them to the requested ranges.
 
 The ``Metadata`` object is stored with pickle, as DCP's own file system storage does, and is
 read back with an unpickler that only accepts DCP's metadata classes and plain torch/builtin
@@ -33,11 +34,12 @@ values, so a tampered object cannot run code.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -55,16 +57,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tiercache import codecs
-from tiercache.distributed import rebuild_error
-from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError
+from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, VersionNotFoundError
 from tiercache.format import dtype_from_name, dtype_name
 from tiercache.layout import plan_layout
-from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
+from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, check_meta, new_version_id, utcnow
 from tiercache.names import check_name
+from tiercache.parts import part_of
 from tiercache.restore import empty_aligned
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
+    from tiercache.group.round import Round
+    from tiercache.group.view import GroupView
+    from tiercache.handle import SaveHandle
 
 #: Path of the tensor-table entry holding the pickled DCP ``Metadata``.
 METADATA_ENTRY = "__dcp_metadata__"
@@ -72,21 +77,13 @@ METADATA_ENTRY = "__dcp_metadata__"
 
 @dataclass(frozen=True)
 class StoredItem:
-    """Where one rank put one write item's bytes (DCP carries it to the coordinator's ``finish``).
+    """Where one write item's bytes are: entry ``index`` of rank ``rank``'s part (``0``: a single-process version).
 
-    Attributes:
-        path: Its entry path in the version (``<fqn>@<offsets>``).
-        dtype: Canonical dtype name (``uint8`` for a bytes item).
-        shape: The saved shard's shape (``(nbytes,)`` for a bytes item).
-        chunks: ``(chunk id, raw length)`` of the chunks its pieces index.
-        pieces: ``(chunk index, offset in chunk, offset in item, length)`` runs, in item order.
+    DCP carries it to the coordinator's ``finish``, which records it in the ``Metadata`` for loads.
     """
 
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[tuple[str, int], ...]
-    pieces: tuple[tuple[int, int, int, int], ...]
+    rank: int
+    index: int
 
 
 def _item_path(index: MetadataIndex) -> str:
@@ -109,6 +106,42 @@ def _durable(cache: TierCache) -> list[str]:
     return list(cache.repo.durable)
 
 
+def _view(cache: TierCache, group: dist.ProcessGroup | None) -> GroupView | None:
+    """The cache's group view for a DCP call on ``group``, or ``None`` for one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    return cast("GroupView", cache.distributed(group))
+
+
+class _Entries:
+    """A part's entries (one per stored item) and the chunks they name, built as items are stored."""
+
+    def __init__(self) -> None:
+        self.chunks: list[ChunkRef] = []
+        self.tensors: list[TensorEntry] = []
+        self._where: dict[str, int] = {}
+
+    def add(self, path: str, dtype: str, shape: tuple[int, ...], stored: tuple[tuple[tuple[str, int], ...], tuple]
+            ) -> int:
+        """Add one entry; return its index."""
+        chunks, pieces = stored
+        for cid, nbytes in chunks:
+            if cid not in self._where:
+                self._where[cid] = len(self.chunks)
+                self.chunks.append(ChunkRef(id=cid, nbytes=nbytes))
+        runs = tuple(Piece(chunk=self._where[chunks[i][0]], chunk_offset=co, offset=off, nbytes=n)
+                     for i, co, off, n in pieces)
+        self.tensors.append(TensorEntry(path=path, dtype=dtype, shape=shape, nbytes=sum(p.nbytes for p in runs),
+                                        pieces=runs))
+        return len(self.tensors) - 1
+
+    def version(self, **fields: Any) -> Version:
+        """The version (or part) these entries make, with ``fields`` (id, parent, branch...)."""
+        return Version(chunks=tuple(self.chunks), tensors=tuple(self.tensors),
+                       tree=["dict", {e.path: ["t", i] for i, e in enumerate(self.tensors)}],
+                       nbytes=sum(e.nbytes for e in self.tensors), **fields)
+
+
 def put_blobs(
     cache: TierCache, blobs: list[torch.Tensor], owner: str
 ) -> list[tuple[tuple[tuple[str, int], ...], tuple]]:
@@ -117,6 +150,7 @@ def put_blobs(
     Blobs are laid out like a state's tensors (see :mod:`tiercache.layout`: big ones cut at
     ``chunk_bytes``, small ones packed); chunks a tier already holds are not written again, and
     every chunk is leased for ``owner`` until its version is committed (or ``owner`` is closed).
+    On a node-local tier (a node's disk) this rank's chunks go to its own node.
 
     Returns:
         Per blob, its chunks ``(id, raw length)`` and its pieces ``(index into those chunks,
@@ -142,7 +176,7 @@ def put_blobs(
         ids.append(cid)
     written = [cache.repo.store(owner, name, objects) for name in tiers]
     for name, ids_written in zip(tiers, written, strict=True):
-        cache.repo.sync_chunks(name, ids_written)  # before the coordinator commits a manifest naming them
+        cache.repo.sync_chunks(name, ids_written)  # before a manifest names them
     out = []
     for tensor_pieces in layout.tensor_pieces:
         chunks = tuple((ids[ci], layout.chunks[ci].nbytes) for ci, _ in tensor_pieces)
@@ -155,17 +189,19 @@ class TierCacheStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` that saves a checkpoint as one tiercache version.
 
     Create one on every rank with the same arguments and pass it to ``dcp.save`` or
-    ``dcp.async_save``.
+    ``dcp.async_save``. With several ranks, DCP's coordinator must be rank 0 of the group (DCP's
+    default); do not run a DCP save and a ``save(group=...)`` of the same group concurrently.
 
     Args:
         cache: This process's cache (every rank opens its own on the same tiers).
         step: The training step of the checkpoint.
-        branch: The branch the version is saved on (the coordinator moves its ref).
+        branch: The branch the version is saved on (the group moves its ref).
         meta: JSON-able metadata for the version.
+        group: The process group ``dcp.save`` runs on (default: the world, if initialized).
     """
 
     def __init__(self, cache: TierCache, *, step: int, branch: str = "main",
-                 meta: Mapping[str, Any] | None = None) -> None:
+                 meta: Mapping[str, Any] | None = None, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -174,81 +210,122 @@ class TierCacheStorageWriter(StorageWriter):
         self.cache = cache
         self.step = step
         self.branch = branch
-        self.meta = dict(meta or {})
+        self.meta = check_meta(meta)
+        self.group = group
         self.version_id: str | None = None
+        #: With several ranks: the version's handle on this rank (every level but ``staged``).
+        self.handle: SaveHandle | None = None
         self.is_coordinator = False
+        self._view: GroupView | None = None
+        self._round: Round | None = None
+        self._entries = _Entries()
+        self._rank = 0
         self._owner = f"dcp-{new_version_id()}"
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new checkpoint; ``checkpoint_id`` is not used (refs name versions)."""
         self.version_id = None
+        self._round = None
+        self._entries = _Entries()
         self.cache.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
         self._owner = f"dcp-{new_version_id()}"
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Record whether this rank is DCP's coordinator (it runs :meth:`finish`)."""
+        """Record whether this rank is DCP's coordinator (it runs :meth:`finish`); open the group's view.
+
+        Raises:
+            InvalidArgumentError: If DCP's coordinator is not rank 0 of the group.
+        """
         self.is_coordinator = is_coordinator
+        self._view = _view(self.cache, self.group)
+        self._rank = self._view.rank if self._view is not None else 0
+        if self._view is not None and is_coordinator and self._rank != 0:
+            raise InvalidArgumentError("TierCacheStorageWriter: DCP's coordinator must be rank 0 of the group "
+                                       "(leave dcp.save's coordinator_rank at its default)")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Return ``plan`` unchanged: chunk names come from content, not from the plan."""
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Return ``plans`` unchanged."""
-        return plans
+        """Propose the version (coordinator): its id, parent and ref move travel to every rank in its plan."""
+        if self._view is None:
+            return plans
+        agreed = self._view.propose(self.branch, self.step, self.meta)
+        return [dataclasses.replace(p, storage_data=agreed) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        """Write this rank's items as chunks on every durable tier; see the module docstring."""
-        items = list(plan.items)
-        blobs, kinds = [], []
-        for item in items:
-            data, dtype, shape = _item_bytes(item, planner.resolve_data(item))
-            blobs.append(data)
-            kinds.append((dtype, shape))
-        results = []
-        stored_blobs = put_blobs(self.cache, blobs, self._owner)
-        for item, (chunks, pieces), (dtype, shape), blob in zip(items, stored_blobs, kinds, blobs, strict=True):
-            stored = StoredItem(_item_path(item.index), dtype, shape, chunks, pieces)
-            results.append(WriteResult(index=item.index, size_in_bytes=blob.numel(), storage_data=stored))
+        """Write this rank's items as chunks on every durable tier it reaches; see the module docstring."""
+        view = self._view
+        rnd = self._round = view.open_round(plan.storage_data) if view is not None else None
+        if rnd is not None:
+            self.version_id, self.handle = rnd.vid, rnd.handle()
+        try:
+            items = list(plan.items)
+            blobs, kinds = [], []
+            for item in items:
+                data, dtype, shape = _item_bytes(item, planner.resolve_data(item))
+                blobs.append(data)
+                kinds.append((dtype, shape))
+            results = []
+            for item, stored, (dtype, shape), blob in zip(items, put_blobs(self.cache, blobs, self._owner), kinds,
+                                                          blobs, strict=True):
+                index = self._entries.add(_item_path(item.index), dtype, shape, stored)
+                results.append(WriteResult(index=item.index, size_in_bytes=blob.numel(),
+                                           storage_data=StoredItem(self._rank, index)))
+        except BaseException as e:
+            if rnd is not None:
+                assert rnd.published is not None
+                rnd.published.set_exception(e)  # the group fails the version with this rank's error
+            raise
+        if rnd is not None and not self.is_coordinator:
+            self._publish(rnd)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit the checkpoint (coordinator only): manifest with the DCP metadata, then the ref."""
+    def _publish(self, rnd: Round) -> None:
+        """Hand this rank's part to the group: write it to every durable tier, then let the phases commit."""
+        assert rnd.published is not None
         cache = self.cache
-        chunks: list[ChunkRef] = []
-        where: dict[str, int] = {}
-        entries: list[TensorEntry] = []
-        storage: dict[MetadataIndex, int] = {}
+        own = self._entries.version(id=rnd.vid, parent=None, branch=rnd.ref.name, step=rnd.step,
+                                    created_at=rnd.created_at, hash_algo=cache.config.hash)
+        rnd.published.set_result(own)
+        rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(self._owner))
+        part = part_of(own, self._rank)
+        for tier in cache.repo.durable:
+            try:
+                cache.repo.put_part(tier, part)
+            except BaseException as e:
+                rnd.ready[tier].set_exception(e)
+                continue
+            rnd.ready[tier].set_result(None)
 
-        def add(stored: StoredItem) -> None:
-            for cid, nbytes in stored.chunks:
-                if cid not in where:
-                    where[cid] = len(chunks)
-                    chunks.append(ChunkRef(id=cid, nbytes=nbytes))
-            pieces = tuple(Piece(chunk=where[stored.chunks[i][0]], chunk_offset=co, offset=off, nbytes=n)
-                           for i, co, off, n in stored.pieces)
-            nbytes = sum(p.nbytes for p in pieces)
-            entries.append(TensorEntry(path=stored.path, dtype=stored.dtype, shape=stored.shape, nbytes=nbytes,
-                                       pieces=pieces))
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit the checkpoint (coordinator only): its metadata, then the version and the ref.
 
-        for rank_results in results:
-            for wr in rank_results:
-                storage[wr.index] = len(entries)
-                add(wr.storage_data)
-        metadata.storage_data = storage
+        Raises:
+            TierCacheError: If the version reached no durable tier (with several ranks: the
+                group's error, naming the rank).
+        """
+        cache = self.cache
+        # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
+        metadata.storage_data = {wr.index: (wr.storage_data.rank, wr.storage_data.index)
+                                 for rank_results in results for wr in rank_results}
         blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
                                 dtype=torch.uint8)
-        (meta_chunks, meta_pieces), = put_blobs(cache, [blob], self._owner)
-        add(StoredItem(METADATA_ENTRY, "uint8", (blob.numel(),), meta_chunks, meta_pieces))
+        (stored,) = put_blobs(cache, [blob], self._owner)
+        self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
+        rnd = self._round
+        if rnd is not None:
+            self._publish(rnd)
+            rnd.futures["durable"].result()  # the group's outcome: raises its error
+            self.version_id = rnd.vid
+            return
         with cache.next_version(self.branch) as nxt:
-            version = Version(
-                id=new_version_id(), parent=nxt.parent, branch=self.branch, step=self.step,
-                created_at=utcnow(), meta=self.meta, hash_algo=cache.config.hash, chunks=tuple(chunks),
-                tensors=tuple(entries), tree=["dict", {e.path: ["t", i] for i, e in enumerate(entries)}],
-                nbytes=sum(e.nbytes for e in entries),
-            )
+            version = self._entries.version(id=new_version_id(), parent=nxt.parent, branch=self.branch,
+                                            step=self.step, created_at=utcnow(), meta=self.meta,
+                                            hash_algo=cache.config.hash)
             ref = RefRecord(kind="branch", name=self.branch, version=version.id, seq=nxt.seq)
             nxt.version = version.id
         try:
@@ -313,46 +390,29 @@ class TierCacheStorageReader(StorageReader):
         self.ref = ref
         self.group = group
         self.version: Version | None = None
-        self.storage_data: dict[MetadataIndex, int] = {}
+        self.storage_data: dict[MetadataIndex, tuple[int, int]] = {}
+        self._source: _Source | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new load; ``checkpoint_id``, if given, replaces the ref."""
         if checkpoint_id:
             self.ref = str(checkpoint_id)
         self.version = None
-
-    def _resolve(self) -> Version:
-        """The manifest, resolved by rank 0 of the group and shared with every rank."""
-        found: list[Any] = [None]
-        many = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
-        first = not many or dist.get_rank(self.group) == 0
-        if first:
-            try:
-                found[0] = ("ok", self.cache.manifest(self.ref).to_json().decode())
-            except TierCacheError as e:
-                found[0] = ("error", type(e).__name__, str(e))
-        if many:
-            dist.broadcast_object_list(found, src=dist.get_global_rank(self.group or dist.group.WORLD, 0),
-                                       group=self.group)
-        if found[0][0] != "ok":
-            raise rebuild_error(found[0][1], found[0][2])
-        version = Version.from_json(found[0][1].encode(), source=f"manifest of {self.ref!r}")
-        self.cache.repo.adopt(version, self.cache.repo.committed_on(version.id))
-        return version
+        self._source = None
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local variant to fall back on
-        """Resolve the ref (collective) and return the checkpoint's DCP ``Metadata``.
+        """Resolve the ref (for the group: collective) and return the checkpoint's DCP ``Metadata``.
 
         Raises:
             VersionNotFoundError: If the ref resolves to nothing (on every rank).
             InvalidArgumentError: If the version was not saved through DCP.
         """
-        version = self._resolve()
-        index = next((i for i, t in enumerate(version.tensors) if t.path == METADATA_ENTRY), None)
-        if index is None:
-            raise InvalidArgumentError(f"version {version.id} was not saved through DCP: use TierCache.restore")
-        (blob,) = self._read(version, [index])
-        self.version = version
+        view = _view(self.cache, self.group)
+        self._source = _Local(self.cache, self.ref) if view is None else _Group(view, self.ref)
+        where = self._source.metadata()
+        if where is None:
+            raise InvalidArgumentError(f"version {self._source.vid} was not saved through DCP: use TierCache.restore")
+        (blob,) = self._source.read([where])
         return _load_metadata(blob.numpy().tobytes())
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -367,20 +427,14 @@ class TierCacheStorageReader(StorageReader):
         """Return ``plans`` unchanged."""
         return plans
 
-    def _read(self, version: Version, indices: list[int]) -> list[torch.Tensor]:
-        """Read entries of ``version`` (in parallel, verified, best tier first) as tensors."""
-        entries = [version.tensors[i] for i in indices]
-        dests = [empty_aligned(e.shape, dtype_from_name(e.dtype)) for e in entries]
-        self.cache.reader.read_version(version.model_copy(update={"tensors": tuple(entries)}), dests)
-        return dests
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        """Read the saved shards this rank's plan needs and hand DCP the requested ranges."""
-        assert self.version is not None, "read_metadata runs first"
-        needed = sorted({self.storage_data[req.storage_index] for req in plan.items})
-        saved = dict(zip(needed, self._read(self.version, needed), strict=True))
+        """Read the saved shards this rank's plan needs and hand DCP the requested ranges (collective)."""
+        assert self._source is not None, "read_metadata runs first"
+        needed = sorted({StoredItem(*self.storage_data[req.storage_index]) for req in plan.items},
+                        key=lambda s: (s.rank, s.index))
+        saved = dict(zip(needed, self._source.read(needed), strict=True))
         for req in plan.items:
-            data = saved[self.storage_data[req.storage_index]]
+            data = saved[StoredItem(*self.storage_data[req.storage_index])]
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
                 continue
@@ -399,3 +453,114 @@ class TierCacheStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """Never picked automatically from a checkpoint id: pass the reader explicitly."""
         return False
+
+
+def _select(entries: list[tuple[TensorEntry, tuple[ChunkRef, ...]]], vid: str, algo: str) -> Version:
+    """A version holding just ``entries`` (each with the chunk table its pieces index), to read them."""
+    chunks: list[ChunkRef] = []
+    where: dict[str, int] = {}
+    tensors = []
+    for entry, table in entries:
+        pieces = []
+        for p in entry.pieces:
+            c = table[p.chunk]
+            if c.id not in where:
+                where[c.id] = len(chunks)
+                chunks.append(c)
+            pieces.append(p.model_copy(update={"chunk": where[c.id]}))
+        tensors.append(entry.model_copy(update={"path": f"{len(tensors)}", "pieces": tuple(pieces)}))
+    return Version(id=vid, parent=None, branch="main", step=0, created_at=utcnow(), hash_algo=algo,  # type: ignore[arg-type]
+                   chunks=tuple(chunks), tensors=tuple(tensors), tree=None, nbytes=sum(t.nbytes for t in tensors))
+
+
+def _tensors(version: Version) -> list[torch.Tensor]:
+    return [empty_aligned(e.shape, dtype_from_name(e.dtype)) for e in version.tensors]
+
+
+class _Source:
+    """Where a load reads a DCP checkpoint's entries from."""
+
+    vid: str
+
+    def metadata(self) -> StoredItem | None:
+        """Where the DCP metadata entry is, or ``None`` if this is no DCP checkpoint."""
+        raise NotImplementedError
+
+    def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
+        """The bytes of ``items`` as tensors of their saved dtype and shape."""
+        raise NotImplementedError
+
+
+class _Local(_Source):
+    """One process reads a version it can read whole (single-process, or every part on its tiers)."""
+
+    def __init__(self, cache: TierCache, ref: str) -> None:
+        self.cache = cache
+        self.version = cache.catalog.get(cache.resolve(ref))
+        self.vid = self.version.id
+
+    def _entry(self, item: StoredItem) -> TensorEntry:
+        v = self.version
+        return v.tensors[v.parts[item.rank].first + item.index] if v.parts else v.tensors[item.index]
+
+    def metadata(self) -> StoredItem | None:
+        v = self.version
+        ranks = [(r, p.first, p.count) for r, p in enumerate(v.parts)] or [(0, 0, len(v.tensors))]
+        for rank, first, count in ranks:
+            for i in range(count):
+                if v.tensors[first + i].path.endswith(METADATA_ENTRY):
+                    return StoredItem(rank, i)
+        return None
+
+    def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
+        version = _select([(self._entry(s), self.version.chunks) for s in items], self.vid, self.version.hash_algo)
+        dests = _tensors(version)
+        self.cache.reader.read_version(version, dests)
+        return dests
+
+
+class _Group(_Source):
+    """The ranks of a group read a multi-rank version: each the parts it needs, from its node, a peer or S3."""
+
+    def __init__(self, view: GroupView, ref: str) -> None:
+        from tiercache.group.restore import header_of, resolve
+
+        self.view = view
+        slot = view.slot("dcp-load")
+        self.tag = f"dcp-load/{slot}"
+        self.what = f"the group's DCP load of {ref!r}"
+        self._reads = 0
+        found = resolve(view, view.channel, self.tag, self.what, ref)
+        self.vid = found["id"]
+        self.world = found["world"]
+        cat = view.cache.catalog
+        try:
+            self.header = cat.peek(self.vid)
+        except VersionNotFoundError:
+            self.header = header_of(found)
+
+    def metadata(self) -> StoredItem | None:
+        part = self._parts([0], "metadata")[0]
+        index = next((i for i, t in enumerate(part.tensors) if t.path == METADATA_ENTRY), None)
+        return None if index is None else StoredItem(0, index)
+
+    def _parts(self, ranks: list[int], what: str) -> dict[int, Version]:
+        from tiercache.group.restore import fetch_parts
+
+        self._reads += 1
+        if self.world == 1:  # a single-process checkpoint: every rank reads it whole
+            version = self.view.cache.catalog.get(self.vid)
+            return {0: version}
+        return fetch_parts(self.view, self.view.channel, f"{self.tag}/{self._reads}", f"{self.what} ({what})",
+                           self.header, ranks)
+
+    def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
+        from tiercache.group.restore import GroupFill
+
+        parts = self._parts(sorted({s.rank for s in items}), "parts")
+        version = _select([(parts[s.rank].tensors[s.index], parts[s.rank].chunks) for s in items], self.vid,
+                          self.header.hash_algo)
+        dests = _tensors(version)
+        fill = GroupFill(self.view, self.view.channel, f"{self.tag}/{self._reads}", self.what)
+        fill(version, dests, None)
+        return dests
