@@ -370,18 +370,32 @@ _BROKEN = {"kill", "peer_dies"}
 
 
 def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
-    """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``)."""
+    """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``).
+
+    ``run.json`` (if the test wrote one) may say ``store``: the port of a store the test hosts,
+    as torchrun's agent hosts one (so the death of rank 0 does not take the store with it), and
+    ``timeout``: the group's timeout in seconds (default 20).
+    """
     env = work / "env.json"
     if env.exists():  # per-rank variables: the node (TIERCACHE_NODE) and its own disk directory
         os.environ.update(json.loads(env.read_text())[rank])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    opts = json.loads((work / "run.json").read_text()) if (work / "run.json").exists() else {}
+    if opts.get("store"):
+        store = dist.TCPStore("127.0.0.1", opts["store"], world, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
     cache = tiercache.open(json.loads((work / "config.json").read_text()))
-    cache.distributed(timeout=timedelta(seconds=20))
+    cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
+    if scenario not in SCENARIOS:
+        import _chaos_worker
+
+        SCENARIOS.update(_chaos_worker.SCENARIOS)
     SCENARIOS[scenario](cache, rank, world, out, work)
     (work / f"rank{rank}.json").write_text(json.dumps(out))
     cache.close()  # (rank 0 hosts the store: it lingers until the others read the last verdicts)
-    if scenario not in _BROKEN:  # a peer is gone: tearing the group down would wait for it
+    if scenario not in _BROKEN and not opts.get("broken"):  # a peer is gone: a teardown would wait for it
         dist.destroy_process_group()
 
 

@@ -37,11 +37,12 @@ def free_port() -> int:
 
 def run_ranks(
     scenario: str, world: int, work: Path, config: dict[str, Any], timeout: float = 120,
-    env: list[dict[str, str]] | None = None,
+    env: list[dict[str, str]] | None = None, opts: dict[str, Any] | None = None,
 ) -> list[int]:
     """Run ``scenario`` on ``world`` ranks; return their exit codes (-9: killed).
 
-    ``env`` gives each rank environment variables of its own (its node, its disk directory).
+    ``env`` gives each rank environment variables of its own (its node, its disk directory);
+    ``opts`` is the ranks' ``run.json`` (see ``_multirank_worker.run``).
 
     The ranks are forked by a fork server that imported torch and tiercache once for the whole
     session: spawning would cost each rank many seconds of imports on a loaded machine, and
@@ -49,6 +50,7 @@ def run_ranks(
     """
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
+    (work / "run.json").write_text(json.dumps(opts or {}))
     # The fork server keeps the environment of the test that started it: pass the S3 server's
     # credentials (set by the s3_server fixture, maybe after that) with each rank's own variables.
     aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
@@ -56,7 +58,8 @@ def run_ranks(
     port = free_port()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.group", "_multirank_worker"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.group", "_multirank_worker",
+                                "_chaos_worker"])
     procs = [ctx.Process(target=forked, args=(scenario, r, world, port, work)) for r in range(world)]
     for p in procs:
         p.start()
@@ -198,7 +201,7 @@ def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Confi
     r0 = rank_out(work, 0)
     for lvl in ("local", "remote", "durable"):
         name, message = r0["v2_errors"][lvl]
-        assert name == "GroupSaveError" and r0["v2"] in message
+        assert name == "GroupBrokenError" and r0["v2"] in message and "rank 1 is gone" in message
     for tier in ("disk", "s3"):
         with one_tier(config, tier) as cache:
             assert cache.resolve("main") == r0["v1"]

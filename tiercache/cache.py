@@ -175,11 +175,12 @@ class TierCache:
         # Made by the first save (or advisor): a cache that only reads publishes nothing.
         self._recorder: StatusRecorder | None = None
         self._recorder_lock = threading.Lock()
-        # A trainer that exits without close() must not lose the versions it was told are
-        # staged: flush them at interpreter exit (a weak reference keeps the cache collectable).
+        # A trainer that exits without close() (or raises right after save()) must not lose the
+        # versions it was told are staged: flush them at interpreter exit (a weak reference keeps
+        # the cache collectable).
         ref = weakref.ref(self)
         self._atexit = lambda: _flush_at_exit(ref)
-        atexit.register(self._atexit)
+        _at_exit(self._atexit)
 
     # ------------------------------------------------------------------ properties
 
@@ -952,7 +953,7 @@ class TierCache:
             if self._closed:
                 return
             self._closed = True
-        atexit.unregister(self._atexit)
+        atexit.unregister(self._atexit)  # (a threading exit hook stays: it finds the cache closed)
         try:
             if self._engine is not None:
                 self._engine.close()
@@ -1031,6 +1032,27 @@ class NextVersion:
     base: RefRecord | None
     why: MoveReason
     version: str | None = None
+
+
+def _at_exit(flush: Callable[[], None]) -> None:
+    """Run ``flush`` at interpreter exit while thread pools still take work.
+
+    ``atexit`` handlers run after ``concurrent.futures`` has refused new work from every thread
+    pool at exit ("cannot schedule new futures after interpreter shutdown"), and the engine's
+    and the group's background work runs on pools: a version staged right before an uncaught
+    exception would fail, on every rank of a group. Exit hooks of ``threading`` run first, in
+    reverse order of registration, so one registered after ``concurrent.futures.thread``'s runs
+    before it. (``threading._register_atexit`` is private; plain ``atexit`` is the fallback.)
+    """
+    import concurrent.futures.thread  # noqa: F401  (registers its own exit hook first)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("threading has no exit hooks")
+        register(flush)
+    except RuntimeError:  # already shutting down, or another Python
+        atexit.register(flush)
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[TierCache]) -> None:

@@ -51,6 +51,16 @@ FAILPOINTS: tuple[str, ...] = (
     "catalog.before_ref_write",  # about to compare-and-swap a ref
     "catalog.after_ref_write",  # the ref moved; the level is not yet reported
     "gc.after_manifest_delete",  # GC removed a manifest, its chunks not yet
+    # The phases of a multi-rank version on one rank (detail: the phase's tag, e.g. "<vid>/disk"):
+    "group.save",  # save(group=) checks its call, before the first exchange (detail: "save/<n>")
+    "group.stage",  # the group agreed on the version; this rank copies its part into the arena
+    "group.trade",  # the hasher trades the ids of chunks the ranks hold alike
+    "group.parts",  # this rank's part is hashed; it tells the group about it
+    "group.write",  # this rank's chunks and part are on a tier; it tells the group
+    "group.commit",  # rank 0 (shared tier) or a node's leader (its disk) commits the version
+    "group.peers",  # this rank makes its share of the peer copies
+    "group.restore",  # restore(group=) resolves the ref (detail: "restore/<n>")
+    "group.fill",  # a group restore reads its chunks (its own node's, a peer's, S3's)
 )
 
 _ACTIONS = ("kill", "raise", "sleep")

@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -248,22 +248,10 @@ class Version(_Stored):
             return self
         return self.model_copy(update={"chunks": (), "tensors": (), "tree": None, "pickled": False, "parts": ()})
 
-    def node_ranks(self, node: str) -> list[int]:
-        """The ranks whose parts a node-local tier of node ``node`` holds once this version is ``replicated``.
-
-        Those of its own ranks and of the ranks of the nodes it holds copies of; none if ``node``
-        is not one of :attr:`nodes`.
-        """
-        names = {n.name for n in self.nodes if n.name == node or node in n.copies}
-        return sorted(r for n in self.nodes if n.name in names for r in n.ranks)
-
-    def node_chunk_ids(self, node: str) -> frozenset[str]:
-        """The chunks a node-local tier of node ``node`` holds once this version is ``replicated``.
-
-        Those of the parts of :meth:`node_ranks` (this version's parts must be merged).
-        """
+    def rank_chunk_ids(self, ranks: Iterable[int]) -> frozenset[str]:
+        """The chunks the parts of ``ranks`` name (this version's parts must be merged)."""
         return frozenset(self.chunks[p.chunk].id
-                         for r in self.node_ranks(node)
+                         for r in ranks
                          for t in self.tensors[self.parts[r].first : self.parts[r].first + self.parts[r].count]
                          for p in t.pieces)
 

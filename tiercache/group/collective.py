@@ -116,21 +116,24 @@ class Collective:
         rank: This rank in the group.
         world: The group's size.
         timeout: How long a phase waits for a rank that has not answered.
-        heartbeat: Seconds between this rank's heartbeats.
-        dead_after: A rank whose heartbeat has not moved for this long is gone (default: the
-            smaller of ``timeout`` and 10 s, at least 5 heartbeats).
+        heartbeat: Seconds between this rank's heartbeats (default: a quarter of the timeout, at
+            most 1 s).
+        dead_after: A rank whose heartbeat has not moved for this long is gone (default: three
+            quarters of the timeout, at most 10 s, at least 3 heartbeats), so that a dead rank is
+            told from a slow one before the timeout.
         name: How a rank is named in messages (e.g. ``rank 2 (node b)``).
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, world: int, *, timeout: float, heartbeat: float = 1.0,
+        self, store: dist.Store, rank: int, world: int, *, timeout: float, heartbeat: float | None = None,
         dead_after: float | None = None, name: Callable[[int], str] | None = None,
     ) -> None:
+        heartbeat = heartbeat if heartbeat is not None else min(1.0, timeout / 4)
         self.rank = rank
         self.world = world
         self.timeout = timeout
         self.heartbeat = heartbeat
-        self.dead_after = dead_after if dead_after is not None else max(5 * heartbeat, min(timeout, 10.0))
+        self.dead_after = dead_after if dead_after is not None else max(3 * heartbeat, min(0.75 * timeout, 10.0))
         self.name = name or (lambda r: f"rank {r}")
         #: The longest pause between two polls of a key: longer in big groups, so that the ranks'
         #: polls stay a small load on the store.
@@ -152,13 +155,28 @@ class Collective:
         with self._lock:
             return self._broken
 
-    def mark_broken(self, reason: str) -> GroupBrokenError:
-        """Record that the group is broken (the first reason stays); return the error later calls raise."""
+    def mark_broken(self, dead: Sequence[int] = ()) -> GroupBrokenError:
+        """Record that the group is broken: ranks ``dead`` are gone, or (none given) the store is.
+
+        The first reason stays. Its message names no phase, so every rank that learns it in
+        whichever phase reports the same.
+        """
+        if dead:
+            reason = (f"the process group is broken: {_names(self, dead)} {'is' if len(dead) == 1 else 'are'} gone "
+                      f"(no heartbeat for {self.dead_after:g}s); restart the job")
+        else:
+            reason = ("the process group is broken: the job's store stopped answering (its host, rank 0 or the "
+                      "launcher, is gone); restart the job")
         with self._lock:
             if self._broken is None:
                 self._broken = GroupBrokenError(reason)
-                log.error("the process group is broken: %s", reason)
+                log.error("%s", reason)
             return self._broken
+
+    def broken_status(self) -> Status | None:
+        """The status every phase fails with once the group is broken (``None`` while it is not)."""
+        broken = self.broken
+        return None if broken is None else Status("error", error="GroupBrokenError", message=str(broken))
 
     def channel(self) -> Channel:
         """A channel for one thread (it keeps that thread's view of the other ranks' heartbeats)."""
@@ -239,22 +257,33 @@ class Channel:
             The verdict (never raises for a failed phase: see :meth:`Verdict.raise_failure`).
         """
         group = self.group
-        broken = group.broken
-        if broken is not None:
-            return Verdict(Status("error", error="GroupBrokenError", message=str(broken)))
         try:
+            if group.broken is not None:
+                # Without posting: the phase fails for the group (this rank sets the verdict unless
+                # the coordinator decides it already), so a rank that does not know yet learns it.
+                return self._settle_broken(tag)
             self._post(tag, mine)
             verdict = self._coordinate(tag, what, decide) if group.rank == 0 else self._await(tag, what)
         except Exception as e:
             if not _is_store_error(e):
                 raise
-            reason = (f"{what}: the job's store stopped answering ({_first_line(e)}); its host (rank 0 or the "
-                      "launcher) is gone")
-            return Verdict(Status("error", error="GroupBrokenError", message=str(group.mark_broken(reason))))
+            log.debug("%s: the store failed: %s", what, _first_line(e))
+            group.mark_broken()
+            return Verdict(group.broken_status())  # type: ignore[arg-type]
         dead = verdict.status.extra.get("dead")
         if dead:
-            group.mark_broken(verdict.status.message)
+            group.mark_broken(dead)
         return verdict
+
+    def _settle_broken(self, tag: str) -> Verdict:
+        """The verdict of ``tag`` once the group is broken: the broken status, unless a verdict is decided."""
+        status = self.group.broken_status()
+        assert status is not None
+        store = self._client()
+        if store.compare_set(f"c/{tag}", b"", _GAVE_UP) == _GAVE_UP:
+            store.set(f"v/{tag}", status.encode())
+            return self._read(tag, status)
+        return self._verdict(tag)
 
     def send(self, key: str, data: bytes) -> None:
         """Leave ``data`` for the one rank that :meth:`receive` s it (a payload too big for a verdict)."""
@@ -336,9 +365,14 @@ class Channel:
     def _coordinate(self, tag: str, what: str, decide: Decide | None) -> Verdict:
         group = self.group
         deadline = time.monotonic() + group.timeout
+        self._client().set(f"a/{tag}", b"")  # the others give this coordinator its whole timeout from now
         self._beats.clear()
         failure: Status | None = None
-        while not self._wait(f"x/{tag}/all", min(self._slice(), max(0.0, deadline - time.monotonic()))):
+        pause = 0.01  # a first look soon: a missing rank's heartbeat is watched from then on
+        while not self._wait(f"x/{tag}/all", min(pause, max(0.0, deadline - time.monotonic()))):
+            pause = self._slice()
+            if group.broken is not None:  # another phase found a rank gone: this one cannot complete
+                return self._settle_broken(tag)
             statuses = self._records(tag)
             missing = [r for r, s in enumerate(statuses) if s is None]
             if not missing:  # the last rank posted between the wait and the read
@@ -393,19 +427,25 @@ class Channel:
         group = self.group
         return Status("error", error="GroupBrokenError", extra={"dead": dead}, message=(
             f"{what} failed: {_names(group, dead)} {'is' if len(dead) == 1 else 'are'} gone (no heartbeat for "
-            f"{group.dead_after:g}s): the process group cannot save any more; restart the job"))
+            f"{group.dead_after:g}s): the process group is broken; restart the job"))
 
     def _await(self, tag: str, what: str) -> Verdict:
         group = self.group
         start = time.monotonic()
-        # The coordinator waits up to the timeout for the slowest rank, then decides: give it that
-        # and a margin before taking it for stuck.
-        patience = group.timeout + max(5.0, group.timeout / 10)
+        # The coordinator waits up to the timeout for the slowest rank from when it arrives, then
+        # decides: give it that and a margin before taking it for stuck.
+        patience = group.timeout + max(1.0, group.timeout / 10)
+        arrived = False
         self._beats.clear()
+        self._gone([0])  # the coordinator's heartbeat is watched from now
         while not self._wait(f"v/{tag}", self._slice()):
+            if group.broken is not None:
+                return self._settle_broken(tag)
             gone = self._gone([0])
             store = self._client()
             claimed = store.check([f"c/{tag}"])
+            if not arrived and store.check([f"a/{tag}"]):
+                arrived, start = True, time.monotonic()
             if gone:
                 failure = self._dead(what, [0])
             elif not claimed and time.monotonic() - start >= patience:
@@ -423,6 +463,7 @@ class Channel:
         """The verdict of ``tag`` once someone wrote it."""
         while not self._wait(f"v/{tag}", self._slice()):
             if self._gone([0]):
+                self.group.mark_broken([0])
                 return Verdict(self._dead(f"phase {tag}", [0]))
         return self._read(tag, Status.decode(self._client().get(f"v/{tag}")))
 
@@ -440,7 +481,7 @@ class Channel:
         # The last rank to read the verdict removes it (a rank that never comes leaves it behind,
         # so that it learns the outcome if it comes late).
         if int(store.add(f"v/{tag}/read", 1)) == self.group.world:
-            for key in (f"v/{tag}", f"v/{tag}/read", f"c/{tag}"):
+            for key in (f"v/{tag}", f"v/{tag}/read", f"c/{tag}", f"a/{tag}"):
                 store.delete_key(key)
         return Verdict(verdict, mine)
 

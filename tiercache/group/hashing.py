@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from tiercache.failpoints import failpoint
 from tiercache.format import Flat
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.status import Status
@@ -84,11 +85,15 @@ def trade(channel: Channel, vid: str, split: Split | None, ids: dict[int, str] |
     Raises:
         TierCacheError: The group's failure (the same on every rank).
     """
-    if split is None or ids is None:
-        mine = Status.of(failure) if failure is not None else Status("error", error="GroupSaveError",
-                                                                       message="could not hash its share")
-    else:
-        mine = Status("ok", {str(i): cid for i, cid in ids.items() if i in split._owners})
+    try:
+        failpoint("group.trade", f"{vid}/trade")
+        if split is None or ids is None:
+            mine = Status.of(failure) if failure is not None else Status("error", error="GroupSaveError",
+                                                                           message="could not hash its share")
+        else:
+            mine = Status("ok", {str(i): cid for i, cid in ids.items() if i in split._owners})
+    except Exception as e:
+        mine = Status.of(e)
 
     def merge(statuses: list[Status]) -> Decision:
         merged: dict[str, str] = {}

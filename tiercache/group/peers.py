@@ -30,6 +30,7 @@ import torch
 
 from tiercache import codecs
 from tiercache.errors import GroupSaveError, IntegrityError
+from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.round import Round
 from tiercache.group.status import Status
@@ -116,7 +117,12 @@ class Replicator:
                 f"version {rnd.vid} failed on peers: it is not local on every node ({local})"))
             return
         what = f"version {rnd.vid} on peers"
-        plan = ch.exchange(f"{rnd.vid}/peers/plan", Status(), what=what, decide=lambda _: self._plan(rnd))
+        try:
+            failpoint("group.peers", f"{rnd.vid}/peers")
+            mine = Status()
+        except Exception as e:
+            mine = Status.of(e)
+        plan = ch.exchange(f"{rnd.vid}/peers/plan", mine, what=what, decide=lambda _: self._plan(rnd))
         status = Status()
         if plan.ok:
             try:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import TierCacheError
+from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.hashing import trade
 from tiercache.group.owners import assign_owners, writers_by_node
@@ -102,7 +103,11 @@ class Phases:
 
     def _parts(self, rnd: Round, ch: Channel) -> None:
         view = self.view
-        own = rnd.own_manifest()
+        try:
+            failpoint("group.parts", f"{rnd.vid}/parts")
+            own = rnd.own_manifest()
+        except Exception as e:
+            own = Status.of(e)
         if rnd.trade and isinstance(own, Status) and (rnd.stage_error is not None or rnd.published is None):
             # This rank never hashed the version, so its hasher never traded ids: answer for it.
             with contextlib.suppress(TierCacheError):  # the parts phase below fails it with this rank's reason
@@ -157,6 +162,10 @@ class Phases:
         if rnd.failed is not None:
             return
         status = rnd.written(tier)
+        try:
+            failpoint("group.write", f"{rnd.vid}/{tier}")
+        except Exception as e:
+            status = Status.of(e)
         pacer = view.cache.repo.durable[tier].pacer
         throttled = pacer.take_throttled() if pacer is not None else 0
         if status.ok:
@@ -184,6 +193,7 @@ class Phases:
 
     def _commit_shared(self, tier: str, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator commits the version on a tier every node shares (every rank's part is there)."""
+        failpoint("group.commit", f"{rnd.vid}/{tier}")
         self.view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=())
         return Decision(any(s.payload for s in statuses))  # whether some rank was throttled
 
@@ -193,6 +203,7 @@ class Phases:
         if not view.topology.leads(view.rank):
             return Status()
         try:
+            failpoint("group.commit", f"{rnd.vid}/{tier}")
             view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=(),
                                    node=view.topology.names[view.node])
         except Exception as e:

@@ -36,11 +36,14 @@ import torch
 
 from tiercache import codecs
 from tiercache.errors import (
+    AmbiguousRefError,
     IntegrityError,
     InvalidArgumentError,
+    InvalidNameError,
     TierCacheError,
     VersionNotFoundError,
 )
+from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.status import Status
 from tiercache.group.transfer import Move, Slot, own, run_moves, schedule
@@ -115,8 +118,10 @@ def resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict
     """
     cache = view.cache
     try:
+        failpoint("group.restore", tag)
         vid = cache.resolve(ref)
         rnd = view.round(vid)
+        # A version this group is still saving is waited for (its outcome is near: it is staged).
         if rnd is not None and rnd.futures["durable"].exception() is not None:
             # The branch head of this process's view (moved at save time, as in a single-process
             # save) names a version the group failed to commit.
@@ -125,12 +130,12 @@ def resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict
         v = cache.catalog.peek(vid)
         mine = Status("ok", {"id": v.id, "branch": v.branch, "parent": v.parent, "step": v.step, "world": v.world,
                              "created": v.created_at.isoformat(), "hash": v.hash_algo})
-    except TierCacheError as e:
+    except (VersionNotFoundError, AmbiguousRefError, InvalidNameError) as e:
+        # A rank that knows no such version is no failure of the phase: another rank's node may know it.
+        mine = Status("ok", {"error": [type(e).__name__, str(e)]})
+    except Exception as e:  # anything else fails the restore on every rank, naming this rank
         mine = Status.of(e)
-
-    # A rank that knows no such version is no failure of the phase: another rank's node may know it.
-    verdict = ch.exchange(f"{tag}/resolve", mine if mine.ok else Status("ok", {"error": [mine.error, mine.message]}),
-                          what=what, decide=_first_known)
+    verdict = ch.exchange(f"{tag}/resolve", mine, what=what, decide=_first_known)
     verdict.raise_failure()
     return verdict.status.payload  # type: ignore[no-any-return]
 
@@ -306,17 +311,23 @@ class GroupFill:
         """Fill ``dests`` (one per tensor entry of ``version``); return the bytes read per source."""
         targets = chunk_targets(version, dests)
         needed = [i for i, t in enumerate(targets) if t]
-        held = self._held({version.chunks[i].id for i in needed})
-        missing = {version.chunks[i].id: version.chunks[i].nbytes for i in needed if version.chunks[i].id not in held}
         ch, tag = self.ch, self.tag
-        wanted = ch.exchange(f"{tag}/missing", Status("ok", missing), what=self.what,
+        try:
+            failpoint("group.fill", tag)
+            held = self._held({version.chunks[i].id for i in needed})
+            missing = {version.chunks[i].id: version.chunks[i].nbytes for i in needed
+                       if version.chunks[i].id not in held}
+            mine = Status("ok", missing)
+        except Exception as e:
+            held, missing, mine = set(), {}, Status.of(e)
+        wanted = ch.exchange(f"{tag}/missing", mine, what=self.what,
                              decide=lambda statuses: Decision(_union(statuses)))
         wanted.raise_failure()
         status = Status()
         if not wanted.status.payload:
             try:
                 self._count(self.cache.reader.read_chunks(version, needed, targets, progress))
-            except TierCacheError as e:
+            except Exception as e:  # the others learn it at done
                 status = Status.of(e)
         else:
             sizes: dict[str, int] = wanted.status.payload

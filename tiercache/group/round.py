@@ -200,8 +200,8 @@ class Round:
         local = self.local
         futures = {lvl: f for lvl, f in self.futures.items() if lvl != "staged"}
         if local is None:
-            futures["staged"] = _failed(SkippedError(f"version {self.vid} was written to the durable tiers "
-                                                     "directly (through DCP), never staged in RAM"))
+            futures["staged"] = _failed(self.stage_error or SkippedError(
+                f"version {self.vid} was written to the durable tiers directly (through DCP), never staged in RAM"))
             for tier, lvl in TIER_LEVEL.items():
                 if tier not in self.outcome:
                     futures[lvl] = _failed(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))

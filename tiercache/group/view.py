@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from tiercache.config import this_node
-from tiercache.errors import ConfigError, InvalidArgumentError, TierCacheError
+from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
+from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
 from tiercache.group.collective import Collective, Decision
 from tiercache.group.hashing import SharedHashing, declared_chunks, signature
@@ -253,6 +254,7 @@ class GroupView:
         cache = self.cache
         flat: Flat | None = None
         try:
+            failpoint("group.save", f"save/{slot}")
             if optimizer is not None:
                 raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
                                            "before returning; leave optimizer out")
@@ -263,7 +265,7 @@ class GroupView:
             meta = check_meta(meta)
             flat = flatten(state, allow_pickle=cache.config.allow_pickle, shards=True)
             sig = signature(flat, list(replicated)) if replicated else None
-        except TierCacheError as e:
+        except Exception as e:  # this rank's call is bad: the group learns it in this exchange
             self._channel.exchange(f"save/{slot}", Status.of(e), what=what, decide=self._begin).raise_failure()
             raise  # (the verdict always fails: this rank's error is in it)
         assert flat is not None
@@ -288,8 +290,8 @@ class GroupView:
                 nxt.seq = rnd.ref.seq  # the group's (this rank's view may lag behind rank 0's)
                 nxt.version = rnd.vid
         self._submit(rnd)
-        if rnd.stage_error is not None:
-            raise rnd.stage_error
+        if rnd.stage_error is not None and not isinstance(rnd.stage_error, SkippedError):
+            raise rnd.stage_error  # this rank's copy failed: its caller learns it now, the others in `parts`
         return rnd.handle()
 
     def _begin(self, statuses: list[Status]) -> Decision:
@@ -320,6 +322,7 @@ class GroupView:
         if not agreed["split"] and declared:
             log.info("version %s: the ranks' states or replicated= differ; every rank hashes all of its part", vid)
         try:
+            failpoint("group.stage", f"{vid}/stage")
             rnd.local = engine.stage(None, flat=flat, step=step, branch=branch, meta=agreed["meta"],
                                      parent=agreed["parent"], seq=agreed["seq"], version_id=vid, chunk_bytes=chunk,
                                      committer=rnd)

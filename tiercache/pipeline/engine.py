@@ -41,6 +41,7 @@ from tiercache.errors import (
     SkippedError,
     TierCacheError,
     TierFullError,
+    VersionNotFoundError,
 )
 from tiercache.format import Flat, dtype_name, flatten
 from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
@@ -629,7 +630,13 @@ class Engine:
                 if self._closed or not self.health.available(name):
                     return
                 self.wait_job(rec.version)
-                version = cat.materialize(cat.peek(rec.version))
+                if cat.ref(rec.kind, rec.name) != rec:
+                    continue  # moved (or taken back: its version failed) meanwhile
+                try:
+                    version = cat.materialize(cat.peek(rec.version))
+                except VersionNotFoundError:
+                    continue  # a ref this process moved to a version it did not get to commit
+
                 if cat.manifest_on(name, version.id) and name in cat.residency(version):
                     self.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
                     continue

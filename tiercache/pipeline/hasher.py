@@ -139,11 +139,14 @@ class Hasher:
             chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
             tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
         )
-        with self.jobs.lock:
-            ram.ram.put(version_key(job.version_id), manifest.to_json())
         job.manifest = manifest
         job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors
-        self.repo.catalog.add(manifest, "ram")
+        if job.committer is None:
+            with self.jobs.lock:
+                ram.ram.put(version_key(job.version_id), manifest.to_json())
+            self.repo.catalog.add(manifest, "ram")
+        # else: one rank's part of a group's version is no version of its own: the group makes the
+        # version known once it commits it (a part alone must never be listed, restored or copied).
         job.published.set_result(manifest)
         with self.jobs.lock:
             prev = self._last

@@ -115,11 +115,11 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     for v in versions:
         for name, tier in tiers.items():
             on = cat.manifest_on(name, v.id)
-            node = node_of[name] if tier.node_local and len(v.nodes) > 1 else None
+            ranks = _held_ranks(tier, v, node_of[name]) if tier.node_local and len(v.nodes) > 1 else None
             if v.ranks and on:
-                for r in v.node_ranks(node) if node is not None else range(v.ranks):
+                for r in ranks if ranks is not None else range(v.ranks):
                     parts[(name, v.id, r)] = v
-            for cid, nbytes, held in _chunk_refs(repo, v, name, node):
+            for cid, nbytes, held in _chunk_refs(repo, v, name, ranks):
                 if (on and held) or cid in listed[name]:
                     wanted[(name, cid)] = (nbytes, v.hash_algo)
 
@@ -152,18 +152,33 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
                         tuple(sorted(unrepairable)))
 
 
-def _chunk_refs(repo: Repo, v: Version, tier: str, node: str | None) -> list[tuple[str, int, bool]]:
+def _held_ranks(tier: Any, v: Version, node: str) -> list[int]:
+    """The ranks whose parts node ``node``'s node-local ``tier`` should hold of a version saved on several nodes.
+
+    Its own ranks' always; those of the nodes it was chosen to hold a copy of once the copy is
+    complete, which its part manifest there says (a part is written after every chunk it names):
+    a version whose peer copies failed is no damage. A version written merged (an older
+    tiercache, with no part manifests) counts its copies as made.
+    """
+    own = [r for n in v.nodes if n.name == node for r in n.ranks]
+    copies = [r for n in v.nodes if node in n.copies for r in n.ranks]
+    if not v.ranks:
+        return sorted(own + copies)
+    return sorted(own + [r for r in copies if tier.exists(part_key(v.id, r))])
+
+
+def _chunk_refs(repo: Repo, v: Version, tier: str, ranks: list[int] | None) -> list[tuple[str, int, bool]]:
     """``(chunk id, raw length, whether tier holds it)`` for the chunks of ``v`` a check of ``tier`` covers.
 
-    ``node``: the node a node-local ``tier`` belongs to, when ``v`` was saved on several nodes
-    (the tier then holds the chunks of that node's part and of the parts it copies). Of a
-    multi-rank version whose parts could not all be read, the parts ``tier`` holds.
+    ``ranks``: on a node-local tier of a version saved on several nodes, the ranks whose parts it
+    holds (see :func:`_held_ranks`). Of a multi-rank version whose parts could not all be read,
+    the parts ``tier`` holds.
     """
     if not v.is_header:
-        held = v.node_chunk_ids(node) if node is not None else None
+        held = v.rank_chunk_ids(ranks) if ranks is not None else None
         return [(c.id, c.nbytes, held is None or c.id in held) for c in v.chunks]
     out = []
-    for r in v.node_ranks(node) if node is not None else range(v.ranks):
+    for r in ranks if ranks is not None else range(v.ranks):
         part = repo.catalog.part(v, r, [tier])
         out += [(c.id, c.nbytes, True) for c in part.chunks] if part is not None else []
     return out
