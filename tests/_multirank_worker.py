@@ -11,6 +11,7 @@ States are built by :func:`ddp_state` and :func:`full_tensors` so the test can r
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import os
 import signal
@@ -387,12 +388,16 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
     cache = tiercache.open(json.loads((work / "config.json").read_text()))
-    cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
-    if scenario not in SCENARIOS:
-        import _chaos_worker
-
-        SCENARIOS.update(_chaos_worker.SCENARIOS)
-    SCENARIOS[scenario](cache, rank, world, out, work)
+    try:
+        cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
+    except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why
+        out["view_error"] = [type(e).__name__, str(e)]
+        (work / f"rank{rank}.json").write_text(json.dumps(out))
+        cache.close()
+        return
+    module, _, name = scenario.rpartition(":")
+    found = importlib.import_module(module).SCENARIOS if module else SCENARIOS  # "module:name" for other workers
+    found[name](cache, rank, world, out, work)
     (work / f"rank{rank}.json").write_text(json.dumps(out))
     cache.close()  # (rank 0 hosts the store: it lingers until the others read the last verdicts)
     if scenario not in _BROKEN and not opts.get("broken"):  # a peer is gone: a teardown would wait for it
@@ -400,9 +405,14 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
 
 
 def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
-    """Entry point of a forked rank: run, then leave without the parent's exit handlers."""
+    """Entry point of a forked rank: run, then leave without the parent's exit handlers.
+
+    With ``"exit": "normal"`` in ``run.json``, an error leaves the way an uncaught exception
+    leaves a trainer: through the interpreter's exit (its exit hooks run).
+    """
     code = 0
     faulthandler.dump_traceback_later(60, exit=True)  # a hung rank shows where, instead of hanging the test
+    opts = json.loads((work / "run.json").read_text()) if (work / "run.json").exists() else {}
     try:
         run(scenario, rank, world, port, work)
     except BaseException:
@@ -411,7 +421,9 @@ def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if opts.get("exit") != "normal":
+            os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

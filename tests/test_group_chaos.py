@@ -167,7 +167,7 @@ def test_random_faults_at_every_phase_give_one_outcome_per_version(
         work.mkdir(parents=True)
         (work / "plan.json").write_text(json.dumps({"trials": plan, "timeout": TIMEOUT}))
         store = _store(world)
-        codes = run_ranks("chaos", world, work, config, env=env, timeout=60 + 12 * len(plan),
+        codes = run_ranks("_chaos_worker:chaos", world, work, config, env=env, timeout=60 + 12 * len(plan),
                           opts={"store": store.port, "timeout": TIMEOUT})
         assert codes == [0] * world, (world, nodes, codes)
         outs = [rank_out(work, r) for r in range(world)]
@@ -202,7 +202,7 @@ def test_a_rank_killed_at_any_phase_breaks_the_group_once(
     work.mkdir()
     (work / "plan.json").write_text(json.dumps({"trials": plan, "timeout": TIMEOUT, "kills": True}))
     store = _store(world)
-    codes = run_ranks("chaos", world, work, config, env=env, timeout=120,
+    codes = run_ranks("_chaos_worker:chaos", world, work, config, env=env, timeout=120,
                       opts={"store": store.port, "timeout": TIMEOUT, "broken": True})
     dead = fault["rank"]
     if codes[dead] != -9:  # the phase never came on that rank (it leads no node, say): a clean run

@@ -59,7 +59,7 @@ def run_ranks(
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's external address
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "tiercache.group", "_multirank_worker",
-                                "_chaos_worker"])
+                                "_chaos_worker", "_faults_worker"])
     procs = [ctx.Process(target=forked, args=(scenario, r, world, port, work)) for r in range(world)]
     for p in procs:
         p.start()

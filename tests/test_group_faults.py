@@ -1,0 +1,96 @@
+"""One fault at a time, as users hit them: each of these broke the group before it had one collective layer.
+
+Every rank is a forked process (``_faults_worker.py``) on gloo, with the real local S3 server
+where a test uses S3. See tests/test_group_chaos.py for the random faults at every phase.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from test_multirank import rank_out, run_ranks
+from test_nodes import base_config, node_env
+
+from tiercache.config import S3Config
+
+
+def _run(name: str, world: int, work: Path, config: dict[str, Any], **kw: Any) -> list[int]:
+    return run_ranks(f"_faults_worker:{name}", world, work, config, **kw)
+
+
+def test_a_rank_that_skips_a_version_never_mixes_versions(tmp_path: Path) -> None:
+    # Rank 1's arena is full when version 2 comes (its disk write of version 1 is held) and its
+    # policy skips the version; the ranks trade ids of the model's chunks (replicated=). Before,
+    # the trade paired versions by call order: version 3 named rank 0's step-3 chunks and rank 1's
+    # step-2 ones, both ranks said durable, and restore failed its integrity check.
+    config = base_config(ram={"capacity": "100KiB"}, chunk_bytes="64KiB", pack_below="4KiB",
+                         policy={"name": "write-through", "params": {"on_full": "skip"}})
+    work = tmp_path / "work"
+    env = node_env(tmp_path, ["a", "a"])
+    env[0]["TIERCACHE_RAM__CAPACITY"] = "4MiB"  # rank 0's arena has room for both versions
+    assert _run("arena_skip", 2, work, config, env=env) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    v1, v2, v3 = outs[0]["ids"]
+    assert outs[1]["ids"] == [v1, v2, v3]
+    for out in outs:
+        assert out["v1"] == {"local": v1, "durable": v1} and out["v3"] == {"local": v3, "durable": v3}
+        name, message = out["v2"]["durable"]
+        assert name == "SkippedError" and "rank 1" in message and "arena is full" in message
+        assert out["v2"] == outs[0]["v2"]
+        assert out["v3_equal"] is True and out["v1_equal"] is True
+
+
+def test_a_bad_input_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path: Path) -> None:
+    # The group's default timeout (10 minutes): a rank that raised before the first exchange used
+    # to leave the others waiting inside save() for all of it.
+    work = tmp_path / "work"
+    config = base_config()
+    assert _run("bad_input", 3, work, config, env=node_env(tmp_path, ["a", "a", "b"]), timeout=120,
+                opts={"timeout": 600}) == [0, 0, 0]
+    outs = [rank_out(work, r) for r in range(3)]
+    for name, error, words in (
+        ("meta", "InvalidArgumentError", ["rank 1 (node a)", "meta must be JSON-able"]),
+        ("step", "InvalidArgumentError", ["rank(s) 0, 2 step 2", "rank(s) 1 step 3"]),
+        ("leaf", "UnsupportedStateError", ["rank 1 (node a)", "lock"]),
+    ):
+        raised = [o[name].get("raised", o[name]) for o in outs]
+        assert raised[0] == raised[1] == raised[2], (name, raised)
+        assert raised[0][0] == error and all(w in raised[0][1] for w in words), (name, raised[0])
+        assert all(o[name]["seconds"] < 30 for o in outs)
+    # Rank 1's arena cannot hold its part: its save() raises, the others' version fails naming it.
+    assert outs[1]["arena"].get("raised", [outs[1]["arena"]])[0] == "TierFullError"
+    for o in (outs[0], outs[2]):
+        name, message = o["arena"]["returned"]["durable"]
+        assert name == "GroupSaveError" and "rank 1 (node a): TierFullError" in message
+    assert outs[0]["arena"]["returned"] == outs[2]["arena"]["returned"]
+    for o in outs:  # and the group goes on
+        assert o["after"]["durable"] == outs[0]["after"]["durable"] != outs[0]["after"]["local"][0]
+        assert o["after_equal"] is True
+
+
+def test_ranks_whose_configs_differ_in_a_layout_setting_say_which_and_who(tmp_path: Path) -> None:
+    env = node_env(tmp_path, ["a", "a", "a"])
+    env[2]["TIERCACHE_PACK_BELOW"] = "8KiB"  # the ranks' chunk layouts would differ
+    work = tmp_path / "work"
+    assert _run("config_differs", 3, work, base_config(), env=env) == [0, 0, 0]
+    errors = [rank_out(work, r)["view_error"] for r in range(3)]
+    assert errors[0] == errors[1] == errors[2]
+    name, message = errors[0]
+    assert name == "ConfigError" and "pack_below is 16384 on rank 0 but 8192 on rank(s) 2" in message
+
+
+def test_a_rank_that_raises_right_after_save_still_completes_the_version(tmp_path: Path, s3_config: S3Config
+                                                                         ) -> None:
+    # Rank 1's training code raises after save() returned, and its process exits. Before, thread
+    # pools refused work at exit ("cannot schedule new futures after interpreter shutdown"): the
+    # version was lost for every rank, and rank 0's next save met a raw "Connection closed by peer".
+    config = base_config(s3=s3_config.model_dump(mode="json"))
+    work = tmp_path / "work"
+    codes = _run("raise_after_save", 2, work, config, env=node_env(tmp_path, ["a", "b"]),
+                 opts={"exit": "normal", "broken": True, "timeout": 5})
+    assert codes == [0, 1]
+    out = rank_out(work, 0)
+    assert out["v1"]["local"] == out["v1"]["durable"] and out["v1"]["local"][0] != "GroupSaveError"
+    name, message = out["next"]
+    assert name == "GroupBrokenError" and "rank 1 (node b) is gone" in message
