@@ -411,8 +411,9 @@ def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     leaves a trainer: through the interpreter's exit (its exit hooks run).
     """
     code = 0
-    faulthandler.dump_traceback_later(60, exit=True)  # a hung rank shows where, instead of hanging the test
     opts = json.loads((work / "run.json").read_text()) if (work / "run.json").exists() else {}
+    # A hung rank shows where, instead of hanging the test.
+    faulthandler.dump_traceback_later(opts.get("watchdog", 60), exit=True)
     try:
         run(scenario, rank, world, port, work)
     except BaseException:

@@ -167,8 +167,9 @@ def test_random_faults_at_every_phase_give_one_outcome_per_version(
         work.mkdir(parents=True)
         (work / "plan.json").write_text(json.dumps({"trials": plan, "timeout": TIMEOUT}))
         store = _store(world)
-        codes = run_ranks("_chaos_worker:chaos", world, work, config, env=env, timeout=60 + 12 * len(plan),
-                          opts={"store": store.port, "timeout": TIMEOUT})
+        limit = 60 + 12 * len(plan)
+        codes = run_ranks("_chaos_worker:chaos", world, work, config, env=env, timeout=limit,
+                          opts={"store": store.port, "timeout": TIMEOUT, "watchdog": limit})
         assert codes == [0] * world, (world, nodes, codes)
         outs = [rank_out(work, r) for r in range(world)]
         bound = 2 * TIMEOUT + 20

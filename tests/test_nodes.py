@@ -7,6 +7,7 @@ nothing but the S3 prefix, reached through a relay that counts bytes and can ref
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -336,3 +337,44 @@ def test_chunk_targets_and_a_single_process_cache_have_no_replicated_level(tmp_p
     [targets] = chunk_targets(version, dests)
     assert [(off, n) for _, off, n in targets] == [(0, 40)]
     assert chunk_key(version.chunks[0].id).startswith("chunks/")
+
+
+def test_the_cli_lists_verifies_and_restores_a_multi_node_cache_from_one_process(tmp_path: Path,
+                                                                                 s3_config: S3Config) -> None:
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    env = node_env(tmp_path, ["a", "b"])
+    work = tmp_path / "work"
+    s3 = s3_config.model_dump(mode="json")
+    assert run_ranks("nodes_save", 2, work, base_config(s3=s3), env=env) == [0, 0]
+    v1, v2 = (rank_out(work, 0)[f"v{i}_levels"]["local"] for i in (1, 2))
+
+    def cli(config: dict[str, Any], *args: str) -> Any:
+        path = tmp_path / "cli.toml"
+        path.write_text("".join(f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()
+                                                         if v is not None and not isinstance(v, dict))
+                                for table, fields in config.items()))
+        return CliRunner().invoke(app, ["--config", str(path), *args])
+
+    # From S3, which holds every rank's part: the whole version, as the list of the ranks' states.
+    on_s3 = {"s3": s3}
+    listed = cli(on_s3, "ls", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert [(v["id"], v["step"]) for v in json.loads(listed.stdout)] == [(v1, 1), (v2, 2)]
+    assert cli(on_s3, "verify").exit_code == 0
+    out = tmp_path / "whole.pt"
+    assert cli(on_s3, "restore", "main", "--out", str(out)).exit_code == 0
+    whole = torch.load(out, weights_only=True)
+    for rank in range(2):
+        assert torch.equal(whole[rank]["shard"], node_state(rank, 2)["shard"])
+    # From one node's disk: it lists and verifies what it holds; a restore of the whole version says
+    # which parts it lacks, in one line.
+    on_a = {"disk": {"path": str(tmp_path / "disk-a")}}
+    listed = cli(on_a, "ls", "--json")
+    assert listed.exit_code == 0 and [v["id"] for v in json.loads(listed.stdout)] == [v1, v2]
+    assert cli(on_a, "verify").exit_code == 0
+    refused = cli(on_a, "restore", "main", "--out", str(tmp_path / "part.pt"))
+    assert refused.exit_code != 0 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "parts of ranks 1 are on no tier" in refused.stderr

@@ -10,7 +10,9 @@ one rank hashed for the group (see :mod:`tiercache.group.hashing`) is written by
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tiercache.group.topology import Topology
 
@@ -67,4 +69,59 @@ def writers_by_node(
     return out
 
 
-__all__ = ["RankChunks", "assign_owners", "writers_by_node"]
+@dataclass(frozen=True)
+class PartsPlan:
+    """The coordinator's decision at a version's ``parts`` phase (see :func:`plan_parts`).
+
+    Attributes:
+        nbytes: The version's tensor bytes, every rank's together (the group manifest says it).
+        per_rank: Per rank, per tier, the positions in that rank's own chunk list of the chunks
+            it writes there (each rank is sent its own only).
+        writers: Per node, each chunk of its part -> the rank that writes it to the node's disk
+            (empty without a node-local tier); the peer copies are sent by these ranks.
+        sizes: Every distinct chunk's raw length, in the ranks' order.
+        part_bytes: The size of each rank's part manifest.
+    """
+
+    nbytes: int
+    per_rank: list[dict[str, list[int]]]
+    writers: list[dict[str, int]]
+    sizes: dict[str, int]
+    part_bytes: list[int]
+
+
+def plan_parts(parts: Sequence[Mapping[str, Any]], tiers: Sequence[str], node_local: Collection[str],
+               topology: Topology, preset: Mapping[str, int] | None = None) -> PartsPlan:
+    """Decide who writes which chunk on each tier, from every rank's summary of its part.
+
+    Args:
+        parts: Per rank, what it sent at ``parts``: ``chunks`` (``[id, raw length]`` in its layout
+            order), ``nbytes`` (its tensor bytes) and ``part`` (its part manifest's size).
+        tiers: The durable tiers.
+        node_local: Those of them every node holds on its own (the nodes' disks).
+        topology: The group's nodes.
+        preset: The writer of some chunks (the rank that hashed a replicated chunk).
+
+    The work is linear in the ranks' chunks (never in their tensors).
+    """
+    chunks = [[(cid, n) for cid, n in p["chunks"]] for p in parts]
+    owners: dict[str, list[set[str]]] = {}
+    writers: list[dict[str, int]] = []
+    for tier in tiers:
+        if tier in node_local:
+            writers = writers or writers_by_node(chunks, topology, preset)
+            owners[tier] = [set() for _ in chunks]
+            for node_writers in writers:
+                for cid, r in node_writers.items():
+                    owners[tier][r].add(cid)
+        else:
+            owners[tier] = assign_owners(chunks, preset)
+    per_rank = []
+    for r, own in enumerate(chunks):
+        position = {cid: i for i, (cid, _) in enumerate(own)}
+        per_rank.append({t: sorted(position[c] for c in owned[r]) for t, owned in owners.items()})
+    return PartsPlan(nbytes=sum(p["nbytes"] for p in parts), per_rank=per_rank, writers=writers,
+                     sizes={cid: n for own in chunks for cid, n in own}, part_bytes=[p["part"] for p in parts])
+
+
+__all__ = ["PartsPlan", "RankChunks", "assign_owners", "plan_parts", "writers_by_node"]

@@ -37,7 +37,7 @@ from tiercache.errors import TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.hashing import trade
-from tiercache.group.owners import assign_owners, writers_by_node
+from tiercache.group.owners import plan_parts
 from tiercache.group.round import Round
 from tiercache.group.status import Status
 from tiercache.manifest import Version
@@ -134,25 +134,10 @@ class Phases:
     def _assign(self, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""
         view = self.view
-        chunks = [[(cid, n) for cid, n in s.payload["chunks"]] for s in statuses]
-        preset = rnd.hashed_by()
-        owners: dict[str, list[set[str]]] = {}
-        writers: list[dict[str, int]] = []
-        for tier in view.cache.repo.durable:
-            if tier in view.node_local:
-                writers = writers_by_node(chunks, view.topology, preset)
-                owners[tier] = [{c for c, w in writers[view.topology.node_of[r]].items() if w == r}
-                                for r in range(view.world_size)]
-            else:
-                owners[tier] = assign_owners(chunks, preset)
-        rnd.plan.writers = writers
-        rnd.plan.part_bytes = [s.payload["part"] for s in statuses]
-        rnd.plan.sizes = {cid: n for own in chunks for cid, n in own}
-        per_rank = []
-        for r, own in enumerate(chunks):
-            position = {cid: i for i, (cid, _) in enumerate(own)}
-            per_rank.append({t: sorted(position[c] for c in owned[r]) for t, owned in owners.items()})
-        return Decision(sum(s.payload["nbytes"] for s in statuses), per_rank)
+        plan = plan_parts([s.payload for s in statuses], list(view.cache.repo.durable), view.node_local,
+                          view.topology, rnd.hashed_by())
+        rnd.plan.writers, rnd.plan.part_bytes, rnd.plan.sizes = plan.writers, plan.part_bytes, plan.sizes
+        return Decision(plan.nbytes, plan.per_rank)
 
     # ------------------------------------------------------------------ tiers
 
