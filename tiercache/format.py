@@ -172,7 +172,7 @@ def flatten(state: Any, *, allow_pickle: bool = False, shards: bool = False) -> 
             dict key that is not str/int/float/bool/None, a reference cycle, or nesting deeper
             than Python's recursion limit; the message names the key path and what to do.
     """
-    enc = _Encoder(allow_pickle, _dtensor_class() if shards else None)
+    enc = _Encoder(allow_pickle, dtensor_class() if shards else None)
     try:
         tree = enc.encode(state, "")
     except RecursionError:
@@ -189,7 +189,8 @@ def flatten(state: Any, *, allow_pickle: bool = False, shards: bool = False) -> 
     )
 
 
-def _dtensor_class() -> type | None:
+def dtensor_class() -> type | None:
+    """The DTensor class of torch (``None`` in a build without distributed tensors)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch build without distributed tensors holds none

@@ -94,9 +94,9 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
 
 
 def _local(into: Any) -> Any:
-    from tiercache.format import _dtensor_class
+    from tiercache.format import dtensor_class
 
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is None:
         return into
     from torch.utils._pytree import tree_leaves, tree_map
