@@ -166,7 +166,10 @@ class Phases:
         if not verdict.ok:
             rnd.settle(tier, verdict.status.error_object(wrap=True))
             return
-        view.adopt(rnd, tier)
+        try:
+            view.adopt(rnd, tier)
+        except Exception as e:  # this process's view only: the group committed the version all the same
+            log.warning("version %s is committed on %s but this process could not note it: %s", rnd.vid, tier, e)
         rnd.settle(tier, None)
 
     def _header(self, rnd: Round) -> Version:
