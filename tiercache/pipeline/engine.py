@@ -43,7 +43,7 @@ from tiercache.errors import (
     TierFullError,
 )
 from tiercache.format import Flat, dtype_name, flatten
-from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
 from tiercache.names import version_key
@@ -172,7 +172,7 @@ class Engine:
         plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
         layout = plan.layout
         vid = version_id or new_version_id()
-        futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        futures = level_futures(vid)
         job = Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
                   nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
         self._start_catch_up()
@@ -412,8 +412,7 @@ class Engine:
         lvl = TIER_LEVEL.get(name)
         if lvl:
             job.futures[lvl].set_result(job.version_id)
-        if not job.futures["durable"].done():
-            job.futures["durable"].set_result(job.version_id)
+        self._level(job, "durable").reach()  # the first tier to commit decides it
         self._done_with(job, name)
 
     def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False) -> None:
@@ -422,8 +421,8 @@ class Engine:
             job.failed[name] = err
             self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
         lvl = TIER_LEVEL.get(name)
-        if lvl and not job.futures[lvl].done():
-            job.futures[lvl].set_exception(err)
+        if lvl:
+            self._level(job, lvl).fail_unless_settled(err)  # a staging failure may have failed it first
         if is_outage(err):
             self.health.mark_down(name, err)  # logged once per outage
         elif not quiet:
@@ -433,6 +432,7 @@ class Engine:
     def _done_with(self, job: Job, name: str) -> None:
         with self.jobs.lock:
             job.pending.discard(name)
+            job.writing.discard(name)
             finished = not job.pending
         if finished:
             self.settle(job)
@@ -443,7 +443,8 @@ class Engine:
         If it reached no durable tier although a tier it was skipped for can take it, it is
         written there now instead (every version reaches a durable tier unless the user's policy
         dropped it with ``on_full``), on a thread of its own: a tier's writer may be waiting for
-        this version's outcome (see :meth:`final_manifest`).
+        this version's outcome (see :meth:`final_manifest`). Nothing is pending, so every write
+        that began has its outcome: the rule never decides on a version a tier is still writing.
         """
         with self.jobs.lock:
             if job.settled or job.pending:
@@ -475,16 +476,14 @@ class Engine:
         # handle says so, and it is no loss (a RAM-only cache has no durable level at all).
         conflicted = bool(failed) and all(isinstance(e, ConflictError) for e in failed.values())
         if not durable and conflicted:
-            if not job.futures["durable"].done():
-                job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
+            job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
         elif not durable and self.repo.durable:
             err = self._loss_error(job, skipped, failed)
             # Recorded (and the branch head retracted) before anyone waiting on the handle wakes.
             if not job.dropped and job.committer is None:
                 self._record_loss(job, err)
             self._lost(job)
-            if not job.futures["durable"].done():
-                job.futures["durable"].set_exception(err)
+            job.futures["durable"].set_exception(err)
         elif skipped or failed:
             outcomes = {n: TierOutcome(state="skipped", reason=r) for n, r in skipped.items()}
             outcomes.update({n: TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
@@ -492,6 +491,12 @@ class Engine:
             self.repo.catalog.note_outcomes(job.version_id, outcomes)  # seen by versions() at once
             self.finisher.submit(self._store_outcome, job.version_id)
         self._release(job)
+
+    @staticmethod
+    def _level(job: Job, level: str) -> LevelFuture:
+        future = job.futures[level]
+        assert isinstance(future, LevelFuture)
+        return future
 
     def _loss_error(self, job: Job, skipped: dict[str, str], failed: dict[str, BaseException]) -> BaseException:
         """The error a version that reached no durable tier fails ``durable`` with."""
@@ -531,8 +536,7 @@ class Engine:
         """Fail a version whose placement or hashing failed: nothing of it can be written."""
         log.error("saving version %s failed: %s", job.version_id, err)
         for lvl in LEVELS if job.copy_error is not None else LEVELS[1:]:
-            if not job.futures[lvl].done():
-                job.futures[lvl].set_exception(err)
+            self._level(job, lvl).fail_unless_settled(err)  # some failed at once (no such tier)
         # A multi-rank version's error reaches every rank through the group's handle instead.
         # A copy error was already raised to the caller of save(): not a lost version to report.
         if job.committer is None and err is not job.copy_error and not isinstance(err, SkippedError):

@@ -4,9 +4,10 @@ A :class:`Job` goes through these states (each tier independently once placed):
 
 * **staging**: ``save()`` copies the state into arena regions (``copied`` events per chunk);
 * **hashing**: the hasher names each chunk (``ready`` futures) and publishes the manifest;
-* per durable tier: **pending** (queued for or being written by that tier's writer) until
-  **committed**, **failed** or **skipped** (a skip settles only once the version is durable
-  elsewhere; else the tier takes it after all, see :meth:`Engine.settle`);
+* per durable tier: **pending** (queued for that tier's writer, then **writing** once the writer
+  takes it: from then on only that write decides) until **committed**, **failed** or **skipped**
+  (a skip settles only once the version is durable elsewhere; else the tier takes it after all,
+  see :meth:`Engine.settle`);
 * **settled**: every level resolved; its regions go back to the arena (or stay as read cache),
   and ``released`` is set.
 
@@ -94,7 +95,11 @@ class Job:
     copied: list[threading.Event] = field(default_factory=list)
     #: The exception that interrupted the copy (the caller of save() got it too).
     copy_error: BaseException | None = None
+    #: Durable tiers the version is queued for or being written to.
     pending: set[str] = field(default_factory=set)
+    #: Pending tiers whose write has begun (a writer took the version): the policy can no longer
+    #: take it off them, so the version settles only once those writes have their outcome.
+    writing: set[str] = field(default_factory=set)
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None

@@ -100,8 +100,11 @@ class TierWriter:
     def _write(self, job: Job) -> None:
         eng, name = self.engine, self.name
         with eng.jobs.lock:
-            if name not in job.pending:
-                return  # coalesced away while queued, already settled here
+            # One write per version and tier: the writer's queue and a fallback thread may both
+            # hold it (a version taken off this tier while queued, then sent here after all).
+            if name not in job.pending or name in job.writing:
+                return  # coalesced away while queued, settled here already, or being written
+            job.writing.add(name)  # from here on the policy cannot take it off this tier
             forced = name in job.forced
         outage = eng.health.outage(name)
         if outage is not None and not forced:
@@ -114,7 +117,7 @@ class TierWriter:
                 raise TierFullError(f"{name} is full and the policy names nothing to evict")
             plan = TierPlan(name, skip=True, reason=f"{name} is full and the policy names nothing to evict")
         if plan.skip:
-            eng.placement.skip_tier(name, job, plan.reason or "policy decision")
+            eng.placement.skip_tier(name, job, plan.reason or "policy decision", writing=True)
             return
         # A multi-rank version: write only the chunks the group gave this rank (waits for the group).
         mine = job.committer.owned(name) if job.committer is not None else None
