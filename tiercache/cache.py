@@ -692,7 +692,7 @@ class TierCache:
         """
         self.check_open()
         if self._engine is not None:
-            self._engine.flush(report=False)  # versions in flight are checked once committed
+            self._engine.wait_settled()  # versions in flight are checked once committed
         versions = [self.manifest(ref)] if ref is not None else self.catalog.all()
         return repo_ops.verify(self.repo, versions, repair=repair)
 

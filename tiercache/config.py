@@ -184,7 +184,8 @@ class S3Config(_Model):
             ``tiercache.open()`` and read-only commands go on without it after at most this
             long, serving what the other tiers hold.
         deadline_s: Seconds a version's chunk uploads (retries included) may take before that
-            version fails its ``remote`` level with ``DeadlineExceededError``; ``None`` for no limit.
+            write fails with ``DeadlineExceededError`` and S3 counts as down (a version durable on
+            disk then waits for S3's catch-up, as in any outage); ``None`` for no limit.
         addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
             when an endpoint_url is set.
         allow_unsafe_refs: Commit refs even on a store that ignores conditional writes (as

@@ -7,7 +7,8 @@ A :class:`Job` goes through these states (each tier independently once placed):
 * per durable tier: **pending** (queued for that tier's writer, then **writing** once the writer
   takes it: from then on only that write decides) until **committed**, **failed** or **skipped**
   (a skip settles only once the version is durable elsewhere; else the tier takes it after all,
-  see :meth:`Engine.settle`);
+  see :meth:`Engine.settle`); a remote tier it missed during an outage may leave its level
+  waiting for the tier's catch-up (:mod:`tiercache.pipeline.catchup`);
 * **settled**: every level resolved; its regions go back to the arena (or stay as read cache),
   and ``released`` is set.
 
@@ -108,6 +109,8 @@ class Job:
     #: Tiers skipped for this version, with why. Their levels are settled only once the version
     #: is durable on another tier; if it never is, one of them takes it after all.
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Tiers it was skipped for while they were down (its level may wait for their catch-up).
+    skipped_down: set[str] = field(default_factory=set)
     #: Tiers whose write failed, with the error (their levels failed at once).
     failed: dict[str, BaseException] = field(default_factory=dict)
     #: Tiers where the version's manifest and ref are committed.

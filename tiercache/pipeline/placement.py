@@ -155,6 +155,8 @@ class Placement:
             for name in tiers:
                 if name not in targets:
                     job.skipped[name] = placement.plan_for(name).reason or "policy decision"
+                    if not self.engine.health.available(name):
+                        job.skipped_down.add(name)
                     if job.committer is not None:  # the group waits for this level now (no fallback)
                         skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
@@ -213,6 +215,8 @@ class Placement:
             job.pending.discard(name)
             job.writing.discard(name)
             job.skipped[name] = reason
+            if not self.engine.health.available(name):
+                job.skipped_down.add(name)
             finished = not job.pending
         log.info("version %s skipped for %s: %s", job.version_id, name, reason)
         if job.committer is not None:

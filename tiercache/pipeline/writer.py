@@ -21,7 +21,6 @@ from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from tiercache import codecs
@@ -108,8 +107,12 @@ class TierWriter:
             forced = name in job.forced
         outage = eng.health.outage(name)
         if outage is not None and not forced:
-            since = datetime.fromtimestamp(outage.since, UTC).strftime("%H:%M:%S UTC")
-            raise TierUnavailableError(f"{name} is unavailable since {since} ({outage.reason}); "
+            if job.committer is None:
+                # Nothing was tried: as the policy's skip of a tier that is down (the version's
+                # level may then wait for the tier's catch-up, see tiercache.pipeline.catchup).
+                eng.placement.skip_tier(name, job, f"{name} unavailable ({outage.reason})", writing=True)
+                return
+            raise TierUnavailableError(f"{name} is unavailable since {outage.clock} ({outage.reason}); "
                                        "the version was not written there")
         plan = TierPlan(name) if forced else eng.placement.plan(job, name)
         if not plan.skip and not eng.placement.make_room(name, job):
