@@ -28,7 +28,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from tiercache import repo as repo_ops
-from tiercache.advisor import Advisor, Figure, PlanInputs, measured_inputs, snapshot_rate
 from tiercache.config import CacheConfig, load_config, parse_duration
 from tiercache.errors import (
     BranchNotFoundError,
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
+    from tiercache.advisor import Advisor, PlanInputs
     from tiercache.distributed import DistributedCache
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
@@ -817,6 +817,8 @@ class TierCache:
         if mttf is None and cfg.mttf is None:
             raise InvalidArgumentError("advisor(): give the job's mean time to failure, e.g. mttf=\"3h\" "
                                        "(or set [advisor] mttf in the config)")
+        from tiercache.advisor import Advisor  # only a training loop that asks for advice needs it
+
         recorder = self._status_recorder()
         return Advisor(
             lambda: self.plan_inputs(level, mttf=mttf, restart=restart),
@@ -851,6 +853,8 @@ class TierCache:
             restart: Seconds from a failure until the job runs again (default ``advisor.restart``).
             given: Figures to use instead of the measured ones (``save_wait``, ``time_to_level``, ``restore``).
         """
+        from tiercache.advisor import Figure, measured_inputs, snapshot_rate
+
         self.check_open()
         cfg = self.config.advisor
         mttf_fig = (Figure(parse_duration(mttf), "given") if mttf is not None
