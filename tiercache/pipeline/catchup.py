@@ -249,7 +249,9 @@ class CatchUp:
                 eng.wait_job(rec.version)
                 seen.add(rec.version)
                 try:
-                    self._copy(name, rec)
+                    left_out = self._copy(name, rec)
+                    if left_out is not None:
+                        errors[rec.version] = left_out
                 except TierCacheError as e:
                     if is_outage(e):
                         raise
@@ -271,25 +273,30 @@ class CatchUp:
             left = list(self._waiting[name].values())
         self.review(name, {w.version: err for w in left})
 
-    def _copy(self, name: str, rec: RefRecord) -> None:
-        """Make ``rec``'s version (and the ref) present on ``name``, copying it from this process's tiers."""
+    def _copy(self, name: str, rec: RefRecord) -> SkippedError | None:
+        """Make ``rec``'s version (and the ref) present on ``name``, copying it from this process's tiers.
+
+        Returns:
+            Why it was left out, if no tier of this process holds it whole (else ``None``).
+        """
         eng = self._engine
         cat = eng.repo.catalog
         version = cat.get(rec.version)
         if cat.manifest_on(name, version.id) and name in cat.residency(version):
             eng.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
-            return
+            return None
         if not [t for t in cat.residency(version) if t != name]:
             # A version saved by ranks on several nodes, each node's disk holding its own part:
             # no process can copy it alone; the group's next save reaches the tier.
             log.info("not catching %s up with version %s (%s/%s): this node holds only its part of it",
                      name, version.id, rec.kind, rec.name)
-            raise SkippedError(f"version {version.id} was not uploaded to {name}: this node holds only its part "
-                               "of it (the group's next save reaches the tier)")
+            return SkippedError(f"version {version.id} was not uploaded to {name}: this node holds only its part "
+                                "of it (the group's next save reaches the tier)")
         copied = eng.repo.copy_version(version, name, eng.read_object, ref=rec)
         log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind, rec.name,
                  copied)
         cat.clear_outcome(version.id, name)
+        return None
 
     # ------------------------------------------------------------------ flush and close
 
