@@ -912,7 +912,11 @@ class TierCache:
         self.engine.prepare_arena(state, wait=wait)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pending save has finished on every tier.
+        """Wait until every pending save has finished on every tier that is up.
+
+        A version waiting for S3 while it is down is durable on disk and is not waited for (an
+        outage may last hours): a warning names it, and its ``remote`` level resolves once S3 is
+        back and caught up (see :mod:`tiercache.pipeline.catchup`).
 
         Args:
             timeout: Seconds to wait at most (``None``: as long as it takes).
@@ -929,7 +933,10 @@ class TierCache:
         """Wait for pending writes, release the arena and connections.
 
         A ``save()`` running in another thread finishes staging first (its version is written
-        like any other); a ``save()`` after this raises :class:`CacheClosedError`.
+        like any other); a ``save()`` after this raises :class:`CacheClosedError`. It does not
+        wait for S3 while it is down: the ``remote`` level of a version still waiting for it
+        fails with :class:`TierUnavailableError` (the version is on disk; the next process that
+        saves uploads the newest version of each branch).
 
         Raises:
             TierCacheError: The first version since the last report that reached no durable tier.
