@@ -167,3 +167,19 @@ def s3_config(s3_server: object, _s3_admin: object) -> Iterator[S3Config]:
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     except Exception as e:  # cleanup is best effort: never turn a passing test into an error
         warnings.warn(f"could not clean up s3://{bucket}/{prefix}: {type(e).__name__}", stacklevel=1)
+
+
+@pytest.fixture(autouse=True)
+def _no_level_settled_twice() -> Iterator[None]:
+    """Every test checks that no durability level was settled twice (see ``tiercache.handle.settled_twice``).
+
+    A second outcome raises on the thread that tries, where the pipeline may turn it into a log
+    line; this makes it fail the test that provoked it, whatever that test asserts itself.
+    """
+    from tiercache import handle
+
+    handle.forget_settled_twice()
+    yield
+    twice = handle.settled_twice()
+    handle.forget_settled_twice()
+    assert not twice, f"durability levels settled twice: {twice}"

@@ -126,3 +126,32 @@ def test_bad_log_level_names_the_variable(cfg: Path) -> None:
     assert ran.returncode == 2 and ran.stdout == ""
     assert ran.stderr.startswith("error: Invalid value for '--log-level' (env var: 'TIERCACHE_LOG')")
     assert ran.stderr.count("\n") == 1
+
+
+#: Modules that cost a command's start-up dearly; each is imported only by the commands that use it.
+_STARTUP_HEAVY = ("torch", "boto3", "botocore", "pydantic", "pydantic_settings", "rich.console", "rich.progress",
+                  "importlib.metadata", "tiercache.cache", "tiercache.advisor", "tiercache.pipeline.engine")
+
+
+def _heavy_imports(cwd: Path, *args: str) -> list[str]:
+    """Which of :data:`_STARTUP_HEAVY` ``tiercache ARGS`` imports, in a fresh interpreter."""
+    code = ("import runpy, sys\nsys.argv = ['tiercache', *sys.argv[1:]]\ntry:\n"
+            "    runpy.run_module('tiercache', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert e.code in (0, None), e.code\n"
+            f"print('imported:', *sorted(m for m in {_STARTUP_HEAVY!r} if m in sys.modules), file=sys.stderr)\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(tiercache.__file__).parent.parent)}
+    ran = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=cwd,
+                         check=False)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stderr.strip().splitlines()[-1].split()[1:]
+
+
+def test_help_and_ls_import_only_what_they_use(tmp_path: Path) -> None:
+    # Start-up time is measured in bench/ (group cli); this checks what it is spent on.
+    assert _heavy_imports(tmp_path, "--help") == []
+    (tmp_path / "tiercache.toml").write_text(f'[disk]\npath = "{tmp_path / "cache"}"\n')
+    with tiercache.open(tmp_path / "tiercache.toml") as cache:
+        cache.save({"w": torch.ones(4)}, step=1).wait("local")
+    # ls needs the config and the catalog (pydantic), and rich to print; pydantic reads its plugins'
+    # entry points (importlib.metadata). Nothing else heavy: no torch, no S3 client, no advisor.
+    assert _heavy_imports(tmp_path, "ls") == ["importlib.metadata", "pydantic", "rich.console", "tiercache.cache"]

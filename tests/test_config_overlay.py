@@ -54,3 +54,20 @@ def test_a_variable_that_names_no_field_or_is_not_json_is_named(tmp_path: Path, 
         load_config({"disk": {"path": str(tmp_path)}}, env=env)
     msg = str(info.value)
     assert msg.startswith(f"invalid config from environment variable {named}: ") and "\n" not in msg
+
+
+def test_a_misspelt_field_is_named_first_with_the_closest_known_one(tmp_path: Path) -> None:
+    # The typo is the mistake; "disk.path: Field required" is only its fallout.
+    config = tmp_path / "tiercache.toml"
+    config.write_text('[disk]\npaht = "x"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(config, env={})
+    assert str(info.value) == (f"invalid config {config}: field 'disk.paht': unknown field: did you mean 'path'? "
+                               "(and 1 more)")
+    with pytest.raises(ConfigError) as info:
+        load_config({"disk": {"path": "/x"}, "policy": {"name": "write-through", "parms": {}}}, env={})
+    assert str(info.value) == "invalid config (dict): field 'policy.parms': unknown field: did you mean 'params'?"
+    with pytest.raises(ConfigError) as info:
+        load_config({"disk": {"path": "/x"}}, env={"TIERCACHE_DISK__PAHT": "/y"})
+    assert str(info.value) == ("invalid config from environment variable TIERCACHE_DISK__PAHT: field 'disk.paht': "
+                               "unknown field: did you mean TIERCACHE_DISK__PATH?")

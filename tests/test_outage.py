@@ -7,12 +7,15 @@ never answered). Timeouts are short so each outage is noticed within a second or
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache import failpoints
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, TierUnavailableError
@@ -62,7 +66,7 @@ def _s3_only(s3_config: S3Config) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mode", ["refuse", "hang"])
 def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
-    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy, mode: str
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = _cfg(tmp_path, s3_config, relay)
     handles = []
@@ -72,23 +76,37 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
                 relay.mode = mode  # type: ignore[assignment]
             handles.append(cache.save(_state(step), step=step))  # never raises
             handles[-1].wait("local")  # every version is local: before, during and after the outage
-            handles[-1].future("remote").exception()  # a slow step: S3's outcome is known before the next
-        cache.flush()  # no version was lost: nothing to report
+            cache.flush()  # each version settled before the next: the one it supersedes is known
+            if step < 4:
+                assert handles[-1].wait("remote") == handles[-1].version
         assert cache.stats()["errors"]["lost_versions"] == 0
         assert cache.stats()["tiers"]["s3"]["available"] is False
         for h in handles:
-            assert h.wait("local") == h.version
-        failed = [h.future("remote").exception() for h in handles[3:]]
-        failed = [e for e in failed if not isinstance(e, SkippedError)]
-        assert failed and all(isinstance(e, TierUnavailableError) for e in failed), failed
-        infos = {v.id: v for v in cache.versions()}
-        assert all(infos[h.version].states["s3"].state in ("failed", "skipped") for h in handles[3:])
-        assert any("unavailable" in infos[h.version].states["s3"].reason for h in handles[3:])
+            assert h.wait("local") == h.wait("durable") == h.version
+        # While S3 is down, the head's remote level waits (catch-up will upload it); every older
+        # version saved meanwhile was superseded by the next one, which catch-up copies instead.
         head = handles[-1].version
-        assert infos[head].states["s3"].state != "held"
+        assert not handles[-1].done("remote")
+        for older, newer in itertools.pairwise(handles[3:]):
+            err = older.future("remote").exception()
+            assert isinstance(err, SkippedError), err
+            assert str(err).startswith(f"version {older.version} was not uploaded to s3: newer version "
+                                       f"{newer.version} of branch main superseded it while s3 was unavailable")
+        infos = {v.id: v for v in cache.versions()}
+        assert infos[head].states["s3"].state == "pending"
+        assert all(infos[h.version].states["s3"].state == "skipped" for h in handles[3:-1])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiercache"):
+            cache.flush(timeout=30)  # does not wait for S3: it is down
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["flush"]
+        assert "flush: 1 version(s) wait for s3, unavailable since " in caplog.records[0].getMessage()
+        assert caplog.records[0].getMessage().endswith(
+            f": {head} (step 12); they are on the other tiers, and their 'remote' level resolves when s3 "
+            "answers again")
         relay.mode = "up"
         # The probe notices, and the newest version of the branch goes up without another save.
-        assert _until(lambda: "s3" in {v.id: v for v in cache.versions()}[head].tiers)
+        assert handles[-1].wait("remote", timeout=60) == head
+        assert "s3" in {v.id: v for v in cache.versions()}[head].tiers
     with tiercache.open(_s3_only(s3_config)) as remote:
         assert remote.resolve("main") == head
         got = remote.restore("main")
@@ -96,7 +114,7 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
     with tiercache.open(cfg) as fresh:  # a fresh process still says why the others missed S3
         infos = {v.id: v for v in fresh.versions()}
         missed = [infos[h.version].states["s3"] for h in handles[3:-1]]
-        assert {s.state for s in missed} <= {"failed", "skipped"} and all(s.reason for s in missed)
+        assert all(s.state == "skipped" and "superseded it while s3 was unavailable" in s.reason for s in missed)
     toml = tmp_path / "tiercache.toml"
     toml.write_text(f'[disk]\npath = "{cfg["disk"]["path"]}"\n[s3]\nurl = "{cfg["s3"]["url"]}"\n'
                     f'endpoint_url = "{cfg["s3"]["endpoint_url"]}"\nregion = "{cfg["s3"]["region"]}"\n')
@@ -104,7 +122,7 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
     assert shown.exit_code == 0, shown.output
     rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[1:13]}
     assert all(rows[h.version[:10]][-2] == "✓" for h in handles[:-1]), shown.stdout  # disk, then s3
-    assert all(rows[h.version[:10]][-1] in ("failed", "skipped") for h in handles[3:-1]), shown.stdout
+    assert all(rows[h.version[:10]][-1] == "skipped" for h in handles[3:-1]), shown.stdout
     assert rows[handles[-1].version[:10]][-2:] == ["✓", "✓"], shown.stdout
     reasons = shown.stdout.split("why a tier lacks a version, newest first", 1)[1]
     assert f"{handles[-2].version[:10]} s3 " in reasons and "unavailable" in reasons, shown.stdout
@@ -188,3 +206,128 @@ def test_read_only_cli_commands_in_a_fresh_process_serve_the_disk_while_s3_is_do
     needs_s3 = _cli(toml, "promote", "main", "--to", "s3")
     assert needs_s3.returncode == 1
     assert needs_s3.stderr.strip().splitlines()[-1].startswith("error: cannot promote to s3: it is unavailable")
+
+
+# ---------------------------------------------------------------------- the remote level tells the truth
+
+
+@contextmanager
+def _held_s3_claims() -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Hold every S3 write (catch-up's included) right after it leased its chunks, until ``go`` is set."""
+    arrived, go = threading.Event(), threading.Event()
+
+    def hold(tier: str, missing: set[str]) -> None:
+        if tier == "s3":
+            arrived.set()
+            assert go.wait(60), "the held S3 write was never let go"
+
+    with failpoints.hooked("repo.after_claim", hold):
+        try:
+            yield arrived, go
+        finally:
+            go.set()
+
+
+def _reopened_with_s3_down(cfg: dict[str, Any], relay: ThrottledProxy) -> tuple[str, tiercache.TierCache]:
+    """Save step 1 to S3, then open the cache again with S3 refusing: the version, and the cache."""
+    with tiercache.open(cfg) as cache:
+        v1 = cache.save(_state(1), step=1).wait("remote")
+    relay.mode = "refuse"
+    cache = tiercache.open(cfg)
+    assert cache.stats()["tiers"]["s3"]["available"] is False  # noticed at open: S3 is marked down
+    return v1, cache
+
+
+def test_a_version_saved_while_s3_is_down_waits_for_it_and_reaches_remote_when_it_is_back(
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy
+) -> None:
+    v1, cache = _reopened_with_s3_down(_cfg(tmp_path, s3_config, relay), relay)
+    try:
+        h = cache.save(_state(2), step=2)
+        assert h.wait("local") == h.wait("durable") == h.version
+        cache.flush()  # does not wait for S3, which is down
+        assert not h.done("remote")  # neither reached nor failed: catch-up will upload it
+        assert cache.versions()[-1].states["s3"].state == "pending"
+        with _held_s3_claims() as (arrived, go):
+            relay.mode = "up"
+            assert arrived.wait(60), "S3 was not caught up"  # catch-up is copying the version now
+            assert not h.done("remote")
+            with pytest.raises(TimeoutError) as info:
+                cache.flush(timeout=0.5)
+            assert str(info.value) == (f"flush: 1 version(s) still pending after 0.5s: {h.version} (step 2, "
+                                       "waiting for s3 to be caught up)")
+            go.set()
+            assert h.wait("remote", timeout=60) == h.version
+        cache.flush()
+    finally:
+        cache.close()
+    assert h.wait("remote") == h.version
+    with tiercache.open(_s3_only(s3_config)) as remote:  # S3 alone holds it whole, on the branch
+        assert remote.resolve("main") == h.version
+        assert {v.id: v.parent for v in remote.versions()} == {v1: None, h.version: v1}
+        got = remote.restore("main")
+        assert torch.equal(got["w"], _state(2)["w"]) and torch.equal(got["b"], _state(2)["b"]) and got["step"] == 2
+
+
+def test_of_two_versions_saved_while_s3_is_down_the_older_fails_naming_the_newer(
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy
+) -> None:
+    v1, cache = _reopened_with_s3_down(_cfg(tmp_path, s3_config, relay), relay)
+    try:
+        older = cache.save(_state(2), step=2)
+        newer = cache.save(_state(3), step=3)
+        assert [older.wait("local"), newer.wait("local")] == [older.version, newer.version]
+        cache.flush()
+        with pytest.raises(SkippedError) as info:
+            older.wait("remote")  # known once the newer one settled: catch-up copies only the head
+        assert str(info.value) == (f"version {older.version} was not uploaded to s3: newer version {newer.version} "
+                                   "of branch main superseded it while s3 was unavailable")
+        assert not newer.done("remote")
+        relay.mode = "up"
+        assert newer.wait("remote", timeout=60) == newer.version
+        states = {v.id: v.states["s3"] for v in cache.versions()}
+        assert (states[older.version].state, states[older.version].reason) == ("skipped", str(info.value))
+    finally:
+        cache.close()
+    with tiercache.open(_s3_only(s3_config)) as remote:
+        assert remote.resolve("main") == newer.version
+        assert {v.id for v in remote.versions()} == {v1, newer.version}
+        assert torch.equal(remote.restore("main")["w"], _state(3)["w"])
+
+
+def test_flush_and_close_during_an_s3_outage_name_what_waits_for_s3(
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _cfg(tmp_path, s3_config, relay)
+    _, cache = _reopened_with_s3_down(cfg, relay)
+    try:
+        hs = [cache.save(_state(s), step=s, branch=b) for s, b in ((2, "main"), (3, "dev"))]
+        assert [h.wait("local") for h in hs] == [h.version for h in hs]
+        outage = cache.health.outage("s3")
+        assert outage is not None
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiercache"):
+            cache.flush(timeout=30)  # returns: nothing it can wait for is pending
+        assert [r.getMessage() for r in caplog.records] == [
+            f"flush: 2 version(s) wait for s3, unavailable since {outage.clock} ({outage.reason}): "
+            f"{hs[0].version} (step 2), {hs[1].version} (step 3); they are on the other tiers, and their 'remote' "
+            "level resolves when s3 answers again"]
+        assert not any(h.done("remote") for h in hs)
+        caplog.clear()
+    finally:
+        with caplog.at_level(logging.WARNING, logger="tiercache"):
+            cache.close()  # S3 is still down: close does not wait for it
+    why = f"s3 was still unavailable when the cache closed (since {outage.clock}: {outage.reason})"
+    for h in hs:
+        with pytest.raises(TierUnavailableError) as info:
+            h.wait("remote")
+        assert str(info.value) == f"version {h.version} was not uploaded to s3: {why}"
+        assert h.wait("durable") == h.version
+    assert [r.getMessage() for r in caplog.records] == [
+        f"closing: 2 version(s) not uploaded to s3: {why}: {hs[0].version} (step 2), {hs[1].version} (step 3); "
+        "they are on the other tiers, and the next process that saves catches s3 up with the newest version of "
+        "each branch and every tag"]
+    relay.mode = "up"
+    with tiercache.open(cfg) as again:  # the next process that saves catches S3 up
+        again.save(_state(4), step=4, branch="other").wait("remote")
+        assert _until(lambda: all("s3" in {v.id: v for v in again.versions()}[h.version].tiers for h in hs))

@@ -15,48 +15,76 @@ import torch
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.errors import DeadlineExceededError
+from tiercache.errors import DeadlineExceededError, SkippedError, TierUnavailableError
 from tiercache.tiers.s3 import S3Tier
 
 
-def _caught_up(cache: tiercache.TierCache, version: str, timeout: float = 60.0) -> bool:
-    """Wait until S3 holds ``version`` (a liveness bound, not a speed figure)."""
+def _stall_s3(monkeypatch: pytest.MonkeyPatch, release: threading.Event) -> None:
+    """Chunk uploads stall until ``release`` (a store that keeps answering SlowDown, as the engine sees it),
+    and once one has, the health probe fails too, so S3 stays down until then (no catch-up starts early)."""
+    put, probe = S3Tier.put, S3Tier.probe
+    stalling = threading.Event()
+
+    def stalled(tier: S3Tier, key: str, data: object, **kw: bool) -> None:
+        if key.startswith("chunks/") and not release.is_set():
+            stalling.set()
+            release.wait(30)  # still sending when the deadline passes
+        put(tier, key, data, **kw)  # type: ignore[arg-type]
+
+    def probe_fails(tier: S3Tier) -> None:
+        if stalling.is_set() and not release.is_set():
+            raise TierUnavailableError("the store is still throttling")
+        probe(tier)
+
+    monkeypatch.setattr(S3Tier, "put", stalled)
+    monkeypatch.setattr(S3Tier, "probe", probe_fails)
+
+
+def _until_down(cache: tiercache.TierCache, timeout: float = 60.0) -> str:
+    """Wait until S3 is marked down (a liveness bound); return why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if "s3" in {v.id: v for v in cache.versions()}[version].tiers:
-            return True
+        outage = cache.health.outage("s3")
+        if outage is not None:
+            return outage.reason
         time.sleep(0.05)
-    return False
+    raise AssertionError("S3 was never marked down")
 
 
-def test_uploads_past_the_deadline_fail_remote_only(
+def _superseded(older: tiercache.SaveHandle, newer: tiercache.SaveHandle) -> None:
+    """``older``'s remote level failed: its upload passed the deadline, and ``newer`` superseded it."""
+    with pytest.raises(SkippedError) as info:
+        older.wait("remote")
+    assert str(info.value).startswith(
+        f"version {older.version} was not uploaded to s3: newer version {newer.version} of branch main superseded "
+        f"it while s3 was unavailable (its own write had failed: DeadlineExceededError: writing version "
+        f"{older.version} to s3 took longer than its deadline of 0.5s (s3.deadline_s)")
+    assert isinstance(info.value.__cause__, DeadlineExceededError)
+
+
+def test_an_upload_past_the_deadline_fails_that_write_only(
     tmp_path: Path, s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
-    real = S3Tier.put
-
-    def stalled(tier: S3Tier, key: str, data: object, **kw: bool) -> None:
-        if key.startswith("chunks/"):
-            release.wait(30)  # a store that keeps answering SlowDown, as seen from the engine
-        real(tier, key, data, **kw)  # type: ignore[arg-type]
-
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
     cfg = {"disk": {"path": str(tmp_path)}, "s3": s3, "policy": {"name": "write-through"},
            "engine": {"probe_interval_s": 0.2}}
     state = {"w": torch.arange(300_000, dtype=torch.float32)}
-    monkeypatch.setattr(S3Tier, "put", stalled)
+    _stall_s3(monkeypatch, release)
     cache = tiercache.open(cfg)
     try:
         h = cache.save(state, step=1)
         assert h.wait("local") == h.version
-        with pytest.raises(DeadlineExceededError, match=r"s3\.deadline_s"):
-            h.wait("remote", timeout=20)
+        assert "s3.deadline_s" in _until_down(cache)
+        # Step 1 is local; S3 counts as down, and step 1's remote level waits for its catch-up.
+        assert not h.done("remote")
+        h3 = cache.save({"w": state["w"] + 1}, step=3)  # costs nothing: S3 is skipped while down
+        assert h3.wait("local") == h3.version
+        cache.flush()
+        _superseded(h, h3)  # catch-up will copy the newest version, not step 1
         release.set()
         monkeypatch.undo()
-        # Step 1 is local: only its remote level failed, which costs the next save nothing.
-        h3 = cache.save({"w": state["w"] + 1}, step=3)
-        assert h3.wait("local") == h3.version
-        assert _caught_up(cache, h3.version)  # S3 answers a probe again: the newest version goes up
+        assert h3.wait("remote", timeout=60) == h3.version  # S3 answers a probe again: step 3 goes up
         cache.flush()  # no version was lost
     finally:
         release.set()
@@ -78,27 +106,21 @@ def test_an_upload_past_the_deadline_keeps_reading_its_own_bytes(
     bytes would find the chunk stored and keep only a reference to the wrong bytes.
     """
     release = threading.Event()
-    real = S3Tier.put
-
-    def stalled(tier: S3Tier, key: str, data: object, **kw: bool) -> None:
-        if key.startswith("chunks/") and not release.is_set():
-            release.wait(30)  # still sending when the deadline passes
-        real(tier, key, data, **kw)  # type: ignore[arg-type]
-
     s3 = s3_config.model_dump() | {"deadline_s": 0.5}
     cfg = {"ram": {"capacity": "4MiB", "serve_reads": False}, "disk": {"path": str(tmp_path)}, "s3": s3,
            "policy": {"name": "write-through"}, "engine": {"probe_interval_s": 0.2}}
     first = {"w": torch.arange(300_000, dtype=torch.float32)}
-    monkeypatch.setattr(S3Tier, "put", stalled)
+    _stall_s3(monkeypatch, release)
     cache = tiercache.open(cfg)
     try:
         h1 = cache.save(first, step=1)
-        with pytest.raises(DeadlineExceededError):
-            h1.wait("remote", timeout=20)
+        assert "s3.deadline_s" in _until_down(cache)
         h3 = cache.save({"w": torch.full((300_000,), 7.0)}, step=3)
         assert h3.wait("local", timeout=20) == h3.version  # staged while step 1's upload still runs
+        cache.flush()
+        _superseded(h1, h3)
         release.set()
-        assert _caught_up(cache, h3.version)
+        assert h3.wait("remote", timeout=60) == h3.version
     finally:
         release.set()
         cache.close()

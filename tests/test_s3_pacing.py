@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from _s3faults import SlowDownChunks
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.errors import StorageError
+from tiercache.errors import StorageError, TierUnavailableError
 from tiercache.tiers._s3pacing import Pacer
 
 
@@ -97,13 +98,28 @@ def test_a_throttling_store_slows_the_save_down_and_it_still_reaches_remote(
         assert torch.equal(s3_only.restore("main")["w"], state["w"])
 
 
-def test_a_store_that_keeps_throttling_fails_remote_only_after_the_retries(
+def test_a_store_that_keeps_throttling_fails_the_upload_only_after_the_retries(
     tmp_path: Path, s3_config: S3Config
 ) -> None:
-    with tiercache.open(_config(tmp_path, s3_config, throttle_retries=2)) as cache:
+    # A probe a minute apart: S3 stays down for the whole test once the upload gives up.
+    config = {**_config(tmp_path, s3_config, throttle_retries=2), "engine": {"probe_interval_s": 60}}
+    cache = tiercache.open(config)
+    try:
         throttle = SlowDownChunks(cache.repo.durable["s3"]._client, 100)
         h = cache.save({"w": torch.ones(16)}, step=1)
         assert h.wait("local") == h.version
-        with pytest.raises(StorageError, match="SlowDown"):
-            h.wait("remote")
-        assert throttle.answered == 3  # the first try and two retries
+        deadline = time.monotonic() + 60  # a liveness bound: the retries take well under a second
+        while cache.health.outage("s3") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        outage = cache.health.outage("s3")
+        assert outage is not None and "SlowDown" in outage.reason
+        assert throttle.answered == 3  # the first try and two retries, then the upload gave up
+        # The version is on disk: its remote level waits for S3 to be caught up, not fails.
+        assert not h.done("remote")
+    finally:
+        cache.close()
+    with pytest.raises(TierUnavailableError) as info:
+        h.wait("remote")  # closed while S3 was still down
+    assert str(info.value).startswith(f"version {h.version} was not uploaded to s3: s3 was still unavailable "
+                                      "when the cache closed")
+    assert isinstance(info.value.__cause__, StorageError) and "SlowDown" in str(info.value.__cause__)

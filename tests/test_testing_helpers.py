@@ -39,15 +39,26 @@ def test_the_runner_refuses_a_bad_bucket_in_one_line() -> None:
     assert (ran.returncode, ran.stdout, ran.stderr) == (2, "", f"error: {BAD_NAME.format('My_Bucket')}\n")
 
 
+def test_the_runner_refuses_a_dir_it_cannot_create_in_one_line(tmp_path: Path) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    ran = subprocess.run([sys.executable, "-m", "tiercache.testing.locals3", "--dir", str(taken / "server")],
+                         capture_output=True, text=True, check=False)
+    assert (ran.returncode, ran.stdout) == (1, "")
+    assert ran.stderr == f"error: cannot create the server's parent directory {taken / 'server'}: Not a directory\n"
+
+
 def test_the_runner_serves_a_cache_until_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(key, raising=False)
+    server_dir = tmp_path / "new"  # missing: the runner creates it (a short path: sockets go in it)
+    # Started with SIGINT ignored, as a shell starts a background job's commands (and this suite's,
+    # when it runs as one): Ctrl-C must still stop the runner.
     runner = subprocess.Popen(
-        [sys.executable, "-m", "tiercache.testing.locals3", "--bucket", "mine", "--prefix", "exp1", "--dir",
-         str(tmp_path / "server")],
+        ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "tiercache.testing.locals3",
+         "--bucket", "mine", "--prefix", "exp1", "--dir", str(server_dir)],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ),
     )
-    (tmp_path / "server").mkdir()
     try:
         assert runner.stdout is not None
         header = runner.stdout.readline()
@@ -68,8 +79,23 @@ def test_the_runner_serves_a_cache_until_interrupted(tmp_path: Path, monkeypatch
             assert torch.equal(cache.restore("main")["w"], state["w"])
     finally:
         runner.send_signal(signal.SIGINT)
-        assert runner.wait(timeout=60) == 0
-    assert list((tmp_path / "server").iterdir()) == []  # the server's data went with it
+        code = _stopped(runner)
+    assert code == 0
+    assert list(server_dir.iterdir()) == []  # the server's data went with it
+
+
+def _stopped(proc: subprocess.Popen[str]) -> int | None:
+    """Wait for ``proc`` to exit; if it does not, stop it (and its server) anyway: ``None`` then."""
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the runner stops its server on SIGTERM, and removes its data
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the server goes with it (PDEATHSIG)
+            proc.wait()
+        return None
 
 
 def test_throttled_proxy_refuses_a_target_beyond_loopback() -> None:

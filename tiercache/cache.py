@@ -33,7 +33,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache import repo as repo_ops
-from tiercache.advisor import Advisor, Figure, PlanInputs, measured_inputs, snapshot_rate
 from tiercache.config import CacheConfig, parse_duration
 from tiercache.errors import (
     BranchNotFoundError,
@@ -61,6 +60,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
+    from tiercache.advisor import Advisor, PlanInputs
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
     from tiercache.restore import Fill, Progress, Reader, RestoreReport
@@ -711,7 +711,7 @@ class TierCache:
         """
         self.check_open()
         if self._engine is not None:
-            self._engine.flush(report=False)  # versions in flight are checked once committed
+            self._engine.wait_settled()  # versions in flight are checked once committed
         versions = [self.manifest(ref)] if ref is not None else self.catalog.all()
         return repo_ops.verify(self.repo, versions, repair=repair)
 
@@ -836,6 +836,8 @@ class TierCache:
         if mttf is None and cfg.mttf is None:
             raise InvalidArgumentError("advisor(): give the job's mean time to failure, e.g. mttf=\"3h\" "
                                        "(or set [advisor] mttf in the config)")
+        from tiercache.advisor import Advisor  # only a training loop that asks for advice needs it
+
         recorder = self._status_recorder()
         return Advisor(
             lambda: self.plan_inputs(level, mttf=mttf, restart=restart),
@@ -870,6 +872,8 @@ class TierCache:
             restart: Seconds from a failure until the job runs again (default ``advisor.restart``).
             given: Figures to use instead of the measured ones (``save_wait``, ``time_to_level``, ``restore``).
         """
+        from tiercache.advisor import Figure, measured_inputs, snapshot_rate
+
         self.check_open()
         cfg = self.config.advisor
         mttf_fig = (Figure(parse_duration(mttf), "given") if mttf is not None
@@ -927,7 +931,11 @@ class TierCache:
         self.engine.prepare_arena(state, wait=wait)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pending save has finished on every tier.
+        """Wait until every pending save has finished on every tier that is up.
+
+        A version waiting for S3 while it is down is durable on disk and is not waited for (an
+        outage may last hours): a warning names it, and its ``remote`` level resolves once S3 is
+        back and caught up (see :mod:`tiercache.pipeline.catchup`).
 
         Args:
             timeout: Seconds to wait at most (``None``: as long as it takes).
@@ -944,7 +952,10 @@ class TierCache:
         """Wait for pending writes, release the arena and connections.
 
         A ``save()`` running in another thread finishes staging first (its version is written
-        like any other); a ``save()`` after this raises :class:`CacheClosedError`.
+        like any other); a ``save()`` after this raises :class:`CacheClosedError`. It does not
+        wait for S3 while it is down: the ``remote`` level of a version still waiting for it
+        fails with :class:`TierUnavailableError` (the version is on disk; the next process that
+        saves uploads the newest version of each branch).
 
         Raises:
             TierCacheError: The first version since the last report that reached no durable tier.

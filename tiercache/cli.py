@@ -8,34 +8,20 @@ type and attributes (:class:`~tiercache.errors.RefExistsError`, ...), never by m
 Every verb that prints results takes ``--json``, and its ``--help`` ends with examples.
 """
 
-from __future__ import annotations
-
 import enum
 import itertools
 import json
 import logging
 import os
-import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
 from tiercache.errors import (
     AmbiguousRefError,
@@ -51,6 +37,9 @@ from tiercache.errors import (
 from tiercache.names import check_name
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
     from tiercache.cache import TierCache
     from tiercache.config import CacheConfig
     from tiercache.manifest import VersionInfo
@@ -194,7 +183,7 @@ def _cli_errors(debug: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _session(ctx: typer.Context) -> Iterator[TierCache]:
+def _session(ctx: typer.Context) -> "Iterator[TierCache]":
     """Open the cache named by the global options for one verb, mapping errors on the way out.
 
     The cache is closed (pending writes waited for) before the verb's process exits.
@@ -206,7 +195,7 @@ def _session(ctx: typer.Context) -> Iterator[TierCache]:
         yield cache
 
 
-def _config(opts: _Options) -> CacheConfig:
+def _config(opts: _Options) -> "CacheConfig":
     """The config the global options name, with ``--policy`` applied."""
     from tiercache.config import PolicyConfig, load_config  # not at import: `--help` stays quick
 
@@ -216,6 +205,20 @@ def _config(opts: _Options) -> CacheConfig:
     return cfg
 
 
+def _console(**kwargs: Any) -> "Console":
+    """A rich console (rich is imported on first use: ``--help`` never draws with it)."""
+    from rich.console import Console
+
+    return Console(**kwargs)
+
+
+def _table() -> "Table":
+    """A borderless rich table with bold headers, as every listing prints."""
+    from rich.table import Table
+
+    return Table(box=None, header_style="bold")
+
+
 @contextmanager
 def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     """Show a transient byte progress bar on stderr; yields the ``progress`` callback.
@@ -223,7 +226,17 @@ def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], Non
     The callback may be called from the engine's worker threads; ``Progress.advance`` locks.
     Nothing is drawn when stderr is not a terminal, so piped output and logs stay clean.
     """
-    console = Console(stderr=True)
+    # Imported here: only the commands that move bytes draw a bar, and it costs start-up time.
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = _console(stderr=True)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -277,12 +290,12 @@ def _decoration(labels: Sequence[str]) -> str:
     return f" ({', '.join(labels)})" if labels else ""
 
 
-def _where(info: VersionInfo) -> str:
+def _where(info: "VersionInfo") -> str:
     """``branch@step`` of a version (itself a valid ref)."""
     return f"{info.branch}@{info.step}"
 
 
-def _info(cache: TierCache, version_id: str) -> VersionInfo:
+def _info(cache: "TierCache", version_id: str) -> "VersionInfo":
     """The :class:`VersionInfo` of a resolved version id."""
     for info in cache.versions():
         if info.id == version_id:
@@ -290,7 +303,7 @@ def _info(cache: TierCache, version_id: str) -> VersionInfo:
     raise VersionNotFoundError(f"version {version_id} is not listed by the cache")
 
 
-def _lineage(cache: TierCache, ref: str | None) -> list[VersionInfo]:
+def _lineage(cache: "TierCache", ref: str | None) -> "list[VersionInfo]":
     """Versions newest first: all of them, or ``ref`` and its ancestors."""
     versions = cache.versions()
     if ref is None:
@@ -304,7 +317,7 @@ def _lineage(cache: TierCache, ref: str | None) -> list[VersionInfo]:
     return chain
 
 
-def _history(cache: TierCache, branch: str) -> list[VersionInfo]:
+def _history(cache: "TierCache", branch: str) -> "list[VersionInfo]":
     """The versions of ``branch``'s history (its head and the head's ancestors), oldest first.
 
     Raises:
@@ -329,7 +342,7 @@ def short_id_length(ids: Iterable[str]) -> int:
     return width
 
 
-def _version_json(v: VersionInfo, refs: Mapping[str, str]) -> dict[str, Any]:
+def _version_json(v: "VersionInfo", refs: Mapping[str, str]) -> dict[str, Any]:
     """A version as ``ls --json`` / ``log --json`` print it (full id, refs as ``branch/main``)."""
     return {
         "id": v.id,
@@ -448,6 +461,8 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
 
 def _version_callback(value: bool) -> None:
     if value:
+        from importlib import metadata  # ~40 ms with email.*: only --version needs it
+
         try:
             version = metadata.version("tiercache")
         except metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -532,7 +547,7 @@ def ls(
     labels = _ref_labels(refs)
     width = short_id_length(v.id for v in versions)
     now = datetime.now(UTC)
-    table = Table(box=None, header_style="bold")
+    table = _table()
     for name, justify in (("id", "left"), ("step", "right"), ("branch", "left"), ("size", "right"),
                           ("age", "right"), ("refs", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -548,7 +563,7 @@ def ls(
         )
         why += [f"  {v.id[:width]} {t} {st.state}: {st.reason}" for t, st in v.states.items()
                 if t in tiers and st.state in ("skipped", "failed", "evicted") and st.reason]
-    console = Console(highlight=False)
+    console = _console(highlight=False)
     console.print(table)
     if why:
         more = f" (and {len(why) - _WHY_SHOWN} more: --json has them all)" if len(why) > _WHY_SHOWN else ""
@@ -653,7 +668,7 @@ def _atomic_torch_save(state: Any, target: Path) -> None:
     """
     import torch  # only the commands that move tensors import it: `tiercache ls` starts fast
 
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.urandom(6).hex()}.tmp")
     # os.open with 0o666 (not mkstemp's 0o600) so the file gets the umask's usual permissions.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -753,7 +768,7 @@ def evict(
         typer.echo(f"evicted {info.id} ({_where(info)}) from {tier}: {human_bytes(freed)} freed")
 
 
-def _ref_verb(ctx: typer.Context, kind: str, name: str, as_json: bool, move: Callable[[TierCache], str]) -> None:
+def _ref_verb(ctx: typer.Context, kind: str, name: str, as_json: bool, move: "Callable[[TierCache], str]") -> None:
     """Run a ref-moving library call and print ``<verb> <name> -> <id> (<branch>@<step>)`` or its JSON."""
     with _session(ctx) as cache:
         info = _info(cache, move(cache))
@@ -929,7 +944,7 @@ def stats(
         typer.echo(json.dumps(data, indent=2))
         return
     observed = data["meter"]["tiers"]
-    table = Table(box=None, header_style="bold")
+    table = _table()
     for name in ("tier", "used", "capacity", "read", "write"):
         table.add_column(name, justify="left" if name == "tier" else "right", no_wrap=True)
     for name, usage in data["tiers"].items():
@@ -938,10 +953,10 @@ def stats(
         used = "unavailable" if usage["used_bytes"] is None else human_bytes(usage["used_bytes"])
         table.add_row(name, used, "-" if cap is None else human_bytes(cap),
                       _rate(seen.get("read")), _rate(seen.get("write")))
-    console = Console(highlight=False)
+    console = _console(highlight=False)
     console.print(table)
     if data["meter"]["codecs"]:
-        codecs = Table(box=None, header_style="bold")
+        codecs = _table()
         for name in ("codec", "ratio", "encode", "chunks"):
             codecs.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
         for name, c in data["meter"]["codecs"].items():
@@ -1039,12 +1054,12 @@ def plan(
                f"Tr = restart + restore + time to {level} = {human_duration(result.recovery)})")
     typer.echo(f"  Young                {human_duration(result.young):>9}   (sqrt(2 δ M) + δ)")
     typer.echo(f"  Daly                 {human_duration(result.daly):>9}   (higher order, + δ)")
-    table = Table(box=None, header_style="bold")
+    table = _table()
     for name in ("interval", "", "goodput"):
         table.add_column(name, justify="right" if name != "" else "left", no_wrap=True)
     for label, interval, goodput in result.table():
         table.add_row(human_duration(interval), label, f"{goodput:.2%}")
-    inputs_table = Table(box=None, header_style="bold")
+    inputs_table = _table()
     for name in ("input", "value", "source", "how"):
         inputs_table.add_column(name, justify="right" if name == "value" else "left", no_wrap=name != "how")
     names = {"mttf": "MTTF", "save_wait": "save wait", "time_to_level": f"time to {level}", "restore": "restore",
@@ -1052,7 +1067,7 @@ def plan(
     for key, label in names.items():
         fig = getattr(inputs, key)
         inputs_table.add_row(label, human_duration(fig.seconds), fig.source, fig.note)
-    console = Console(highlight=False)
+    console = _console(highlight=False)
     console.print(table)
     console.print(inputs_table)
 

@@ -8,17 +8,17 @@ can then be overridden by an environment variable ``TIERCACHE_<TABLE>__<FIELD>``
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic import ByteSize as PydanticByteSize
-from pydantic_settings import EnvSettingsSource, SettingsError
 
 from tiercache.errors import ConfigError
 
@@ -184,7 +184,8 @@ class S3Config(_Model):
             ``tiercache.open()`` and read-only commands go on without it after at most this
             long, serving what the other tiers hold.
         deadline_s: Seconds a version's chunk uploads (retries included) may take before that
-            version fails its ``remote`` level with ``DeadlineExceededError``; ``None`` for no limit.
+            write fails with ``DeadlineExceededError`` and S3 counts as down (a version durable on
+            disk then waits for S3's catch-up, as in any outage); ``None`` for no limit.
         addressing_style: ``path`` (MinIO, SeaweedFS) or ``virtual``; ``auto`` picks ``path``
             when an endpoint_url is set.
         allow_unsafe_refs: Commit refs even on a store that ignores conditional writes (as
@@ -388,29 +389,25 @@ _TIER_VARIABLES = "TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAP
 _PREFIX = "TIERCACHE_"
 
 
-class _EnvOverlay(EnvSettingsSource):
-    """pydantic-settings' reading of ``TIERCACHE_<TABLE>__<FIELD>`` over a given environment.
-
-    ``load_config`` takes the environment as an argument (``os.environ`` by default), so the
-    source reads that mapping instead of the process's.
-    """
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.variables = {k: v for k, v in env.items() if k.startswith(_PREFIX) and k not in _NOT_FIELDS}
-        super().__init__(CacheConfig, case_sensitive=False, env_prefix=_PREFIX, env_nested_delimiter="__")
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return {k.lower(): v for k, v in self.variables.items()}
-
-
 def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
     """The config tree the ``TIERCACHE_*`` variables describe, and which variable set each field.
 
+    Read by pydantic-settings' environment source over ``env`` (not the process's environment),
+    imported only when such a variable is set: it costs a command's start-up ~50 ms otherwise.
     A variable that names no field is kept in the tree as it is, so validation rejects it and
     the error names it.
     """
-    source = _EnvOverlay(env)
-    names = {tuple(k[len(_PREFIX):].lower().split("__")): k for k in source.variables}
+    variables = {k: v for k, v in env.items() if k.startswith(_PREFIX) and k not in _NOT_FIELDS}
+    if not variables:
+        return {}, {}
+    from pydantic_settings import EnvSettingsSource, SettingsError
+
+    class EnvOverlay(EnvSettingsSource):
+        def _load_env_vars(self) -> Mapping[str, str | None]:
+            return {k.lower(): v for k, v in variables.items()}
+
+    source = EnvOverlay(CacheConfig, case_sensitive=False, env_prefix=_PREFIX, env_nested_delimiter="__")
+    names = {tuple(k[len(_PREFIX):].lower().split("__")): k for k in variables}
     try:
         out = dict(source())
     except SettingsError as e:
@@ -450,12 +447,46 @@ def _blame(loc: tuple[str | int, ...], source: Mapping[str, Any], variables: Map
     return ""
 
 
+def _main_error(err: ValidationError) -> Any:
+    """The error to report first: an unknown field (a typo, whose fallout is the other errors), else the first."""
+    errors = err.errors()
+    return next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+
+
+def _fields_at(path: tuple[str | int, ...]) -> list[str]:
+    """The fields of the table at ``path`` of the config (empty where no model is known)."""
+    model: type[BaseModel] | None = CacheConfig
+    for part in path:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_in(tp: Any) -> type[BaseModel] | None:
+    """The model class in a field's type (``DiskConfig | None`` -> ``DiskConfig``), if any."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    return next((m for m in map(_model_in, get_args(tp)) if m is not None), None)
+
+
+def _unknown_field(loc: tuple[str | int, ...], blame: str) -> str:
+    """What to say of an unknown field: the closest known one (as a variable, if a variable set it)."""
+    known = _fields_at(loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if not close:
+        return f"unknown field: the known ones are {', '.join(known)}" if known else "unknown field"
+    if blame:
+        return f"unknown field: did you mean {_PREFIX}{'__'.join(map(str, (*loc[:-1], close[0]))).upper()}?"
+    return f"unknown field: did you mean '{close[0]}'?"
+
+
 def _format_error(err: ValidationError, source: str, blame: str) -> str:
-    first = err.errors()[0]
+    first = _main_error(err)
     field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = _unknown_field(first["loc"], blame) if first["type"] == "extra_forbidden" else first["msg"]
     extra = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
     where = f"from environment variable {blame}" if blame else source
-    return f"invalid config {where}: field '{field}': {first['msg']}{extra}"
+    return f"invalid config {where}: field '{field}': {msg}{extra}"
 
 
 def load_config(
@@ -512,7 +543,7 @@ def load_config(
     try:
         cfg = CacheConfig.model_validate(_merge(data, overrides))
     except ValidationError as e:
-        loc = e.errors()[0]["loc"]
+        loc = _main_error(e)["loc"]
         raise ConfigError(_format_error(e, label or "(no file)", _blame(loc, data, variables))) from None
     if (looked_up or label != "(dict)") and cfg.ram is None and not cfg.tier_names():
         raise ConfigError(_no_tier_message(label, Path.cwd()))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError, SkippedError, TierCacheError
 from tiercache.group.status import Status
-from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle
 from tiercache.manifest import NodePart, RefRecord, Version
 from tiercache.parts import part_of
 
@@ -80,7 +80,7 @@ class Round:
         self.ready: dict[str, Future[None]] = {t: Future() for t in tiers}
         #: The group's verdict per tier, which the engine's writer waits for in :meth:`commit`.
         self.outcome: dict[str, Future[None]] = {t: Future() for t in tiers}
-        self.futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        self.futures: dict[str, Future[str]] = {lvl: LevelFuture(vid, lvl) for lvl in LEVELS}
         self.local: SaveHandle | None = None
         #: The engine's manifest of this rank's part, once hashed (``None``: the engine skipped it).
         self.published: Future[Version] | None = None

@@ -16,7 +16,8 @@ soon as each is copied:
    version that reached none is never a parent nor a branch head, and its regions go back.
 
 A tier that fails is marked down (:mod:`tiercache.repo.health`); when it answers again, the
-remote tier is caught up with the newest version of each branch and every tag.
+remote tier is caught up with the newest version of each branch and every tag, and the levels
+of versions that missed it meanwhile are settled then (:mod:`tiercache.pipeline.catchup`).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from tiercache.errors import (
     SkippedError,
     TierCacheError,
     TierFullError,
-    VersionNotFoundError,
 )
 from tiercache.format import Flat, dtype_name, flatten
-from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
 from tiercache.layout import Layout, plan_layout
 from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
 from tiercache.names import version_key
+from tiercache.pipeline.catchup import CatchUp
 from tiercache.pipeline.deferred import Owned, deferrable
 from tiercache.pipeline.hasher import Hasher
 from tiercache.pipeline.job import Committer, Job, JobTable
@@ -91,7 +92,8 @@ class Engine:
             serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable,
         )
         self.placement = Placement(self, policy)
-        self._read_object = read_object
+        #: Reads a verified chunk object from the best tier holding it (catch-up copies with it).
+        self.read_object = read_object
         self._plans: dict[object, CopyPlan] = {}
         #: Copies that save() deferred (see tiercache.pipeline.deferred), until each is done.
         self._deferred: set[Future[None]] = set()
@@ -105,7 +107,8 @@ class Engine:
         self._closed = False
         #: Whether tiers that can write chunk payloads before their hash do so (off only in A/Bs).
         self.early_writes = True
-        self.health.set_on_up(self._tier_back)
+        self.catchup = CatchUp(self)
+        self.health.set_on_up(self.catchup.request)
         self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
         #: Names each staged chunk and publishes the manifest (on the ``tiercache-hash`` thread).
         self.hasher = Hasher(config, repo, self.ramcache, self.jobs, wait_for_copy=self._stager.saturates)
@@ -176,7 +179,7 @@ class Engine:
         plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
         layout = plan.layout
         vid = version_id or new_version_id()
-        futures: dict[str, Future[str]] = {lvl: Future() for lvl in LEVELS}
+        futures = level_futures(vid)
         job = Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
                   nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
         self._start_catch_up()
@@ -425,8 +428,7 @@ class Engine:
         lvl = TIER_LEVEL.get(name)
         if lvl:
             job.futures[lvl].set_result(job.version_id)
-        if not job.futures["durable"].done():
-            job.futures["durable"].set_result(job.version_id)
+        self._level(job, "durable").reach()  # the first tier to commit decides it
         self._done_with(job, name)
 
     def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False) -> None:
@@ -435,8 +437,9 @@ class Engine:
             job.failed[name] = err
             self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
         lvl = TIER_LEVEL.get(name)
-        if lvl and not job.futures[lvl].done():
-            job.futures[lvl].set_exception(err)
+        # A remote tier's outage may leave the level waiting for its catch-up: settle decides.
+        if lvl and not self.catchup.defers(name, job, err):
+            self._level(job, lvl).fail_unless_settled(err)  # a staging failure may have failed it first
         if is_outage(err):
             self.health.mark_down(name, err)  # logged once per outage
         elif not quiet:
@@ -446,6 +449,7 @@ class Engine:
     def _done_with(self, job: Job, name: str) -> None:
         with self.jobs.lock:
             job.pending.discard(name)
+            job.writing.discard(name)
             finished = not job.pending
         if finished:
             self.settle(job)
@@ -456,7 +460,11 @@ class Engine:
         If it reached no durable tier although a tier it was skipped for can take it, it is
         written there now instead (every version reaches a durable tier unless the user's policy
         dropped it with ``on_full``), on a thread of its own: a tier's writer may be waiting for
-        this version's outcome (see :meth:`final_manifest`).
+        this version's outcome (see :meth:`final_manifest`). Nothing is pending, so every write
+        that began has its outcome: the rule never decides on a version a tier is still writing.
+
+        A durable version that missed a remote tier because it was down waits for that tier's
+        catch-up instead of failing its level (see :mod:`tiercache.pipeline.catchup`).
         """
         with self.jobs.lock:
             if job.settled or job.pending:
@@ -482,22 +490,26 @@ class Engine:
             threading.Thread(target=self._writers[fallback].write_or_fail, args=(job,),
                              name=f"tiercache-fallback-{fallback}", daemon=True).start()
             return
+        waits = self.catchup.to_wait(job, durable, skipped, failed)
         for name, reason in skipped.items():
-            skip_level(job, name, reason)
+            if name not in waits:
+                skip_level(job, name, reason)
+        for name, err in failed.items():  # an outage on a tier with catch-up was left to this point
+            lvl = TIER_LEVEL.get(name)
+            if lvl and name not in waits:
+                self._level(job, lvl).fail_unless_settled(err)
         # A version another writer's ref move kept off the branch is stored all the same: its
         # handle says so, and it is no loss (a RAM-only cache has no durable level at all).
         conflicted = bool(failed) and all(isinstance(e, ConflictError) for e in failed.values())
         if not durable and conflicted:
-            if not job.futures["durable"].done():
-                job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
+            job.futures["durable"].set_exception(self._loss_error(job, skipped, failed))
         elif not durable and self.repo.durable:
             err = self._loss_error(job, skipped, failed)
             # Recorded (and the branch head retracted) before anyone waiting on the handle wakes.
             if not job.dropped and job.committer is None:
                 self._record_loss(job, err)
             self._lost(job)
-            if not job.futures["durable"].done():
-                job.futures["durable"].set_exception(err)
+            job.futures["durable"].set_exception(err)
         elif skipped or failed:
             outcomes = {n: TierOutcome(state="skipped", reason=r) for n, r in skipped.items()}
             outcomes.update({n: TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
@@ -505,6 +517,13 @@ class Engine:
             self.repo.catalog.note_outcomes(job.version_id, outcomes)  # seen by versions() at once
             self.finisher.submit(self._store_outcome, job.version_id)
         self._release(job)
+        self.catchup.settle_job(job, waits)  # after the release: catch-up waits for the job to end
+
+    @staticmethod
+    def _level(job: Job, level: str) -> LevelFuture:
+        future = job.futures[level]
+        assert isinstance(future, LevelFuture)
+        return future
 
     def _loss_error(self, job: Job, skipped: dict[str, str], failed: dict[str, BaseException]) -> BaseException:
         """The error a version that reached no durable tier fails ``durable`` with."""
@@ -544,8 +563,7 @@ class Engine:
         """Fail a version whose placement or hashing failed: nothing of it can be written."""
         log.error("saving version %s failed: %s", job.version_id, err)
         for lvl in LEVELS if job.copy_error is not None else LEVELS[1:]:
-            if not job.futures[lvl].done():
-                job.futures[lvl].set_exception(err)
+            self._level(job, lvl).fail_unless_settled(err)  # some failed at once (no such tier)
         # A multi-rank version's error reaches every rank through the group's handle instead.
         # A copy error was already raised to the caller of save(): not a lost version to report.
         if job.committer is None and err is not job.copy_error and not isinstance(err, SkippedError):
@@ -562,6 +580,7 @@ class Engine:
         self.repo.leases.close(job.version_id)
         self.jobs.remove(job)
         self.ramcache.notify()
+        self.catchup.settle_job(job, {})  # a head lost: its branch is back on a version that may wait
 
     def _release(self, job: Job) -> None:
         self.repo.leases.close(job.version_id)
@@ -571,10 +590,11 @@ class Engine:
     # ------------------------------------------------------------------ queries
 
     def pending_tiers(self, version_id: str) -> frozenset[str]:
-        """Tiers ``version_id`` is still being written to by this process (empty if none)."""
+        """Tiers ``version_id`` is still being written to by this process, or waits for (empty if none)."""
         job = self.jobs.get(version_id)
         with self.jobs.lock:
-            return frozenset(job.pending) if job is not None else frozenset()
+            writing = frozenset(job.pending) if job is not None else frozenset()
+        return writing | self.catchup.waiting(version_id)
 
     def wait_published(self) -> None:
         """Block until every staged version's manifest is in the catalog (hashing is quick)."""
@@ -608,54 +628,8 @@ class Engine:
                 return
             self._saved = True
         for name in self.repo.durable:
-            if TIER_LEVEL.get(name) == "remote" and self.health.available(name):
-                threading.Thread(target=self._tier_back, args=(name,), name=f"tiercache-catchup-{name}",
-                                 daemon=True).start()
-
-    def _tier_back(self, name: str) -> None:
-        """Copy onto remote tier ``name`` the newest version of each branch and every tagged one it lacks.
-
-        Runs when a down tier answers again (and once per process, see :meth:`_start_catch_up`);
-        refs are moved with the usual compare-and-swap, so another writer's newer head is left
-        alone. Versions in between stay on the tiers that hold them. A local tier (the disk) is
-        not caught up: what it lacks is on S3 already, and ``promote`` copies it when wanted. A
-        version no tier of this process holds whole (a multi-node version) is left to the group.
-        """
-        if TIER_LEVEL.get(name) != "remote":
-            return
-        cat = self.repo.catalog
-        try:
-            cat.reload(name)
-            for rec in sorted(cat.refs().values(), key=lambda r: (r.kind != "tag", r.version), reverse=True):
-                if self._closed or not self.health.available(name):
-                    return
-                self.wait_job(rec.version)
-                if cat.ref(rec.kind, rec.name) != rec:
-                    continue  # moved (or taken back: its version failed) meanwhile
-                try:
-                    version = cat.materialize(cat.peek(rec.version))
-                except VersionNotFoundError:
-                    continue  # a ref this process moved to a version it did not get to commit
-
-                if cat.manifest_on(name, version.id) and name in cat.residency(version):
-                    self.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
-                    continue
-                if not [t for t in cat.residency(version) if t != name]:
-                    # No tier of this process holds all of it: a version saved by ranks on several
-                    # nodes, each node's disk holding its own part. No process can copy it alone;
-                    # the group's next save reaches the tier.
-                    log.info("not catching %s up with version %s (%s/%s): this node holds only its part of it",
-                             name, version.id, rec.kind, rec.name)
-                    continue
-                copied = self.repo.copy_version(version, name, self._read_object, ref=rec)
-                log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind,
-                         rec.name, copied)
-                cat.clear_outcome(version.id, name)
-        except TierCacheError as e:
-            if is_outage(e):
-                self.health.mark_down(name, e)
-            else:
-                log.warning("catching %s up failed: %s", name, e)
+            if self.health.available(name):
+                self.catchup.request(name)  # remote tiers only
 
     # ------------------------------------------------------------------ errors and shutdown
 
@@ -667,7 +641,12 @@ class Engine:
         return out
 
     def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
-        """Wait until every submitted version has finished on every tier.
+        """Wait until every submitted version has finished on every tier that answers.
+
+        A version waiting for a remote tier that is down (see :mod:`tiercache.pipeline.catchup`)
+        is not waited for, since an outage may last hours: it is durable elsewhere, its level
+        resolves when the tier is caught up, and a warning names it. One waiting for a tier that
+        is up again (its catch-up under way) is waited for.
 
         Args:
             timeout: Seconds to wait at most, or ``None`` to wait as long as it takes.
@@ -679,7 +658,22 @@ class Engine:
             TierCacheError: With ``report``, the error of the first version that reached no
                 durable tier since the last report (its message names the version).
         """
+        self.wait_settled(timeout)
+        for name, versions in self.catchup.waiting_for_down_tiers().items():
+            outage = self.health.outage(name)
+            since = f", unavailable since {outage.clock} ({outage.reason})" if outage is not None else ""
+            log.warning("flush: %d version(s) wait for %s%s: %s; they are on the other tiers, and their %r level "
+                        "resolves when %s answers again", len(versions), name, since,
+                        ", ".join(f"{w.version} (step {w.step})" for w in versions), TIER_LEVEL[name], name)
+        if report:
+            lost = self.take_losses()
+            if lost:
+                raise lost[0]
+
+    def wait_settled(self, timeout: float | None = None) -> None:
+        """Wait for every version in flight and for catch-up on tiers that are up (see :meth:`flush`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
         while True:
             jobs = self.jobs.snapshot()
             if not jobs:
@@ -688,30 +682,35 @@ class Engine:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self.wait_job(job.version_id, left)
             if deadline is not None and time.monotonic() >= deadline:
-                with self.jobs.lock:
-                    left_jobs = [(j.version_id, j.step, sorted(j.pending)) for j in self.jobs.snapshot()]
-                if left_jobs:
-                    shown = ", ".join(f"{v} (step {st}, waiting for {'/'.join(p) or 'settling'})"
-                                      for v, st, p in left_jobs[:4])
-                    more = f" and {len(left_jobs) - 4} more" if len(left_jobs) > 4 else ""
-                    raise TimeoutError(f"flush: {len(left_jobs)} version(s) still pending after {timeout:g}s: "
-                                       f"{shown}{more}")
+                timed_out = True
                 break
-        if report:
-            lost = self.take_losses()
-            if lost:
-                raise lost[0]
+        shown: list[str] = []
+        if timed_out:
+            with self.jobs.lock:
+                shown = [f"{j.version_id} (step {j.step}, waiting for {'/'.join(sorted(j.pending)) or 'settling'})"
+                         for j in self.jobs.snapshot()]
+        if not shown:
+            for w in self.catchup.wait_for_up_tiers(deadline):
+                tiers = "/".join(sorted(self.catchup.waiting(w.version)))
+                shown.append(f"{w.version} (step {w.step}, waiting for {tiers} to be caught up)")
+        if shown:
+            more = f" and {len(shown) - 4} more" if len(shown) > 4 else ""
+            raise TimeoutError(f"flush: {len(shown)} version(s) still pending after {timeout:g}s: "
+                               f"{', '.join(shown[:4])}{more}")
 
     def close(self) -> None:
         """Finish pending writes, stop the threads; raise the first lost version not yet reported.
 
         The caller makes sure no ``stage()`` runs concurrently (the facade holds its save lock):
-        every version staged before is written or settled before the writers stop.
+        every version staged before is written or settled before the writers stop. Versions
+        still waiting for a remote tier that is down fail that level, with the outage named
+        (they are durable elsewhere; see :meth:`flush`), and a warning lists them.
         """
         if self._closed:
             return
-        self.flush(report=False)
+        self.wait_settled()
         self._closed = True
+        self.catchup.close()
         for writer in self._writers.values():
             writer.close()
         self.finisher.shutdown()

@@ -4,9 +4,11 @@ A :class:`Job` goes through these states (each tier independently once placed):
 
 * **staging**: ``save()`` copies the state into arena regions (``copied`` events per chunk);
 * **hashing**: the hasher names each chunk (``ready`` futures) and publishes the manifest;
-* per durable tier: **pending** (queued for or being written by that tier's writer) until
-  **committed**, **failed** or **skipped** (a skip settles only once the version is durable
-  elsewhere; else the tier takes it after all, see :meth:`Engine.settle`);
+* per durable tier: **pending** (queued for that tier's writer, then **writing** once the writer
+  takes it: from then on only that write decides) until **committed**, **failed** or **skipped**
+  (a skip settles only once the version is durable elsewhere; else the tier takes it after all,
+  see :meth:`Engine.settle`); a remote tier it missed during an outage may leave its level
+  waiting for the tier's catch-up (:mod:`tiercache.pipeline.catchup`);
 * **settled**: every level resolved; its regions go back to the arena (or stay as read cache),
   and ``released`` is set.
 
@@ -98,7 +100,11 @@ class Job:
     copied: list[threading.Event] = field(default_factory=list)
     #: The exception that interrupted the copy (the caller of save() got it too).
     copy_error: BaseException | None = None
+    #: Durable tiers the version is queued for or being written to.
     pending: set[str] = field(default_factory=set)
+    #: Pending tiers whose write has begun (a writer took the version): the policy can no longer
+    #: take it off them, so the version settles only once those writes have their outcome.
+    writing: set[str] = field(default_factory=set)
     nbytes: int = 0
     #: Set for one process's part of a multi-rank version: it picks the chunks to write and commits.
     committer: Committer | None = None
@@ -107,6 +113,8 @@ class Job:
     #: Tiers skipped for this version, with why. Their levels are settled only once the version
     #: is durable on another tier; if it never is, one of them takes it after all.
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Tiers it was skipped for while they were down (its level may wait for their catch-up).
+    skipped_down: set[str] = field(default_factory=set)
     #: Tiers whose write failed, with the error (their levels failed at once).
     failed: dict[str, BaseException] = field(default_factory=dict)
     #: Tiers where the version's manifest and ref are committed.

@@ -155,6 +155,8 @@ class Placement:
             for name in tiers:
                 if name not in targets:
                     job.skipped[name] = placement.plan_for(name).reason or "policy decision"
+                    if not self.engine.health.available(name):
+                        job.skipped_down.add(name)
                     if job.committer is not None:  # the group waits for this level now (no fallback)
                         skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
@@ -186,29 +188,35 @@ class Placement:
                 if plan.skip:
                     self.skip_tier(name, job, plan.reason or "policy decision", unless_oldest=True)
 
-    def skip_tier(self, name: str, job: Job, reason: str, *, unless_oldest: bool = False) -> None:
+    def skip_tier(self, name: str, job: Job, reason: str, *, unless_oldest: bool = False,
+                  writing: bool = False) -> None:
         """Take ``job`` off tier ``name`` without writing it there.
 
         The level is settled (with :class:`SkippedError`) only once the version is durable on
-        another tier; if it never is, the engine writes it to this tier after all.
+        another tier; if it never is, the engine writes it to this tier after all. A version a
+        writer has taken is left alone (only that writer may skip it, with ``writing``).
 
         Args:
             name: The tier.
             job: The version.
             reason: Why (from the policy), for the error message.
             unless_oldest: Leave it alone if it is (now) the tier's oldest pending version, which
-                its writer may already be writing.
+                its writer takes next (the oldest pending version of a tier is always written).
+            writing: The tier's writer skips the version it took.
         """
         jobs = self.engine.jobs
         with jobs.lock:
             # Check and claim in one critical section: the tier's writer checks the same set. A
             # fallback (forced) is never skipped again: it is where the version goes after all.
-            if name not in job.pending or name in job.forced:
+            if name not in job.pending or name in job.forced or (name in job.writing) != writing:
                 return
             if unless_oldest and next(j for j in jobs.snapshot() if name in j.pending) is job:
                 return
             job.pending.discard(name)
+            job.writing.discard(name)
             job.skipped[name] = reason
+            if not self.engine.health.available(name):
+                job.skipped_down.add(name)
             finished = not job.pending
         log.info("version %s skipped for %s: %s", job.version_id, name, reason)
         if job.committer is not None:

@@ -21,7 +21,6 @@ from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from tiercache import codecs
@@ -100,13 +99,20 @@ class TierWriter:
     def _write(self, job: Job) -> None:
         eng, name = self.engine, self.name
         with eng.jobs.lock:
-            if name not in job.pending:
-                return  # coalesced away while queued, already settled here
+            # One write per version and tier: the writer's queue and a fallback thread may both
+            # hold it (a version taken off this tier while queued, then sent here after all).
+            if name not in job.pending or name in job.writing:
+                return  # coalesced away while queued, settled here already, or being written
+            job.writing.add(name)  # from here on the policy cannot take it off this tier
             forced = name in job.forced
         outage = eng.health.outage(name)
         if outage is not None and not forced:
-            since = datetime.fromtimestamp(outage.since, UTC).strftime("%H:%M:%S UTC")
-            raise TierUnavailableError(f"{name} is unavailable since {since} ({outage.reason}); "
+            if job.committer is None:
+                # Nothing was tried: as the policy's skip of a tier that is down (the version's
+                # level may then wait for the tier's catch-up, see tiercache.pipeline.catchup).
+                eng.placement.skip_tier(name, job, f"{name} unavailable ({outage.reason})", writing=True)
+                return
+            raise TierUnavailableError(f"{name} is unavailable since {outage.clock} ({outage.reason}); "
                                        "the version was not written there")
         plan = TierPlan(name) if forced else eng.placement.plan(job, name)
         if not plan.skip and not eng.placement.make_room(name, job):
@@ -114,7 +120,7 @@ class TierWriter:
                 raise TierFullError(f"{name} is full and the policy names nothing to evict")
             plan = TierPlan(name, skip=True, reason=f"{name} is full and the policy names nothing to evict")
         if plan.skip:
-            eng.placement.skip_tier(name, job, plan.reason or "policy decision")
+            eng.placement.skip_tier(name, job, plan.reason or "policy decision", writing=True)
             return
         # A multi-rank version: write only the chunks the group gave this rank (waits for the group).
         mine = job.committer.owned(name) if job.committer is not None else None

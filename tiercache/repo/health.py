@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from tiercache.errors import StorageError
 from tiercache.tiers.base import Tier
@@ -42,6 +43,11 @@ class Outage:
 
     since: float
     reason: str
+
+    @property
+    def clock(self) -> str:
+        """When it was noticed, as ``HH:MM:SS UTC`` (for messages)."""
+        return datetime.fromtimestamp(self.since, UTC).strftime("%H:%M:%S UTC")
 
 
 def is_outage(err: BaseException) -> bool:

@@ -250,7 +250,8 @@ class LocalS3:
             access_key: Access key id (random if omitted).
             secret_key: Secret key (random if omitted).
             region: Region name reported by :meth:`env`.
-            root: Parent directory of the server's temporary directory (system default if omitted).
+            root: Parent directory of the server's temporary directory (system default if omitted;
+                created if missing).
             volume_size_limit_mb: Size at which SeaweedFS starts a new volume file; small volumes
                 keep the startup fast and the disk footprint close to the data stored.
             startup_timeout: Seconds to wait for the server to accept a write.
@@ -283,13 +284,19 @@ class LocalS3:
             ``self``, for chaining.
 
         Raises:
-            LocalS3Error: If ``weed`` is missing or the server does not come up in time (the
-                message ends with the tail of the server log).
+            LocalS3Error: If ``weed`` is missing, ``root`` cannot be created, or the server does
+                not come up in time (the message ends with the tail of the server log).
         """
         with self._lock:
             if self._proc is not None:
                 return self
             weed = self._weed or find_weed()
+            if self._root is not None:
+                try:
+                    Path(self._root).mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise LocalS3Error(f"cannot create the server's parent directory {self._root}: "
+                                       f"{e.strerror or e}") from None
             last: LocalS3Error | None = None
             for attempt in range(1, _START_ATTEMPTS + 1):
                 try:
@@ -559,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tiercache.testing.locals3", description=main.__doc__.splitlines()[0])
     ap.add_argument("--bucket", default="tiercache", help="bucket to create (default: tiercache)")
     ap.add_argument("--prefix", default="run", help="key prefix for TIERCACHE_S3__URL (default: run)")
-    ap.add_argument("--dir", type=Path, help="parent of the server's temporary directory")
+    ap.add_argument("--dir", type=Path, help="parent of the server's temporary directory (created if missing)")
     args = ap.parse_args(argv)
     access, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     given = bool(access and secret)
@@ -570,7 +577,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     # SIGTERM stops the server the same way Ctrl-C does (its directory is removed on the way out).
+    # Ctrl-C is the documented way to stop it, so SIGINT gets Python's handler back even when this
+    # process was started with it ignored (as a shell's background job starts its commands).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with server:
             env = server.env()
