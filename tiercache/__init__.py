@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.errors import (
     AccessDeniedError,
+    AgentUnavailableError,
     AmbiguousRefError,
     BranchNotFoundError,
     BucketNotFoundError,
@@ -77,6 +78,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AccessDeniedError",
+    "AgentUnavailableError",
     "AmbiguousRefError",
     "BranchNotFoundError",
     "BucketNotFoundError",

@@ -949,6 +949,11 @@ def stats(
             codecs.add_row(name, "-" if ratio is None else f"{ratio:.3f}", _rate({"bps": c.get("encode_bps")}),
                            str(c.get("chunks", 0)))
         console.print(codecs)
+    if data.get("agent"):
+        from tiercache.cli_agent import describe  # the node agent's figures ([agent])
+
+        for line in describe(data["agent"]):
+            console.print(line)
 
 
 def human_duration(seconds: float) -> str:
@@ -1109,3 +1114,9 @@ def main() -> None:
         typer.echo(f"error: {e.format_message()} (see: {where} --help)", err=True)
         raise SystemExit(2) from None
     raise SystemExit(rc if isinstance(rc, int) else 0)
+
+
+# `tiercache agent` lives in a module of its own; it uses the helpers above.
+from tiercache.cli_agent import agent_app  # noqa: E402
+
+app.add_typer(agent_app)
