@@ -73,7 +73,7 @@ class AgentProcess:
         self.cfg = cfg
         self.sock = Path(cfg["agent"]["socket"])
         self.log = log
-        spec = self.sock.with_name("spec.json")
+        spec = self.sock.with_name(self.sock.name + ".spec.json")
         spec.write_text(json.dumps(cfg))
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = str(ROOT)

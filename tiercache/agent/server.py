@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import fcntl
 import itertools
 import logging
@@ -229,14 +230,21 @@ class AgentServer:
         threading.Thread(target=self._accept_loop, name="tiercache-agent-accept", daemon=True).start()
         threading.Thread(target=self._idle_loop, name="tiercache-agent-idle", daemon=True).start()
         try:
-            self._stop.wait()
+            # Wake up now and then: a signal delivered to another thread runs its Python handler
+            # only when the main thread gets back to Python code, never while it blocks for good.
+            while not self._stop.wait(0.2):
+                pass
         finally:
             self.shutdown()
 
     def install_signals(self) -> None:
-        """Stop on SIGTERM and SIGINT (set even where the parent ignored them: a background job)."""
+        """Stop on SIGTERM and SIGINT (set even where the parent ignored them: a background job).
+
+        SIGUSR1 writes every thread's stack to the agent's stderr (its log), for a hung agent.
+        """
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.request_stop())
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def request_stop(self) -> None:
         """Ask the agent to finish what it holds and exit (safe from signal handlers and any thread)."""
