@@ -333,3 +333,33 @@ def test_naming_keys_a_cache_by_storage_and_node(tmp_path: Path) -> None:
     keys = {naming.cache_key(c) for c in (a, b, a_node)}
     assert len(keys) == 3
     assert naming.place(a).socket.name == f"agent-{naming.cache_key(a)}.sock"
+
+
+def test_the_agent_serves_prometheus_metrics(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), metrics="127.0.0.1:0")
+    agent = agents(cfg)
+    with tiercache.open(cfg) as cache:
+        for step in (1, 2):
+            cache.save(state_for(step), step=step).wait("local")
+        cache.restore("main")
+        address = cache.stats()["agent"]["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("tiercache_agent_info", (("cache", naming.cache_key(load_config(cfg))), ("pid", str(agent.pid)),
+                                              ("socket", str(sock_dir / "a.sock"))))] == 1
+    assert samples[("tiercache_agent_arena_bytes", (("kind", "capacity"),))] == 32 << 20
+    assert samples[("tiercache_agent_versions_total", (("level", "local"), ("outcome", "ok")))] == 2
+    assert samples[("tiercache_agent_versions_total", (("level", "remote"), ("outcome", "failed")))] == 2
+    assert samples[("tiercache_agent_tier_versions", (("tier", "disk"),))] == 2
+    assert samples[("tiercache_agent_tier_versions", (("tier", "ram"),))] == 2
+    assert samples[("tiercache_agent_tier_bytes", (("tier", "disk"),))] > 0
+    assert samples[("tiercache_agent_queue_depth", (("tier", "disk"),))] == 0
+    assert samples[("tiercache_agent_restores_total", (("source", "ram"),))] == 1
+    assert samples[("tiercache_agent_lag_steps", (("branch", "main"), ("level", "local")))] == 0
+    assert samples[("tiercache_agent_lost_versions_total", ())] == 0
