@@ -28,6 +28,7 @@ from tiercache.agent.client import call
 from tiercache.cli import app
 from tiercache.config import load_config
 from tiercache.errors import AgentUnavailableError
+from tiercache.ui import views
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _agent import ROOT, AgentProcess, agent_config, listening, short_dir, without_agent
@@ -298,6 +299,10 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
         cache.save(state_for(1), step=1).wait("local")
         cache.restore("main")
         stats = cache.stats()
+    with tiercache.open(cfg) as cache:  # as `tiercache ui` reads it: a process that never saved
+        overview = views.overview(views.Capture.of(cache, mttf=None, now=time.time()), refresh=2.0)
+    assert overview["agent"]["pid"] == agent.pid and overview["agent"]["arena_capacity"] == 32 << 20
+    assert overview["tiers"] == ["ram", "disk"] and overview["versions"] == 1
     assert stats["agent"]["pid"] == agent.pid
     assert stats["agent"]["levels"]["local:ok"] == 1
     assert stats["agent"]["served_bytes"]["ram"] > 0
