@@ -16,8 +16,9 @@ Two sides, two floors:
   :mod:`~tiercache.agent.saver` (the :class:`~tiercache.saver.Saver` that copies and publishes),
   :mod:`~tiercache.agent.lifecycle` (start detached, status, stop, environment checks);
 * the server side sits above :mod:`tiercache.pipeline` and :mod:`tiercache.repo`:
-  :mod:`~tiercache.agent.server` (the agent process: one cache, one engine over the shared arena)
-  and :mod:`~tiercache.agent.metrics` (its Prometheus endpoint).
+  :mod:`~tiercache.agent.server` (the agent process: one cache, one engine over the shared arena,
+  the socket and its threads), :mod:`~tiercache.agent.requests` (what it does for each request,
+  and the events it sends) and :mod:`~tiercache.agent.metrics` (its Prometheus endpoint).
 
 Nothing on the client side imports the server side.
 """

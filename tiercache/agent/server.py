@@ -19,7 +19,6 @@ published is finished all the same.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import faulthandler
 import fcntl
 import itertools
@@ -30,85 +29,42 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
 from tiercache.agent.lifecycle import check_environment
 from tiercache.agent.protocol import (
-    PROTOCOL_VERSION,
     Connection,
     ProtocolError,
     error_to_wire,
-    metas_from_wire,
-    staged_from_wire,
 )
+from tiercache.agent.requests import HANDLERS, Client, Requests, Tracked
 from tiercache.cache import TierCache
 from tiercache.config import CacheConfig, RamConfig
 from tiercache.errors import (
     AgentUnavailableError,
     ConfigError,
-    ConflictError,
-    InvalidArgumentError,
     TierCacheError,
 )
 from tiercache.format import TensorMeta
-from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout
-from tiercache.manifest import RefRecord, Version
-from tiercache.names import chunk_key
-from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
 from tiercache.status import STATUS_KEY, StatusRecorder
-from tiercache.tiers.ram import ALIGN, Arena, Region
+from tiercache.tiers.ram import ALIGN, Arena
 
 log = logging.getLogger("tiercache.agent.server")
 
 #: Seconds between two heartbeats of a request that is still being worked on.
 HEARTBEAT_S = 1.0
-#: Fields of the config that shape chunks: a client must agree on them with the agent.
-LAYOUT_FIELDS = ("chunk_bytes", "pack_below", "hash", "allow_pickle")
 
 
 class AgentRunningError(AgentUnavailableError):
     """Another agent already serves this cache on this node (its lock is held)."""
 
 
-@dataclasses.dataclass
-class _Client:
-    cid: int
-    conn: Connection
-    pid: int = 0
-    reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
-    pins: dict[int, Region] = dataclasses.field(default_factory=dict)
-    alive: bool = True
-
-    def send(self, msg: Mapping[str, Any]) -> None:
-        if not self.alive:
-            return
-        try:
-            self.conn.send(msg)
-        except OSError:
-            self.alive = False
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """A version published through the agent, until every level of it is settled."""
-
-    version: str
-    branch: str
-    step: int
-    record: RefRecord
-    base: RefRecord | None
-    owner: int
-    handle: SaveHandle
-    published: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-
-class AgentServer:
+class AgentServer(Requests):
     """The node agent of one cache (see the module docstring).
 
     Args:
@@ -130,11 +86,11 @@ class AgentServer:
         self.cache: TierCache | None = None
         self.shared: SharedArena | None = None
         self._lock = threading.RLock()
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, Client] = {}
         self._ids = itertools.count(1)
         self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
         self._plans = PlanCache(self.inner.pack_below)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._levels: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()
         self._restore_bytes: Counter[str] = Counter()
@@ -189,14 +145,6 @@ class AgentServer:
             raise
         log.info("agent %d serving %s on %s (arena %s)", os.getpid(), self.place.key, self.place.socket,
                  self.shared.path if self.shared else "made at the first save")
-
-    @property
-    def engine(self) -> Engine:
-        """The engine of the agent's cache."""
-        assert self.cache is not None
-        engine = self.cache.engine
-        assert isinstance(engine, Engine)
-        return engine
 
     def _make_arena(self, capacity: int) -> Arena:
         capacity = max(ALIGN, capacity // ALIGN * ALIGN)
@@ -310,14 +258,14 @@ class AgentServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            client = _Client(next(self._ids), Connection(sock))
+            client = Client(next(self._ids), Connection(sock))
             with self._lock:
                 self._clients[client.cid] = client
                 self._idle_since = None
             threading.Thread(target=self._serve, args=(client,), name=f"tiercache-agent-client-{client.cid}",
                              daemon=True).start()
 
-    def _serve(self, client: _Client) -> None:
+    def _serve(self, client: Client) -> None:
         try:
             for msg, fds in client.conn.messages():
                 for fd in fds:  # clients never send descriptors
@@ -328,7 +276,7 @@ class AgentServer:
         finally:
             self._drop(client)
 
-    def _drop(self, client: _Client) -> None:
+    def _drop(self, client: Client) -> None:
         """A client went away: what it reserved and did not publish, and what it was reading, go back."""
         client.alive = False
         client.conn.close()
@@ -341,10 +289,10 @@ class AgentServer:
             log.info("client pid %d left %d unpublished reservation(s); their regions went back",
                      client.pid, len(reservations))
 
-    def _dispatch(self, client: _Client, msg: dict[str, Any]) -> None:
+    def _dispatch(self, client: Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         rid = msg.get("id")
-        handler = _HANDLERS.get(str(op))
+        handler = HANDLERS.get(str(op))
         if handler is None:
             client.send({"id": rid, "error": error_to_wire(ProtocolError(f"unknown request {op!r}"))})
             return
@@ -355,7 +303,7 @@ class AgentServer:
             return
         self._answer(client, rid, fn, msg)
 
-    def _answer(self, client: _Client, rid: Any, fn: Callable[..., Any], msg: dict[str, Any]) -> None:
+    def _answer(self, client: Client, rid: Any, fn: Callable[..., Any], msg: dict[str, Any]) -> None:
         fds: list[int] = []
         try:
             result = fn(self, client, msg)
@@ -373,7 +321,7 @@ class AgentServer:
         if msg.get("op") == "stop":
             self.request_stop()  # once the answer is out: the shutdown closes every connection
 
-    def _answer_slowly(self, client: _Client, rid: Any, fn: Callable[..., Any], msg: dict[str, Any]) -> None:
+    def _answer_slowly(self, client: Client, rid: Any, fn: Callable[..., Any], msg: dict[str, Any]) -> None:
         done = threading.Event()
 
         def beat() -> None:
@@ -385,341 +333,6 @@ class AgentServer:
             self._answer(client, rid, fn, msg)
         finally:
             done.set()
-
-    def broadcast(self, msg: Mapping[str, Any]) -> None:
-        """Send an event to every client."""
-        with self._lock:
-            clients = list(self._clients.values())
-        for c in clients:
-            c.send(msg)
-
-    # ------------------------------------------------------------------ requests
-
-    def _hello(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        if msg.get("proto") != PROTOCOL_VERSION:
-            raise AgentUnavailableError(f"protocol {msg.get('proto')} is not this agent's ({PROTOCOL_VERSION}): "
-                                        "run the same tiercache version in the trainer and the agent")
-        if msg.get("cache") != self.place.key:
-            raise AgentUnavailableError(f"this agent serves cache {self.place.key}, not {msg.get('cache')}")
-        client.pid = int(msg.get("pid", 0))
-        return {"agent": os.getpid(), "arena": self._arena_info(),
-                "config": {f: getattr(self.inner, f) for f in LAYOUT_FIELDS}}
-
-    def _arena_info(self) -> dict[str, Any] | None:
-        shared = self.shared
-        return None if shared is None else {"size": shared.capacity, "path": str(shared.path)}
-
-    def _map(self, client: _Client, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        if self.shared is None:
-            raise InvalidArgumentError("the arena is made at the first save: reserve first")
-        return {"arena": self._arena_info()}, [self.shared.fd]
-
-    def _structure(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        sid = str(msg["sid"])
-        with self._lock:
-            if sid in self._structures:
-                return {}
-        metas = metas_from_wire(msg["metas"])
-        items = [int(x) for x in msg["items"]]
-        if len(items) != len(metas):
-            raise ProtocolError("a structure needs one item size per tensor")
-        plan = self._plans.for_sizes(sid, [m.nbytes for m in metas], items, int(msg["chunk_bytes"]))
-        with self._lock:
-            if len(self._structures) > 64:
-                self._structures.clear()
-            self._structures[sid] = (metas, plan.layout)
-        return {}
-
-    def _layout(self, sid: Any) -> tuple[tuple[TensorMeta, ...], Layout]:
-        with self._lock:
-            got = self._structures.get(str(sid))
-        if got is None:
-            raise ProtocolError(f"unknown structure {sid!r}: send it first")
-        return got
-
-    def _reserve(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        _, layout = self._layout(msg["sid"])
-        regions = self.engine.reserve(layout)
-        if regions is None:
-            return {"skip": "the RAM arena is full and the policy said skip"}
-        with self._lock:
-            if client.alive:
-                rid = next(self._ids)
-                client.reservations[rid] = regions
-                return {"rid": rid, "regions": [[r.offset, r.nbytes] for r in regions], "arena": self._arena_info()}
-        self._give_back(regions)
-        raise AgentUnavailableError("the client left")
-
-    def _cancel(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            regions = client.reservations.pop(int(msg["rid"]), [])
-        self._give_back(regions)
-        return {}
-
-    def _give_back(self, regions: list[Region]) -> None:
-        """Return regions to the arena (reserved and never published, or pinned by a reader that left)."""
-        if not regions:
-            return
-        engine = self.engine
-        arena = engine.ramcache.arena
-        with engine.jobs.lock:  # as the engine frees regions
-            for r in regions:
-                if arena is not None:
-                    arena.free(r)
-        engine.ramcache.notify()
-
-    def _publish(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        metas, layout = self._layout(msg["sid"])
-        staged = staged_from_wire(msg["version"], metas)
-        with self._lock:
-            regions = client.reservations.pop(int(msg["rid"]), None)
-        if regions is None:
-            raise ProtocolError(f"unknown reservation {msg['rid']!r}")
-        base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
-        record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
-        assert self.cache is not None
-        # Before the engine has it: its commit may then replace ``base`` and nothing else.
-        self.cache.catalog.note_move(record, base, msg.get("why") or "save")
-        handle = self.engine.adopt(staged, layout, regions)
-        tracked = _Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle)
-        with self._lock:
-            self._tracked[staged.version_id] = tracked
-        self._follow(tracked, float(msg.get("wait_s", 0.0)), staged.created_at)
-        return {}
-
-    def _follow(self, t: _Tracked, wait_s: float, created_at: float) -> None:
-        """Tell every client what becomes of a published version, level by level."""
-        engine = self.engine
-        job = engine.jobs.get(t.version)
-        if job is not None:
-            job.published.add_done_callback(lambda f: self._published(t, f))
-        else:  # already through the pipeline
-            with contextlib.suppress(TierCacheError):
-                self._send_published(t, self.cache.catalog.get(t.version))  # type: ignore[union-attr]
-        if self._recorder is not None:
-            self._recorder.note_save(t.handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
-        for lvl in LEVELS:
-            t.handle.future(lvl).add_done_callback(lambda f, lvl=lvl: self._level(t, lvl, f))  # type: ignore[misc]
-
-    def _published(self, t: _Tracked, f: Future[Version]) -> None:
-        if f.exception() is None:
-            self._send_published(t, f.result())
-        else:
-            t.published.set()
-
-    def _send_published(self, t: _Tracked, manifest: Version) -> None:
-        self.broadcast({"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
-        t.published.set()
-
-    def _level(self, t: _Tracked, level: str, f: Future[str]) -> None:
-        err = f.exception()
-        ok = err is None
-        if ok:
-            t.published.wait(60.0)  # the manifest goes out before the first level that names it
-        self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
-        job = self.engine.jobs.get(t.version)
-        event: dict[str, Any] = {"ev": "level", "v": t.version, "level": level, "ok": ok,
-                                 "pending": sorted(job.pending) if job is not None else []}
-        if not ok:
-            event["error"] = error_to_wire(err)  # type: ignore[arg-type]
-        if level == "durable" and not ok:
-            # As the engine counts it: a version another writer kept off its branch, or one the
-            # user's policy dropped, is no loss.
-            event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
-            assert self.cache is not None
-            head = self.cache.catalog.ref("branch", t.branch)
-            event["head"] = head.model_dump(mode="json") if head is not None else None
-            event["record"] = t.record.model_dump(mode="json")
-        if ok and level in TIER_LEVEL.values() and job is not None and job.final is not None \
-                and job.manifest is not None and job.final.parent != job.manifest.parent:
-            event["manifest"] = job.final.to_json().decode()
-        self.broadcast(event)
-        if all(t.handle.done(lvl) for lvl in LEVELS):  # type: ignore[arg-type]
-            with self._lock:
-                self._tracked.pop(t.version, None)
-
-    def _snapshot(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        engine = self.engine
-        engine.wait_published()
-        assert self.cache is not None
-        cat = self.cache.catalog
-        with self._lock:
-            tracked = list(self._tracked.values())
-        in_flight = {t.version for t in tracked}
-        versions = []
-        for v in cat.all():
-            if v.id in in_flight or "ram" in cat.residency(v):
-                versions.append(v.to_json().decode())
-        moves = [[t.record.model_dump(mode="json"), t.base.model_dump(mode="json") if t.base else None]
-                 for t in sorted(tracked, key=lambda t: t.record.seq)]
-        pending = {t.version: sorted(engine.pending_tiers(t.version)) for t in tracked}
-        refs = [r.model_dump(mode="json") for r in cat.refs().values()]
-        return {"versions": versions, "moves": moves, "pending": pending, "refs": refs}
-
-    def _pin(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ram = self.engine.ram
-        key = str(msg["key"])
-        got = ram.pin(key) if ram is not None else None
-        if got is None:
-            return {"missing": True}
-        region, length, data = got
-        if data is not None:
-            return {"data": data.decode("latin-1")}
-        assert region is not None
-        with self._lock:
-            if not client.alive:
-                ram.unpin(region)
-                raise AgentUnavailableError("the client left")
-            pin = next(self._ids)
-            client.pins[pin] = region
-        self._served["ram"] += length
-        return {"pin": pin, "offset": region.offset, "length": length}
-
-    def _unpin(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            region = client.pins.pop(int(msg["pin"]), None)
-        ram = self.engine.ram
-        if region is not None and ram is not None:
-            ram.unpin(region)
-        return {}
-
-    def _list(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ram = self.engine.ram
-        return {"keys": ram.list(str(msg.get("prefix", ""))) if ram is not None else []}
-
-    def _get(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ram = self.engine.ram
-        data = ram.get(str(msg["key"])) if ram is not None else None
-        return {"missing": True} if data is None else {"data": data.decode("latin-1")}
-
-    def _holds(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
-        cat = self.cache.catalog
-        ram = self.engine.ram
-        versions = {}
-        for vid in msg.get("versions", ()):
-            try:
-                versions[vid] = "ram" in cat.residency(cat.get(str(vid)))
-            except TierCacheError:
-                versions[vid] = False
-        chunks = {cid: ram is not None and ram.size(chunk_key(str(cid))) is not None for cid in msg.get("chunks", ())}
-        return {"versions": versions, "chunks": chunks}
-
-    def _flush(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        timeout = msg.get("within")
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
-        if msg.get("mine"):
-            with self._lock:
-                mine = [t for t in self._tracked.values() if t.owner == client.cid]
-            for t in mine:
-                for lvl in LEVELS:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    with contextlib.suppress(Exception):
-                        t.handle.future(lvl).exception(left)  # type: ignore[arg-type]
-            return {}
-        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), report=False)
-        return {}
-
-    def _promote(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
-        return {"nbytes": self.cache.promote(str(msg["version"]), to="ram")}
-
-    def _evict(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"nbytes": self.engine.evict_ram(str(c) for c in msg.get("chunks", ()))}
-
-    def _gc(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
-        grace = msg.get("grace")
-        report = self.cache.gc(dry_run=bool(msg.get("dry_run")), grace=None if grace is None else float(grace))
-        return {"report": dataclasses.asdict(report)}
-
-    def _restored(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        for source, n in dict(msg.get("nbytes", {})).items():
-            self._restores[str(source)] += 1
-            self._restore_bytes[str(source)] += int(n)
-        return {}
-
-    def _stats(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.stats()
-
-    def stats(self) -> dict[str, Any]:
-        """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics."""
-        assert self.cache is not None
-        engine = self.engine
-        arena = engine.ramcache.arena
-        with self._lock:
-            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins)}
-                       for c in self._clients.values()]
-            tracked = len(self._tracked)
-        queues: Counter[str] = Counter()
-        for job in engine.jobs.snapshot():
-            for name in job.pending:
-                queues[name] += 1
-        status = self._recorder.current() if self._recorder is not None else None
-        return {
-            "pid": os.getpid(), "started_at": self.started_at, "socket": str(self.place.socket),
-            "cache": self.place.key,
-            "metrics": None if self.metrics_address is None else "{}:{}".format(*self.metrics_address),
-            "arena": {"path": str(self.shared.path) if self.shared else None,
-                      "capacity": arena.capacity if arena is not None else None,
-                      "used_bytes": arena.used_bytes if arena is not None else 0},
-            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked,
-            "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
-            "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
-            "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
-            "cache_stats": self.cache.stats(),
-        }
-
-    def _stop_request(self, client: _Client, msg: dict[str, Any]) -> dict[str, Any]:
-        timeout = msg.get("within")
-        with contextlib.suppress(TimeoutError):
-            self.engine.flush(None if timeout is None else float(timeout), report=False)
-        return {}
-
-    # ------------------------------------------------------------------ node RAM changes
-
-    def _watch_ram(self, engine: Engine) -> None:
-        """Tell clients when node RAM drops chunks (evicted for room), so they stop counting on them."""
-        assert self.cache is not None
-        catalog = self.cache.catalog
-        note = catalog.note_chunks
-
-        def noted(tier: str, ids: Iterable[str], present: bool = True) -> None:
-            ids = list(ids)
-            note(tier, ids, present)
-            if tier == "ram" and not present and ids:
-                self.broadcast({"ev": "ram", "chunks": ids, "present": False})
-
-        catalog.note_chunks = noted  # type: ignore[method-assign]
-
-    def ram_versions(self) -> list[Version]:
-        """Versions node RAM holds whole."""
-        assert self.cache is not None
-        cat = self.cache.catalog
-        return [v for v in cat.all() if "ram" in cat.residency(v)]
-
-
-_HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
-    "hello": (AgentServer._hello, False),
-    "map": (AgentServer._map, False),
-    "structure": (AgentServer._structure, False),
-    "reserve": (AgentServer._reserve, True),
-    "cancel": (AgentServer._cancel, False),
-    "publish": (AgentServer._publish, False),
-    "snapshot": (AgentServer._snapshot, True),
-    "pin": (AgentServer._pin, False),
-    "unpin": (AgentServer._unpin, False),
-    "list": (AgentServer._list, False),
-    "get": (AgentServer._get, False),
-    "holds": (AgentServer._holds, False),
-    "flush": (AgentServer._flush, True),
-    "promote": (AgentServer._promote, True),
-    "evict": (AgentServer._evict, False),
-    "gc": (AgentServer._gc, True),
-    "restored": (AgentServer._restored, False),
-    "stats": (AgentServer._stats, False),
-    "stop": (AgentServer._stop_request, True),
-}
 
 
 def run(config: CacheConfig, *, exist_ok: bool = False, echo: Callable[[str], None] | None = None) -> int:
