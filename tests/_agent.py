@@ -12,13 +12,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tiercache.agent.client import listening
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,18 +47,6 @@ def agent_config(root: Path, sock_dir: Path, *, capacity: str = "32MiB", s3: dic
 def without_agent(cfg: dict[str, Any]) -> dict[str, Any]:
     """The same cache, opened without its agent (what a process that never heard of it sees)."""
     return {k: v for k, v in cfg.items() if k != "agent"}
-
-
-def listening(sock: Path) -> bool:
-    """Whether something accepts connections at ``sock``."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(sock))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 class AgentProcess:
@@ -100,7 +89,11 @@ class AgentProcess:
         """SIGTERM it (it finishes what it holds first) and wait; return its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()  # leave no agent behind, then fail
+            raise
 
     def kill(self) -> None:
         """SIGKILL it, as a crash would, and reap it."""

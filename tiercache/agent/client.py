@@ -86,6 +86,18 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
     return Connection(sock)
 
 
+def listening(path: os.PathLike[str] | str) -> bool:
+    """Whether something accepts connections on the Unix socket at ``path`` (an agent that is up)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 class AgentLink:
     """One process's connection to its cache's agent (see the module docstring).
 
@@ -547,4 +559,4 @@ def call(config: CacheConfig, op: str, *, timeout: float | None = None, **fields
         link.close()
 
 
-__all__ = ["AgentLink", "AgentRamTier", "attach", "call", "connect"]
+__all__ = ["AgentLink", "AgentRamTier", "attach", "call", "connect", "listening"]
