@@ -304,6 +304,7 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
     assert overview["agent"]["pid"] == agent.pid and overview["agent"]["arena_capacity"] == 32 << 20
     assert overview["tiers"] == ["ram", "disk"] and overview["versions"] == 1
     assert stats["agent"]["pid"] == agent.pid
+    assert stats["meter"]["tiers"]["disk"]["write"]["transfers"] >= 1  # the agent wrote, and measured it
     assert stats["agent"]["levels"]["local:ok"] == 1
     assert stats["agent"]["served_bytes"]["ram"] > 0
     spec = tmp_path / "cfg.toml"
@@ -368,3 +369,25 @@ def test_the_agent_serves_prometheus_metrics(tmp_path: Path, sock_dir: Path, shm
     assert samples[("tiercache_agent_restores_total", (("source", "ram"),))] == 1
     assert samples[("tiercache_agent_lag_steps", (("branch", "main"), ("level", "local")))] == 0
     assert samples[("tiercache_agent_lost_versions_total", ())] == 0
+
+
+def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "reflog_keep": 0}
+    agents(cfg)
+    with tiercache.open(cfg) as cache:
+        a, b, c = (cache.save(state_for(s), step=s).wait("local") for s in (1, 2, 3))
+        cache.rollback("main", a)  # b and c are reachable from nothing now
+        report = cache.gc(grace=0)
+        assert set(report.versions) == {b, c} and report.chunks["disk"] > 0
+        assert [v.id for v in cache.versions()] == [a]
+        # The agent collected them itself: its view of the disk is true, and the next save builds on a.
+        d = cache.save(state_for(4), step=4).wait("local")
+        assert cache.manifest(d).parent == a
+        cache.flush()  # a version in flight keeps its chunks in RAM
+        assert cache.evict(d, "ram") > 0  # node RAM's copy goes; the disk's stays
+        assert "ram" not in next(v for v in cache.versions() if v.id == d).tiers
+        _assert_state(cache.restore(d, resume=False), 4)
+        assert set(cache.last_restore.nbytes) == {"disk"}  # type: ignore[union-attr]
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert [v.id for v in cache.versions()] == [a, d]
+        _assert_state(cache.restore("main"), 4)

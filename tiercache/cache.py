@@ -791,7 +791,11 @@ class TierCache:
     # ------------------------------------------------------------------ stats and lifetime
 
     def stats(self) -> dict[str, Any]:
-        """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able)."""
+        """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able).
+
+        With a node agent, the throughput is the agent's, and ``"agent"`` holds its figures (see
+        :meth:`tiercache.agent.requests.Requests.stats`).
+        """
         snap = self.meter.snapshot()
         tiers = {}
         for name in self.tier_names:
@@ -809,7 +813,9 @@ class TierCache:
         out: dict[str, Any] = {"meter": snap, "tiers": tiers, "errors": errors}
         if self._link is not None and self._link.lost is None:
             with contextlib.suppress(TierCacheError):
-                out["agent"] = self._link.request("stats")
+                agent = out["agent"] = self._link.request("stats")
+                out["meter"] = agent.pop("meter")  # the agent does the writes: its figures are the cache's
+                errors["lost_versions"] += agent["lost_versions"]
         return out
 
     def status(self) -> dict[str, Any] | None:

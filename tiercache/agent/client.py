@@ -370,6 +370,9 @@ class AgentLink:
             cat.note_chunks("ram", [c.id for c in v.chunks])
         elif ev == "ram":
             cat.note_chunks("ram", [str(c) for c in msg.get("chunks", ())], bool(msg.get("present")))
+        elif ev == "settled":
+            with self._lock:
+                self._pending.pop(vid, None)
         elif ev == "level":
             with self._lock:
                 pending = frozenset(msg.get("pending", ()))

@@ -90,7 +90,7 @@ def _families(server: AgentServer) -> Iterator[Any]:
                 lag_n.add_metric([branch, level], lag["steps"])
     yield from (lag_s, lag_n)
     yield CounterMetricFamily("tiercache_agent_lost_versions", "Versions that reached no durable tier",
-                              value=st["cache_stats"]["errors"]["lost_versions"])
+                              value=st["lost_versions"])
     errors = CounterMetricFamily("tiercache_agent_request_errors", "Requests answered with an error", labels=["type"])
     for kind, n in sorted(st["request_errors"].items()):
         errors.add_metric([kind], n)
@@ -105,7 +105,7 @@ def _families(server: AgentServer) -> Iterator[Any]:
                               value=st["served_bytes"].get("ram", 0))
     speed = GaugeMetricFamily("tiercache_agent_throughput_bytes_per_second", "Observed throughput",
                               labels=["tier", "direction"])
-    for tier, per_dir in sorted(st["cache_stats"]["meter"]["tiers"].items()):
+    for tier, per_dir in sorted(st["meter"]["tiers"].items()):
         for direction, fig in sorted(per_dir.items()):
             if fig.get("bps"):
                 speed.add_metric([tier, direction], fig["bps"])

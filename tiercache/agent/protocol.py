@@ -38,9 +38,11 @@ stop       ``within`` -> {} once every version settled (or ``within`` s passed);
 ========== =====================================================================================
 
 Events (agent -> every client of the cache): ``published`` {``v``, ``manifest``}, ``level``
-{``v``, ``level``, ``ok``, ``error``, ``pending``}, ``committed`` {``v``, ``tier``, ``manifest``
-(only when it differs from the published one)}, ``lost`` {``v``, ``branch``, ``seq``},
-``released`` {``v``}, ``ram`` {``chunks``, ``present``} (node RAM gained or dropped chunks).
+{``v``, ``level``, ``ok``, ``error``, ``pending`` (tiers still to write), ``manifest`` (a tier
+committed a manifest other than the published one: its parent was lost), and for a ``durable``
+failure ``loss``, ``record`` (the branch move to undo) and ``head`` (the agent's view of the branch)},
+``settled`` {``v``} (every level of it settled: nothing pending), ``ram`` {``chunks``, ``present``}
+(node RAM dropped chunks).
 """
 
 from __future__ import annotations

@@ -240,8 +240,9 @@ class Requests:
             t.published.wait(60.0)  # the manifest goes out before the first level that names it
         self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
         job = self.engine.jobs.get(t.version)
-        event: dict[str, Any] = {"ev": "level", "v": t.version, "level": level, "ok": ok,
-                                 "pending": sorted(job.pending) if job is not None else []}
+        done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
+        pending = sorted(n for n in job.pending if n != done_tier) if job is not None else []
+        event: dict[str, Any] = {"ev": "level", "v": t.version, "level": level, "ok": ok, "pending": pending}
         if not ok:
             event["error"] = error_to_wire(err)  # type: ignore[arg-type]
         if level == "durable" and not ok:
@@ -258,7 +259,15 @@ class Requests:
         self.broadcast(event)
         if all(t.handle.done(lvl) for lvl in LEVELS):  # type: ignore[arg-type]
             with self._lock:
-                self._tracked.pop(t.version, None)
+                last = self._tracked.pop(t.version, None) is not None
+            if last:
+                threading.Thread(target=self._settled, args=(t.version,), daemon=True,
+                                 name="tiercache-agent-settle").start()
+
+    def _settled(self, version: str) -> None:
+        """Once the engine is done with a version (its regions back, its chunks unpinned), say so."""
+        self.engine.wait_job(version)
+        self.broadcast({"ev": "settled", "v": version})
 
     def _snapshot(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
@@ -351,6 +360,9 @@ class Requests:
 
     def _gc(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.cache is not None
+        # Trainers move refs themselves (rollback, branch, tag): read what the tiers hold now.
+        for name in self.cache.repo.durable:
+            self.cache.catalog.reload(name)
         grace = msg.get("grace")
         report = self.cache.gc(dry_run=bool(msg.get("dry_run")), grace=None if grace is None else float(grace))
         return {"report": dataclasses.asdict(report)}
@@ -365,7 +377,11 @@ class Requests:
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
-        """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics."""
+        """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics.
+
+        Cheap enough for every scrape: nothing here lists a tier (``meter`` is what the agent
+        observed writing and reading, ``lag`` what its status recorder computes).
+        """
         assert self.cache is not None
         engine = self.engine
         arena = engine.ramcache.arena
@@ -389,7 +405,7 @@ class Requests:
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
-            "cache_stats": self.cache.stats(),
+            "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
         }
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:

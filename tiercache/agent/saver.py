@@ -339,6 +339,9 @@ class AgentSaver:
         if ev == "published":
             job.published.set()
             return
+        if ev == "settled":  # the agent is done with it, as the engine is when a flush returns
+            self._forget(job)
+            return
         if ev != "level":
             return
         f = job.futures.get(str(msg.get("level")))
@@ -352,8 +355,6 @@ class AgentSaver:
                     if msg.get("loss"):
                         self._record_loss(job, err)
                 f.set_exception(err)
-        if job.settled():
-            self._forget(job)
 
     def _on_lost(self, err: BaseException) -> None:
         """The agent is gone: finish what it had not, in this process, off the link's thread."""
@@ -365,13 +366,16 @@ class AgentSaver:
     def _handed_over(self) -> None:
         """Hand every copied, unsettled version over to the in-process engine (once each, in save order)."""
         with self._cv:
-            jobs = [j for j in self._jobs.values() if j.copied and not j.moved]
+            jobs = [j for j in self._jobs.values() if (j.copied or j.settled()) and not j.moved]
         self._hand_over(jobs)
 
     def _hand_over(self, jobs: Iterable[_Job]) -> None:
         with self._handover:
             for job in jobs:
-                if job.moved or job.settled():
+                if job.settled():  # its "settled" word was lost with the agent: nothing left to do
+                    self._forget(job)
+                    continue
+                if job.moved:
                     continue
                 job.moved = True
                 try:
