@@ -112,10 +112,18 @@ def test_a_killed_trainers_versions_restore_from_node_ram_and_reach_disk(
     assert code == -signal.SIGKILL
     staged = {step: vid for word, step, vid in acks if word == "staged"}
     assert sorted(staged) == [1, 2, 3]
+    # A CLI process sees node RAM too: `tiercache ls` gives it a column.
+    out = CliRunner().invoke(app, ["--config", str(_write(tmp_path, cfg)), "ls", "--json"])
+    assert out.exit_code == 0, out.output
+    listed = {v["id"]: v["tiers"] for v in json.loads(out.output)}
+    assert listed.keys() == set(staged.values()) and all("ram" in t for t in listed.values())
     with tiercache.open(cfg) as cache:
         assert cache.refs()["branch/main"] == staged[3]
         newest = cache.versions()[-1]
         assert newest.id == staged[3] and "ram" in newest.tiers
+        assert cache.agent is not None  # what a group restore asks each node's agent
+        assert cache.agent.holds([staged[3], "01NOSUCHVERSION00000000000"], []) == (
+            {staged[3]: True, "01NOSUCHVERSION00000000000": False}, {})
         got = cache.restore("main")
         _assert_state(got, 3)
         assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"ram"}

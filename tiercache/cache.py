@@ -195,6 +195,15 @@ class TierCache:
         return names + [n for n in ("disk", "s3") if n in self._tiers]
 
     @property
+    def agent(self) -> AgentLink | None:
+        """The connection to the node agent (``[agent]``), or ``None`` (none configured, running or reachable).
+
+        Multi-rank code asks it what node RAM holds: ``cache.agent.holds(versions, chunks)``.
+        """
+        link = self._link
+        return link if link is not None and link.lost is None else None
+
+    @property
     def catalog(self) -> Catalog:
         """The catalog of versions and refs (read it; change the tiers through :attr:`repo`)."""
         return self.repo.catalog

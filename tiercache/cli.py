@@ -518,14 +518,15 @@ def ls(
     """List versions with step, size, age, refs and tiers.
 
     Oldest first, with one column per durable tier (a CLI process has no lasting RAM tier, so RAM
-    gets none): ✓ where the tier holds the version, else why not (skipped by the policy, failed,
-    evicted), with the reasons of the newest such versions under the table. With --branch, only
-    that branch's history: what `tiercache log BRANCH` walks.
+    gets none, unless a node agent holds it: then node RAM gets one), ✓ where the tier holds the
+    version, else why not (skipped by the policy, failed, evicted), with the reasons of the newest
+    such versions under the table. With --branch, only that branch's history: what `tiercache log
+    BRANCH` walks.
     """
     with _session(ctx) as cache:
         versions = cache.versions() if branch is None else _history(cache, branch)
         refs = cache.refs()
-        tiers = [t for t in cache.tier_names if t != "ram"]
+        tiers = [t for t in cache.tier_names if t != "ram" or cache.agent is not None]
     if as_json:
         _echo_json([_version_json(v, refs) for v in versions])
         return
