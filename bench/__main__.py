@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from bench.agent import AGENT_GROUPS, run_agent
 from bench.baselines import BASELINE_GROUPS, S3Endpoint, run_baselines
 from bench.cli import CLI_GROUPS, run_cli
 from bench.report import evaluate, machine_info, render, write_json, write_png
@@ -28,8 +29,8 @@ from bench.state import make_state, state_nbytes, state_summary
 from tiercache.config import DiskConfig, S3Config, parse_size
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS + CLI_GROUPS
-_S3_GROUPS = frozenset({"s3", "s3torch", "save", "restore", "rss"})
+GROUPS = BASELINE_GROUPS + TIERCACHE_GROUPS + AGENT_GROUPS + CLI_GROUPS
+_S3_GROUPS = frozenset({"s3", "s3torch", "save", "restore", "rss", "restart"})
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -90,7 +91,16 @@ def _s3_endpoint(work: Path, console: Console) -> Iterator[S3Endpoint]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the selected groups, print the table, write ``bench/out/results.json`` and ``bench.png``."""
+    """Run the selected groups, print the table, write ``bench/out/results.json`` and ``bench.png``.
+
+    ``python -m bench mlperf ...`` runs the MLPerf-Storage-style checkpoint mode instead (see
+    :mod:`bench.mlperf`).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["mlperf"]:
+        from bench.mlperf import main as mlperf
+
+        return mlperf(argv[1:])
     args = _parse(argv)
     # Piped output (CI logs, files) would otherwise wrap the wide table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
@@ -114,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  dcp_threads=DiskConfig.model_fields["io_threads"].default)
             rows += run_tiercache(state, work, repeat=args.repeat, groups=args.groups, s3=s3,
                                   policy=args.policy)
+            rows += run_agent(state, work, repeat=args.repeat, groups=args.groups, s3=s3, policy=args.policy)
             if "cli" in args.groups:
                 rows += run_cli(work, repeat=args.repeat)
     finally:

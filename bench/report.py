@@ -111,6 +111,11 @@ TARGETS: tuple[Target, ...] = (
     Target("tc.rss_peak", ("tc.rss_budget",), (), 1.0, None, "<= RAM capacity x1.05 + state"),
     Target("tc.loop_slowdown", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
     Target("tc.loop_slowdown_deferred", ("loop.memcpy",), (), 1.0, None, "< memcpy of the loop's state"),
+    Target("restart.ram", ("restart.memcpy",), (), 1.2, None, "<= 1.2x a memcpy of the same bytes"),
+    Target("agentloop.agent_1", (), ("agentloop.engine_1", "agentloop.dcp_1"), None, 1.0,
+           "the smallest slowdown of the three"),
+    Target("agentloop.agent_10", (), ("agentloop.engine_10", "agentloop.dcp_10"), None, 1.0,
+           "the smallest slowdown of the three"),
     Target("tc.cli_help", ("cli.help_budget",), (), 1.0, None, "< 0.3 s"),
     Target("tc.cli_ls", ("cli.ls_budget",), (), 1.0, None, "< 0.5 s on a disk-only cache"),
 )

@@ -2,7 +2,7 @@
 
 A model, not a measurement: it combines the bandwidths of one node (NVMe, network, S3) with the
 ratios tiercache reached against the raw limits in ``docs/benchmarks.md``, and with how the
-multi-rank protocol spreads the bytes (``tiercache.distributed``), to tell how long each
+multi-rank protocol spreads the bytes (``tiercache.group``), to tell how long each
 durability level takes and how long a restore after one lost node takes, for a job of ``N`` nodes.
 ``docs/scale.md`` shows its table and how to size ``[peers] copies`` and the checkpoint interval.
 

@@ -59,6 +59,8 @@ def config_for(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("s3"):
         cfg["s3"] = spec["s3"]
+    if spec.get("agent"):  # the node agent's crash tests (test_agent_crash.py)
+        cfg["agent"] = spec["agent"]
     if "reflog_keep" in spec:
         cfg["reflog_keep"] = spec["reflog_keep"]
     return cfg
@@ -77,7 +79,7 @@ def save_loop(spec: dict[str, Any]) -> None:
     """
     failpoints.configure(spec.get("failpoints"))
     os.environ.update(spec.get("env", {}))  # the S3 credentials of the test server
-    levels = ["local", "remote"] if spec.get("s3") else ["local"]
+    levels = spec.get("levels") or (["local", "remote"] if spec.get("s3") else ["local"])
     fd = os.open(spec["ack"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with tiercache.open(config_for(spec)) as cache:
         for i in range(spec.get("max_saves", 1 << 30)):
@@ -155,8 +157,12 @@ class ForkServer:
     """The parent's handle on a ``serve`` process."""
 
     def __init__(self) -> None:
+        # This checkout's tiercache first (a script's own directory, not the working directory,
+        # starts sys.path: without this the children would run whatever tiercache is installed).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
 
     def start(self, specs: list[dict[str, Any]]) -> list[int]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.errors import (
     AccessDeniedError,
+    AgentUnavailableError,
     AmbiguousRefError,
     BranchNotFoundError,
     BucketNotFoundError,
@@ -112,6 +113,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AccessDeniedError",
+    "AgentUnavailableError",
     "AmbiguousRefError",
     "BranchNotFoundError",
     "BucketNotFoundError",

@@ -48,7 +48,7 @@ from tiercache.errors import (
 )
 from tiercache.handle import TIER_LEVEL, SaveHandle
 from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, check_meta, parse_ref
-from tiercache.names import check_name, chunk_key
+from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
@@ -61,9 +61,12 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from tiercache.advisor import Advisor, PlanInputs
+    from tiercache.agent.client import AgentLink
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
     from tiercache.restore import Fill, Progress, Reader, RestoreReport
+    from tiercache.saver import Saver
+    from tiercache.tiers.ram import Arena
 
 log = logging.getLogger("tiercache.cache")
 
@@ -141,11 +144,21 @@ class TierCache:
 
     Create it with :func:`tiercache.open`. All methods are thread-safe; ``save`` is meant to be
     called from the training loop and returns as soon as the state is copied into RAM.
+
+    With an ``[agent]`` table, the RAM tier and the background work live in the node agent
+    (:mod:`tiercache.agent`): the cache attaches to a running one when it opens (so node RAM's
+    versions are seen at once), and the first save starts one if none runs (``start = "auto"``).
+
+    Args:
+        config: The configuration.
+        make_arena: Makes the engine's RAM arena (the node agent passes its shared memory).
     """
 
-    def __init__(self, config: CacheConfig, *, group_views: GroupViews | None = None) -> None:
+    def __init__(self, config: CacheConfig, *, group_views: GroupViews | None = None,
+                 make_arena: Callable[[int], Arena] | None = None) -> None:
         self.config = config
         self._group_views = group_views
+        self._make_arena = make_arena
         self.policy = load_policy(config.policy)
         self.meter = ThroughputMeter()
         self._tiers = _make_tiers(config)
@@ -158,7 +171,9 @@ class TierCache:
             raise
         self.repo = Repo(config, self._tiers, self.health)
         self._seed_meter()
-        self._engine: Engine | None = None
+        self._engine: Saver | None = None
+        #: The connection to the node agent (``[agent]``), once attached.
+        self._link: AgentLink | None = self._attach_agent(start=False) if config.agent is not None else None
         self._reader: Reader | None = None
         self._step_guards: StepGuards | None = None
         self._lazy_lock = threading.Lock()
@@ -186,9 +201,18 @@ class TierCache:
 
     @property
     def tier_names(self) -> list[str]:
-        """Configured tiers, fastest first (``ram`` when a RAM tier is configured)."""
-        names = ["ram"] if self.config.ram is not None else []
+        """Configured tiers, fastest first (``ram`` when a RAM tier or the node agent is configured)."""
+        names = ["ram"] if self.config.ram is not None or self.config.agent is not None else []
         return names + [n for n in ("disk", "s3") if n in self._tiers]
+
+    @property
+    def agent(self) -> AgentLink | None:
+        """The connection to the node agent (``[agent]``), or ``None`` (none configured, running or reachable).
+
+        Multi-rank code asks it what node RAM holds: ``cache.agent.holds(versions, chunks)``.
+        """
+        link = self._link
+        return link if link is not None and link.lost is None else None
 
     @property
     def catalog(self) -> Catalog:
@@ -196,18 +220,48 @@ class TierCache:
         return self.repo.catalog
 
     @property
-    def engine(self) -> Engine:
-        """The save engine, made (with the RAM arena, and torch imported) on first use."""
+    def engine(self) -> Saver:
+        """The save engine (see :mod:`tiercache.saver`), made on first use (torch imported then).
+
+        In process, the :class:`~tiercache.pipeline.engine.Engine` with its RAM arena; with an
+        ``[agent]`` table, the :class:`~tiercache.agent.saver.AgentSaver` that hands saves to
+        the node agent (starting one if none runs and ``start = "auto"``).
+        """
         with self._lazy_lock:
             if self._engine is None:
                 from tiercache.pipeline.deferred import StepGuards
-                from tiercache.pipeline.engine import Engine
 
                 self.check_open()
-                self._engine = Engine(self.config, self.repo, policy=self.policy, meter=self.meter,
-                                      read_object=self._read_object)
+                self._engine = self._agent_saver() if self.config.agent is not None else self._local_engine()
                 self._step_guards = StepGuards(self._engine.wait_deferred)
             return self._engine
+
+    def _local_engine(self) -> Engine:
+        from tiercache.pipeline.engine import Engine
+
+        return Engine(self.config, self.repo, policy=self.policy, meter=self.meter, read_object=self._read_object,
+                      make_arena=self._make_arena)
+
+    def _attach_agent(self, *, start: bool) -> AgentLink | None:
+        """Connect to the node agent (start one if ``start``); ``None``, with a warning, if that fails."""
+        from tiercache.agent.client import attach
+
+        try:
+            return attach(self.config, self.repo, start=start)
+        except TierCacheError as e:
+            log.warning("no node agent: %s; saving in this process", e)
+            return None
+
+    def _agent_saver(self) -> Saver:
+        assert self.config.agent is not None
+        link = self._link
+        if link is None or link.lost is not None:
+            link = self._link = self._attach_agent(start=self.config.agent.start == "auto")
+        if link is None:
+            return self._local_engine()
+        from tiercache.agent.saver import AgentSaver
+
+        return AgentSaver(self.config, self.repo, link, make_local=self._local_engine)
 
     @property
     def reader(self) -> Reader:
@@ -508,6 +562,8 @@ class TierCache:
         t0 = time.perf_counter()
         read = (fill or self.reader.read_version)(version, dests, progress)
         self.last_restore = RestoreReport(version.id, read, time.perf_counter() - t0)
+        if self._link is not None:
+            self._link.notify("restored", nbytes=read)  # restores by source, in the agent's metrics
         for target, tmp in finals:
             with torch.no_grad():
                 target.copy_(tmp)
@@ -559,7 +615,8 @@ class TierCache:
         for v in self.catalog.all():
             if branch is not None and v.branch != branch:
                 continue
-            pending = self._engine.pending_tiers(v.id) if self._engine is not None else ()
+            pending = (self._engine.pending_tiers(v.id) if self._engine is not None
+                       else self._link.pending_tiers(v.id) if self._link is not None else ())
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
                                    self.catalog.residency(v), self.repo.states(v, self.tier_names, pending)))
         return out
@@ -663,12 +720,8 @@ class TierCache:
         if (outage := self.health.outage(to)) is not None:
             raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
         if to == "ram":
-            self.engine.ensure_arena(sum(c.nbytes for c in version.chunks))
-        copied = self.repo.copy_version(version, to, self._read_object, progress)
-        if to == "ram":
-            for c in version.chunks:
-                self.engine.ramcache.keep(chunk_key(c.id))
-        return copied
+            return self.engine.promote_ram(version, self._read_object, progress)
+        return self.repo.copy_version(version, to, self._read_object, progress)
 
     def evict(self, ref: str, tier: str) -> int:
         """Drop tier ``tier``'s copy of a version: its manifest, then the chunks no other version there needs.
@@ -690,7 +743,7 @@ class TierCache:
             for other in self.catalog.all():  # chunks shared with other versions in RAM stay
                 if other.id != version.id and "ram" in self.catalog.residency(other):
                     ids -= {c.id for c in other.chunks}
-            return self.engine.ramcache.evict(chunk_key(i) for i in ids) if self._engine is not None else 0
+            return self._engine.evict_ram(ids) if self._engine is not None else 0
         if self._engine is not None:
             self._engine.wait_job(version.id)
         freed = self.repo.evict(version.id, tier, by="user")
@@ -728,8 +781,14 @@ class TierCache:
         self.check_open()
         self._wait_published()
         engine = self._engine
-        evicted = None if engine is None else lambda ids: engine.ramcache.evict(chunk_key(i) for i in ids)
-        report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
+        evicted = None if engine is None else engine.evict_ram
+        if self._link is not None and self._link.lost is None:
+            # The agent writes this cache: it collects too, so its view of the tiers stays true.
+            got = self._link.request("gc", dry_run=dry_run, grace=grace)["report"]
+            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"])})
+            self.catalog.forget(report.versions if not dry_run else ())
+        else:
+            report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
         if not dry_run and report.versions:
             # A collected version is never the parent of a later save (of a new branch, or a resume).
             gone = set(report.versions)
@@ -761,7 +820,11 @@ class TierCache:
     # ------------------------------------------------------------------ stats and lifetime
 
     def stats(self) -> dict[str, Any]:
-        """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able)."""
+        """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able).
+
+        With a node agent, the throughput is the agent's, and ``"agent"`` holds its figures (see
+        :meth:`tiercache.agent.requests.Requests.stats`).
+        """
         snap = self.meter.snapshot()
         tiers = {}
         for name in self.tier_names:
@@ -776,7 +839,13 @@ class TierCache:
         engine = self._engine
         errors = {"lost_versions": engine.errors_total if engine else 0,
                   "recent": list(engine.recent_errors) if engine else []}
-        return {"meter": snap, "tiers": tiers, "errors": errors}
+        out: dict[str, Any] = {"meter": snap, "tiers": tiers, "errors": errors}
+        if self._link is not None and self._link.lost is None:
+            with contextlib.suppress(TierCacheError):
+                agent = out["agent"] = self._link.request("stats")
+                out["meter"] = agent.pop("meter")  # the agent does the writes: its figures are the cache's
+                errors["lost_versions"] += agent["lost_versions"]
+        return out
 
     def status(self) -> dict[str, Any] | None:
         """What the saving process publishes for viewers: staged versions, levels reached, queues, costs.
@@ -905,7 +974,9 @@ class TierCache:
         with self._recorder_lock:
             if self._recorder is None:
                 tier = self._meter_tier()
-                write = None if tier is None else lambda data: tier.put(STATUS_KEY, data)
+                # With a node agent, the agent publishes the status (it sees every rank's saves).
+                own = tier is not None and self.config.agent is None
+                write = (lambda data: tier.put(STATUS_KEY, data)) if own else None  # type: ignore[union-attr]
                 self._recorder = StatusRecorder(write, interval=self.config.ui.status_interval,
                                                 meter=self.meter.snapshot)
             return self._recorder
@@ -976,6 +1047,8 @@ class TierCache:
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()
+            if self._link is not None:
+                self._link.close()
             self.repo.close()
 
     def _meter_tier(self) -> Tier | None:

@@ -533,14 +533,15 @@ def ls(
     """List versions with step, size, age, refs and tiers.
 
     Oldest first, with one column per durable tier (a CLI process has no lasting RAM tier, so RAM
-    gets none): ✓ where the tier holds the version, else why not (skipped by the policy, failed,
-    evicted), with the reasons of the newest such versions under the table. With --branch, only
-    that branch's history: what `tiercache log BRANCH` walks.
+    gets none, unless a node agent holds it: then node RAM gets one), ✓ where the tier holds the
+    version, else why not (skipped by the policy, failed, evicted), with the reasons of the newest
+    such versions under the table. With --branch, only that branch's history: what `tiercache log
+    BRANCH` walks.
     """
     with _session(ctx) as cache:
         versions = cache.versions() if branch is None else _history(cache, branch)
         refs = cache.refs()
-        tiers = [t for t in cache.tier_names if t != "ram"]
+        tiers = [t for t in cache.tier_names if t != "ram" or cache.agent is not None]
     if as_json:
         _echo_json([_version_json(v, refs) for v in versions])
         return
@@ -964,6 +965,11 @@ def stats(
             codecs.add_row(name, "-" if ratio is None else f"{ratio:.3f}", _rate({"bps": c.get("encode_bps")}),
                            str(c.get("chunks", 0)))
         console.print(codecs)
+    if data.get("agent"):
+        from tiercache.cli_agent import describe  # the node agent's figures ([agent])
+
+        for line in describe(data["agent"]):
+            console.print(line)
 
 
 def human_duration(seconds: float) -> str:
@@ -1124,3 +1130,9 @@ def main() -> None:
         typer.echo(f"error: {e.format_message()} (see: {where} --help)", err=True)
         raise SystemExit(2) from None
     raise SystemExit(rc if isinstance(rc, int) else 0)
+
+
+# `tiercache agent` lives in a module of its own; it uses the helpers above.
+from tiercache.cli_agent import agent_app  # noqa: E402
+
+app.add_typer(agent_app)

@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -309,6 +310,58 @@ class AdvisorConfig(_Model):
     max_interval: Duration | None = None
 
 
+class AgentConfig(_Model):
+    """The node agent (:mod:`tiercache.agent`): one process per node owns the RAM tier and does the background work.
+
+    With this table, ``save()`` copies into node memory the agent owns and hands the version to
+    it; the RAM tier then outlives a trainer crash. Without it, everything runs in the trainer.
+
+    Attributes:
+        socket: The Unix socket the agent listens on; ``None``: ``agent-<key>.sock`` in
+            ``$XDG_RUNTIME_DIR/tiercache`` (else ``/tmp/tiercache-<uid>``), ``key`` naming this
+            cache (disk path, S3 url, node): one agent per cache and node.
+        start: ``"auto"``: the first process on the node that saves and finds no agent starts
+            one, detached from its own process tree; ``"never"``: the operator runs
+            ``tiercache agent`` (systemd, a Kubernetes sidecar, ``srun --ntasks-per-node=1``), and
+            a process that finds none saves in process.
+        shm_dir: Where the agent keeps the arena: a ``0600`` file per cache, node and boot
+            (``/dev/shm``; a ``tmpfs`` or ``emptyDir: {medium: Memory}`` mount).
+        metrics: ``HOST:PORT`` where the agent serves Prometheus metrics (``None``: not served).
+        idle_exit: Seconds an agent with no client and nothing left to write waits before it
+            exits (its RAM copies go; everything is durable by then). 0: it never exits on its own.
+        connect_timeout: Seconds a process waits for an agent to answer, or to start.
+        request_timeout: Seconds without a word from the agent after which a request counts as
+            lost: the process saves in process from then on (an agent waiting for room in its
+            arena says so every second).
+    """
+
+    socket: Path | None = None
+    start: Literal["auto", "never"] = "auto"
+    shm_dir: Path = Path("/dev/shm")
+    metrics: str | None = None
+    idle_exit: Duration = 600.0
+    connect_timeout: float = Field(default=20.0, gt=0)
+    request_timeout: float = Field(default=30.0, gt=0)
+
+    @field_validator("metrics")
+    @classmethod
+    def _check_metrics(cls, v: str | None) -> str | None:
+        if v is not None:
+            host, sep, port = v.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
+        return v
+
+
+def agent_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where agents keep default sockets and logs: ``$XDG_RUNTIME_DIR/tiercache``, else ``/tmp/tiercache-<uid>``."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "tiercache"
+    return Path(tempfile.gettempdir()) / f"tiercache-{os.getuid()}"
+
+
 class CacheConfig(_Model):
     """The whole configuration of one cache.
 
@@ -340,6 +393,8 @@ class CacheConfig(_Model):
             ``None``: torchrun's ``GROUP_RANK``, else the host name (see :func:`launcher_node`).
         failure_domain: What this node fails together with (a rack, a switch:
             ``TIERCACHE_FAILURE_DOMAIN``); peer copies of a node go to nodes of other domains.
+        agent: The node agent; ``None`` (no ``[agent]`` table): the RAM tier and the background
+            work stay in the process that saves.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
@@ -361,6 +416,7 @@ class CacheConfig(_Model):
     peers: PeersConfig = Field(default_factory=PeersConfig)
     node: str | None = None
     failure_domain: str | None = None
+    agent: AgentConfig | None = None
 
     @field_validator("node", "failure_domain")
     @classmethod

@@ -91,6 +91,14 @@ class TierUnavailableError(StorageError, ConnectionError):
     """A tier cannot be reached: an S3 endpoint that refuses connections or times out."""
 
 
+class AgentUnavailableError(TierUnavailableError):
+    """The node agent (``[agent]``) cannot be reached, refused this process, or was lost.
+
+    ``save()`` never raises it: a process that loses its agent saves in process from then on.
+    ``tiercache agent status``/``stop`` exit 1 with it when no agent runs for the cache.
+    """
+
+
 class AccessDeniedError(StorageError, PermissionError):
     """The credentials are refused by the storage (S3 403, EACCES on disk)."""
 
@@ -142,6 +150,7 @@ def _rebuild(cls: type[TierCacheError], message: str, attrs: dict[str, str]) -> 
 
 __all__ = [
     "AccessDeniedError",
+    "AgentUnavailableError",
     "AmbiguousRefError",
     "BranchNotFoundError",
     "BucketNotFoundError",

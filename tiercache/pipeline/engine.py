@@ -26,42 +26,45 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiercache import codecs
 from tiercache.config import CacheConfig, RamConfig
-from tiercache.dtypes import GROUPED
 from tiercache.errors import (
     CacheClosedError,
-    ConfigError,
     ConflictError,
     InvalidArgumentError,
     SkippedError,
     TierCacheError,
     TierFullError,
 )
-from tiercache.format import Flat, dtype_name, flatten
-from tiercache.handle import GROUP_LEVELS, LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
-from tiercache.layout import Layout, plan_layout
+from tiercache.format import Flat, flatten
+from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
+from tiercache.layout import Layout
 from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
-from tiercache.names import version_key
+from tiercache.names import chunk_key, version_key
 from tiercache.pipeline.catchup import CatchUp
 from tiercache.pipeline.deferred import Owned, deferrable
 from tiercache.pipeline.hasher import Hasher
-from tiercache.pipeline.job import Committer, Job, JobTable
+from tiercache.pipeline.job import Committer, Job, JobTable, StagedVersion
 from tiercache.pipeline.placement import Placement, skip_level
 from tiercache.pipeline.ramcache import RamCache
-from tiercache.pipeline.staging import CopyPlan, Stager, plan_copy
+from tiercache.pipeline.staging import PlanCache, Stager
 from tiercache.pipeline.writer import TierWriter, lower_thread_priority
 from tiercache.policy.base import Policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo
 from tiercache.repo.health import is_outage
+from tiercache.saver import ObjectReader, absent_levels
 from tiercache.tiers.base import Tier
-from tiercache.tiers.ram import RamTier, Region
+from tiercache.tiers.ram import Arena, RamTier, Region
+
+if TYPE_CHECKING:
+    from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.pipeline.engine")
 
@@ -76,10 +79,13 @@ class Engine:
         meter: Where every transfer's bytes and seconds are recorded.
         read_object: Reads a verified chunk object from the best tier holding it (catch-up copies
             chunks with it).
+        make_arena: Makes the RAM arena of a given capacity (the node agent's shared memory, see
+            :mod:`tiercache.agent.server`); ``None``: private memory of this process.
     """
 
     def __init__(self, config: CacheConfig, repo: Repo, *, policy: Policy, meter: ThroughputMeter,
-                 read_object: Callable[[str, int, str], tuple[bytes, str]]) -> None:
+                 read_object: Callable[[str, int, str], tuple[bytes, str]],
+                 make_arena: Callable[[int], Arena] | None = None) -> None:
         self.config = config
         self.repo = repo
         self.health = repo.health
@@ -89,12 +95,12 @@ class Engine:
         self.ramcache = RamCache(
             repo, self.jobs.lock, capacity=None if ram is None or ram.capacity == "auto" else int(ram.capacity),
             pin=lambda: (ram.pin_memory if ram else True) and torch.cuda.is_available(),
-            serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable,
+            serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable, make_arena=make_arena,
         )
         self.placement = Placement(self, policy)
         #: Reads a verified chunk object from the best tier holding it (catch-up copies with it).
         self.read_object = read_object
-        self._plans: dict[object, CopyPlan] = {}
+        self._plans = PlanCache(config.pack_below)
         #: Copies that save() deferred (see tiercache.pipeline.deferred), until each is done.
         self._deferred: set[Future[None]] = set()
         #: Versions that reached no durable tier -> the parent their children name instead.
@@ -176,36 +182,18 @@ class Engine:
             raise CacheClosedError("the cache is closed: open a new one to save")
         if flat is None:
             flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        plan = self._plan(flat, chunk_bytes or self.config.chunk_bytes)
-        layout = plan.layout
-        vid = version_id or new_version_id()
-        futures = level_futures(vid)
-        job = Job(vid, branch, step, seq, parent, dict(meta), time.time(), flat, layout, [], futures,
-                  nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
+        plan = self._plans.get(flat, chunk_bytes or self.config.chunk_bytes)
+        job = self._new_job(version_id or new_version_id(), branch, step, seq, parent, meta, time.time(), flat,
+                            plan.layout, committer)
+        vid, futures = job.version_id, job.futures
         self._start_catch_up()
-        regions = self._reserve(layout)
+        regions = self._reserve(plan.layout)
         if regions is None:
-            err = SkippedError(f"version at step {step} skipped: the RAM arena is full and the policy said skip")
-            for f in futures.values():
-                f.set_exception(err)
-            return self._report_earlier(SaveHandle(vid, futures))
-        job.regions = list(regions)
-        job.ready = [Future() for _ in regions]
-        job.copied = [threading.Event() for _ in regions]
-        for lvl, tier in (("local", "disk"), ("remote", "s3")):
-            if tier not in self.repo.durable:
-                futures[lvl].set_exception(ConfigError(f"no {tier} tier configured, so no {lvl!r} level"))
-        if not self.repo.durable:
-            futures["durable"].set_exception(ConfigError("no durable tier configured (only RAM)"))
-        for lvl in GROUP_LEVELS:
-            futures[lvl].set_exception(ConfigError(
-                f"no {lvl!r} level: it comes with multi-rank saves (save(group=...)) and [peers] copies >= 1"))
-        self.repo.leases.open(vid, parent)
-        self.jobs.add(job)
+            return self._report_earlier(self._skipped(job))
         # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
         # busy while the training thread is still copying the rest (unless the copy uses every
         # core: see Stager.saturates).
-        self._hash_thread.submit(self._after_stage, job)
+        self._launch(job, regions)
         later = deferrable(flat.tensors, defer) if defer else frozenset()
         arena = self.ramcache.arena
         assert arena is not None
@@ -223,6 +211,65 @@ class Engine:
                 self._deferred.add(pending)
             pending.add_done_callback(lambda f: self._copied_later(job, f))
         return self._report_earlier(SaveHandle(vid, futures))
+
+    def adopt(self, staged: StagedVersion, layout: Layout, regions: list[Region]) -> SaveHandle:
+        """Start writing a version another process already copied into regions of this engine's arena.
+
+        The entry point of the node agent (:mod:`tiercache.agent.server`): a trainer reserved
+        ``regions`` (:meth:`reserve`), copied its state into them as :meth:`stage` would, and
+        handed over ``staged``; from here on the version goes through the same pipeline as one
+        staged in process. The regions belong to the version from now on.
+
+        Returns:
+            The version's handle (``staged`` is reached already).
+
+        Raises:
+            CacheClosedError: If the engine is closed (the regions are left to the caller).
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed: open a new one to save")
+        flat = Flat(staged.tree, [], list(staged.metas), staged.pickled, structure_key=None)
+        job = self._new_job(staged.version_id, staged.branch, staged.step, staged.seq, staged.parent, staged.meta,
+                            staged.created_at, flat, layout, None)
+        self._start_catch_up()
+        for e in self._launch(job, regions):
+            e.set()
+        job.futures["staged"].set_result(job.version_id)
+        return SaveHandle(job.version_id, job.futures)
+
+    def reserve(self, layout: Layout) -> list[Region] | None:
+        """Regions of the arena for one version of ``layout`` (see :meth:`adopt`), or ``None`` if the policy skips it.
+
+        Blocks while the arena is full and the policy says wait, as :meth:`stage` does.
+
+        Raises:
+            TierFullError: If a version of ``layout`` can never fit in the arena.
+        """
+        return self._reserve(layout)
+
+    def _new_job(self, vid: str, branch: str, step: int, seq: int, parent: str | None, meta: dict,
+                 created_at: float, flat: Flat, layout: Layout, committer: Committer | None) -> Job:
+        futures = level_futures(vid)
+        return Job(vid, branch, step, seq, parent, dict(meta), created_at, flat, layout, [], futures,
+                   nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
+
+    def _skipped(self, job: Job) -> SaveHandle:
+        err = SkippedError(f"version at step {job.step} skipped: the RAM arena is full and the policy said skip")
+        for f in job.futures.values():
+            f.set_exception(err)
+        return SaveHandle(job.version_id, job.futures)
+
+    def _launch(self, job: Job, regions: list[Region]) -> list[threading.Event]:
+        """Give ``job`` its regions and hand it to the hasher; return its per-chunk ``copied`` events."""
+        job.regions = list(regions)
+        job.ready = [Future() for _ in regions]
+        job.copied = [threading.Event() for _ in regions]
+        for lvl, err in absent_levels(self.repo.durable).items():
+            job.futures[lvl].set_exception(err)
+        self.repo.leases.open(job.version_id, job.parent)
+        self.jobs.add(job)
+        self._hash_thread.submit(self._after_stage, job)
+        return job.copied
 
     def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
         """Apply ``engine.on_error`` to versions lost earlier, now that ``handle``'s version is staged.
@@ -260,25 +307,24 @@ class Engine:
 
     def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
         """The chunk layout a save of ``flat`` gets (planned once per structure and chunk size)."""
-        return self._plan(flat, chunk_bytes or self.config.chunk_bytes).layout
+        return self._plans.get(flat, chunk_bytes or self.config.chunk_bytes).layout
 
     def published(self, version_id: str) -> Future[Version] | None:
         """The future of a staged version's manifest (resolved once hashed), or ``None`` if it is not in flight."""
         job = self.jobs.get(version_id)
         return job.published if job is not None else None
 
-    def _plan(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
-        """The chunk layout and copy plan of ``flat``'s structure, computed once per structure."""
-        cache_key = (flat.structure_key, chunk_bytes)
-        plan = self._plans.get(cache_key)
-        if plan is None:
-            sizes = [m.nbytes for m in flat.metas]
-            items = [t.element_size() if dtype_name(t.dtype) in GROUPED else 1 for t in flat.tensors]
-            plan = plan_copy(plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self.config.pack_below))
-            if len(self._plans) > 16:
-                self._plans.clear()
-            self._plans[cache_key] = plan
-        return plan
+    def promote_ram(self, version: Version, read: ObjectReader, progress: Progress | None) -> int:
+        """Copy a version's chunks into the RAM tier as evictable read cache; return bytes copied."""
+        self.ensure_arena(sum(c.nbytes for c in version.chunks))
+        copied = self.repo.copy_version(version, "ram", read, progress)
+        for c in version.chunks:
+            self.ramcache.keep(chunk_key(c.id))
+        return copied
+
+    def evict_ram(self, chunk_ids: Iterable[str]) -> int:
+        """Drop the RAM copies of chunks no version in flight needs; return bytes freed."""
+        return self.ramcache.evict(chunk_key(i) for i in chunk_ids)
 
     def ensure_arena(self, staged_bytes: int = 0) -> RamTier:
         """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
@@ -297,7 +343,7 @@ class Engine:
         staged = 0
         if state is not None:
             flat = flatten(state, allow_pickle=self.config.allow_pickle)
-            staged = self._plan(flat, self.config.chunk_bytes).layout.staged_bytes
+            staged = self._plans.get(flat, self.config.chunk_bytes).layout.staged_bytes
         elif self.ramcache.capacity is None:
             raise InvalidArgumentError(
                 "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"

@@ -6,7 +6,7 @@ place in the arena and hands the region to the RAM tier (:mod:`tiercache.pipelin
 which completes the chunk's ``ready`` future: the writers start on it from there.
 
 A multi-rank version may split the hashing (:class:`~tiercache.pipeline.job.HashSplit`, see
-:mod:`tiercache.hash_split`): chunks every rank holds alike are hashed by one rank, and the ids
+:mod:`tiercache.group.hashing`): chunks every rank holds alike are hashed by one rank, and the ids
 are traded once per version, always (with ``None`` after a failure), so no rank waits in vain.
 """
 

@@ -22,10 +22,10 @@ import threading
 from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tiercache.dtypes import float_share
-from tiercache.format import Flat
+from tiercache.format import Flat, TensorMeta
 from tiercache.layout import Layout
 from tiercache.manifest import Version
 from tiercache.policy.base import VersionView
@@ -75,8 +75,18 @@ class HashSplit(Protocol):
 
 
 @dataclass
-class Job:
-    """One version on its way through the pipeline (see the module docstring for its states)."""
+class VersionHead:
+    """What every version carries from its ``save()`` on: id, place in its branch's history, metadata.
+
+    Attributes:
+        version_id: The version's id.
+        branch: Its branch.
+        step: Its step.
+        seq: The branch ref's ``seq`` once it moves there.
+        parent: Its parent (``None`` for the first version of a history).
+        meta: The user's JSON metadata.
+        created_at: When ``save()`` was called (Unix seconds).
+    """
 
     version_id: str
     branch: str
@@ -85,6 +95,31 @@ class Job:
     parent: str | None
     meta: dict
     created_at: float
+
+
+@dataclass
+class StagedVersion(VersionHead):
+    """A version whose bytes are already in arena regions, as a save hands it to the pipeline.
+
+    Everything the pipeline needs to hash, place, write and commit the version, and nothing of
+    the saving process's Python objects, so a version copied into a shared arena by one process
+    can be finished by another (the node agent, DESIGN.md section 7b; see :meth:`Engine.adopt`).
+
+    Attributes:
+        tree: The state's object tree (see :func:`tiercache.format.flatten`).
+        metas: One entry per tensor, in tree order.
+        pickled: Whether some leaf of the tree was pickled.
+    """
+
+    tree: Any
+    metas: tuple[TensorMeta, ...]
+    pickled: bool
+
+
+@dataclass
+class Job(VersionHead):
+    """One version on its way through the pipeline (see the module docstring for its states)."""
+
     flat: Flat
     layout: Layout
     regions: list[Region | None]

@@ -35,10 +35,13 @@ class RamCache:
         pin: Page-lock the arena (when CUDA is available: the caller decides).
         serve_reads: Keep chunks as a read cache once no version in flight needs them.
         keep_all: Keep chunks even without ``serve_reads`` (a cache with no durable tier).
+        make_arena: Makes the arena of a given capacity in place of a private one (the node
+            agent's shared arena, see :mod:`tiercache.agent.arena`).
     """
 
     def __init__(self, repo: Repo, lock: threading.RLock, *, capacity: int | None, pin: Callable[[], bool],
-                 serve_reads: bool, keep_all: bool) -> None:
+                 serve_reads: bool, keep_all: bool, make_arena: Callable[[int], Arena] | None = None) -> None:
+        self._make_arena = make_arena
         self._repo = repo
         self._lock = lock
         self._capacity = capacity
@@ -62,7 +65,7 @@ class RamCache:
         with self._lock:
             if self.ram is None:
                 cap = self._capacity if self._capacity is not None else max(2 * staged_bytes, 64 << 20)
-                self.arena = Arena(cap, pin=self._pin())
+                self.arena = self._make_arena(cap) if self._make_arena else Arena(cap, pin=self._pin())
                 self.ram = RamTier(self.arena)
                 self._repo.attach_ram(self.ram)
             return self.ram

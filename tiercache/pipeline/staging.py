@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
@@ -27,8 +27,9 @@ import torch
 
 from tiercache.codecs import HEADER_BYTES
 from tiercache.config import usable_cores
+from tiercache.dtypes import DTYPES, GROUPED
 from tiercache.format import Flat
-from tiercache.layout import Layout
+from tiercache.layout import Layout, plan_layout
 
 # Work is handed out in slices of at most this many bytes: small enough that the threads
 # finish together, large enough that the per-slice Python work is noise next to the memcpy.
@@ -237,6 +238,49 @@ class CopyPlan:
         rest = tuple(i for i in range(len(self.layout.tensor_pieces)) if i not in later)
         result = self._splits[later] = (tuple(now), tuple(deferred), tuple(counts), rest)
         return result
+
+
+class PlanCache:
+    """Copy plans by state structure: a training run saves states of one structure over and over.
+
+    Planning a layout costs a pass over every tensor; it is done once per structure and chunk
+    size (a few structures are kept, then the cache starts over).
+
+    Args:
+        pack_below: Tensors smaller than this are packed together (``pack_below`` of the config).
+    """
+
+    _KEEP = 16
+
+    def __init__(self, pack_below: int) -> None:
+        self._pack_below = pack_below
+        self._plans: dict[Hashable, CopyPlan] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    def get(self, flat: Flat, chunk_bytes: int) -> CopyPlan:
+        """The plan of ``flat``'s structure cut into chunks of at most ``chunk_bytes``."""
+        return self.for_sizes((flat.structure_key, chunk_bytes), *item_sizes(flat), chunk_bytes)
+
+    def for_sizes(self, key: Hashable, sizes: list[int], items: list[int], chunk_bytes: int) -> CopyPlan:
+        """The plan of tensors of ``sizes`` bytes (``items``: see :func:`item_sizes`), cached under ``key``."""
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_copy(plan_layout(sizes, items, chunk_bytes=chunk_bytes, pack_below=self._pack_below))
+            with self._lock:
+                if len(self._plans) > self._KEEP:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
+
+
+def item_sizes(flat: Flat) -> tuple[list[int], list[int]]:
+    """Each tensor's byte size, and its element size if byte-grouped codecs apply to its dtype (else 1)."""
+    return [m.nbytes for m in flat.metas], [DTYPES[m.dtype].itemsize if m.dtype in GROUPED else 1 for m in flat.metas]
 
 
 def plan_copy(layout: Layout) -> CopyPlan:

@@ -112,6 +112,16 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def prefault(mapping: mmap.mmap) -> None:
+    """Fault every page of a writable mapping in now (``MADV_POPULATE_WRITE``, else a write per page)."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        # Kernels before 5.14 refuse the advice: write one zero byte per page instead (only ever
+        # done to memory nothing has been written to yet).
+        mapping[:: mmap.PAGESIZE] = bytes(len(range(0, len(mapping), mmap.PAGESIZE)))
+
+
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -151,11 +161,17 @@ class Arena:
         capacity: Size of the arena in bytes (rounded down to a multiple of 4096).
         pin: Page-lock the memory (``cudaHostRegister``) when CUDA is available, so GPU copies
             into it can run asynchronously; falls back to pageable memory if registering fails.
+        mapping: Memory to carve instead of a private anonymous mapping: a shared mapping of at
+            least ``capacity`` bytes that its owner has allocated and pre-faulted (the node
+            agent's arena, see :mod:`tiercache.agent.arena`). The arena closes it on :meth:`close`.
     """
 
-    def __init__(self, capacity: int, *, pin: bool = False) -> None:
+    def __init__(self, capacity: int, *, pin: bool = False, mapping: mmap.mmap | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"arena capacity must be >= 0, got {capacity}: set ram.capacity")
+        if mapping is not None and len(mapping) < capacity:
+            raise ValueError(f"a mapping of {len(mapping)} bytes cannot hold an arena of {capacity} bytes")
+        self._given = mapping
         self._capacity = capacity // ALIGN * ALIGN
         self._pin = pin and _cuda_available()  # asks torch only when pinning is wanted
         self._cond = threading.Condition()
@@ -249,12 +265,11 @@ class Arena:
         self._publish(*self._populate())
 
     def _populate(self) -> tuple[mmap.mmap, int | None]:
-        mapping = aligned_buffer(self._capacity)
-        try:
-            mapping.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            # Kernels before 5.14 refuse the advice: touch one byte per page instead.
-            mapping[:: mmap.PAGESIZE] = bytes(len(range(0, self._capacity, mmap.PAGESIZE)))
+        if self._given is not None:
+            mapping = self._given  # allocated and pre-faulted by its owner
+        else:
+            mapping = aligned_buffer(self._capacity)
+            prefault(mapping)
         pinned = None
         if self._pin:
             # Register the mapping rather than using pin_memory=True: torch's pinned allocator
@@ -543,6 +558,29 @@ class RamTier(Tier):
             yield self._bytes_of(entry).toreadonly()
         finally:
             self._unref(entry)
+
+    def pin(self, key: str) -> tuple[Region | None, int, bytes | None] | None:
+        """Keep the object at ``key`` where it is until :meth:`unpin`, for a reader in another process.
+
+        The node agent lends chunks of its arena this way to trainers that map it (see
+        :mod:`tiercache.agent.server`): the region is not reused while pinned, even if the key is
+        deleted or overwritten meanwhile.
+
+        Returns:
+            ``(region, length, None)`` for an object in the arena (pinned: call :meth:`unpin` with
+            the region), ``(None, length, bytes)`` for a small object (a copy; nothing pinned),
+            or ``None`` if there is no such object.
+        """
+        entry = self._acquire(key)
+        if entry is None:
+            return None
+        if entry.region is None:
+            return None, entry.length, entry.data
+        return entry.region, entry.length, None
+
+    def unpin(self, region: Region) -> None:
+        """Let go of a region :meth:`pin` returned."""
+        self.arena.free(region)
 
     def put(self, key: str, data: Buffer, *, sync_name: bool = True) -> None:
         """Copy ``data`` into the tier (an arena region for 4096 bytes and more).

@@ -315,7 +315,7 @@ def advice(cap: Capture) -> dict[str, Any]:
 
 
 def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
-    """Body of ``/api/overview``: tiers, levels, policy, the saving process's liveness, the refresh period."""
+    """Body of ``/api/overview``: tiers, levels, policy, the saving process's liveness, the node agent, the refresh."""
     trainer = None
     if cap.status is not None:
         updated = cap.status.get("updated_at")
@@ -323,8 +323,15 @@ def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
         trainer = {"pid": cap.status.get("pid"), "updated_at": updated, "age_s": age,
                    "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
     refs = cap.refs
+    node_agent = cap.stats.get("agent")
+    agent = None if not node_agent else {
+        "pid": node_agent.get("pid"), "clients": len(node_agent.get("clients", [])),
+        "in_flight": node_agent.get("in_flight", 0), "queues": node_agent.get("queues", {}),
+        "arena_used": node_agent.get("arena", {}).get("used_bytes"),
+        "arena_capacity": node_agent.get("arena", {}).get("capacity"),
+        "metrics": node_agent.get("metrics")}
     return {"tiers": cap.tiers, "levels": cap.levels, "policy": cap.policy, "refresh_s": refresh,
-            "generated_at": cap.at, "trainer": trainer, "versions": len(cap.versions),
+            "generated_at": cap.at, "trainer": trainer, "agent": agent, "versions": len(cap.versions),
             "branches": sum(1 for k in refs if k.startswith("branch/")),
             "tags": sum(1 for k in refs if k.startswith("tag/"))}
 

@@ -122,6 +122,13 @@ function renderOverview(ov) {
   if (!t) { pill.textContent = "no saving process has published a status"; pill.className = "pill"; }
   else if (t.closed) { pill.textContent = `trainer pid ${t.pid}: closed ${dur(t.age_s)} ago`; pill.className = "pill closed"; }
   else { pill.textContent = `trainer pid ${t.pid}: live, status ${dur(t.age_s)} old`; pill.className = "pill live"; }
+  const a = ov.agent, ap = $("agent");
+  ap.hidden = !a;
+  if (a) {
+    ap.textContent = `node agent pid ${a.pid}: ${a.clients} client(s), arena ${bytes(a.arena_used || 0)}` +
+      (a.arena_capacity ? ` of ${bytes(a.arena_capacity)}` : "") + `, ${a.in_flight} version(s) in flight`;
+    ap.className = "pill live";
+  }
   $("updated").textContent = `read ${clock(ov.generated_at)}, every ${ov.refresh_s} s`;
   const ms = Math.max(250, ov.refresh_s * 1000);
   if (ms !== state.refreshMs) { state.refreshMs = ms; schedule(); }

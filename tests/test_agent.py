@@ -1,0 +1,401 @@
+"""The node agent end to end: real agent processes, real trainers, real SIGKILL, real /dev/shm.
+
+Each test runs an agent as an operator would (``python -m tiercache agent``, see ``_agent.py``),
+or lets a trainer start one (``start = "auto"``); trainers are separate processes
+(``_agent_trainer.py``) that print what ``save()`` acknowledged, or this process itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tiercache
+from tiercache.agent import naming
+from tiercache.agent.client import call
+from tiercache.cli import app
+from tiercache.config import load_config
+from tiercache.errors import AgentUnavailableError
+from tiercache.ui import views
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _agent import ROOT, AgentProcess, agent_config, listening, short_dir, without_agent
+from _crash_child import state_for
+
+TRAINER = Path(__file__).with_name("_agent_trainer.py")
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    d = short_dir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A directory of its own in /dev/shm for the arenas (sweeps never see the machine's others)."""
+    d = Path("/dev/shm") / f"tca-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Any]:
+    """Starts agents (``agents(cfg, env=...)``); each one still running at the end must stop cleanly."""
+    started: list[AgentProcess] = []
+
+    def start(cfg: dict[str, Any], env: dict[str, str] | None = None) -> AgentProcess:
+        agent = AgentProcess(cfg, tmp_path / f"agent{len(started)}.log", env=env)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        if agent.proc.poll() is None:
+            assert agent.stop() == 0
+
+
+def _trainer(spec: dict[str, Any], timeout: float = 120.0) -> tuple[int, list[tuple[str, int, str]]]:
+    """Run a trainer process to its end; return its exit code and the lines it acknowledged."""
+    proc = subprocess.run([sys.executable, str(TRAINER), json.dumps(spec)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    acks = []
+    for line in proc.stdout.splitlines():
+        word, step, vid = line.split()
+        acks.append((word, int(step), vid))
+    assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-3000:]
+    return proc.returncode, acks
+
+
+def _assert_state(got: dict[str, Any], step: int) -> None:
+    want = state_for(step)
+    assert got["step"] == step
+    for k in ("w", "v", "b"):
+        assert torch.equal(got[k], want[k]), f"{k} of step {step} is not bit-exact"
+
+
+def _wait_for(predicate: Any, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------ a trainer crash
+
+
+def test_a_killed_trainers_versions_restore_from_node_ram_and_reach_disk(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    # Slow fsyncs keep the versions in node RAM only when the trainer dies.
+    agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_fsync=sleep:0.3"})
+    code, acks = _trainer({"config": cfg, "steps": [1, 2, 3], "end": "kill"})
+    assert code == -signal.SIGKILL
+    staged = {step: vid for word, step, vid in acks if word == "staged"}
+    assert sorted(staged) == [1, 2, 3]
+    # A CLI process sees node RAM too: `tiercache ls` gives it a column.
+    out = CliRunner().invoke(app, ["--config", str(_write(tmp_path, cfg)), "ls", "--json"])
+    assert out.exit_code == 0, out.output
+    listed = {v["id"]: v["tiers"] for v in json.loads(out.output)}
+    assert listed.keys() == set(staged.values()) and all("ram" in t for t in listed.values())
+    with tiercache.open(cfg) as cache:
+        assert cache.refs()["branch/main"] == staged[3]
+        newest = cache.versions()[-1]
+        assert newest.id == staged[3] and "ram" in newest.tiers
+        assert cache.agent is not None  # what a group restore asks each node's agent
+        assert cache.agent.holds([staged[3], "01NOSUCHVERSION00000000000"], []) == (
+            {staged[3]: True, "01NOSUCHVERSION00000000000": False}, {})
+        got = cache.restore("main")
+        _assert_state(got, 3)
+        assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"ram"}
+        for step, vid in staged.items():
+            _assert_state(cache.restore(vid, resume=False), step)
+        # The agent finishes them; this process sees their levels change.
+        _wait_for(lambda: all("disk" in v.tiers for v in cache.versions()), what="versions on disk")
+    with tiercache.open(without_agent(cfg)) as cache:
+        for step, vid in staged.items():
+            _assert_state(cache.restore(vid, resume=False), step)
+            assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"disk"}
+
+
+def test_a_copy_cut_by_a_crash_leaves_the_previous_version_whole(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agents(cfg)
+    code, acks = _trainer({"config": cfg, "steps": [5], "end": "midcopy", "big": 1 << 20})
+    assert code == -signal.SIGKILL
+    assert [(w, s) for w, s, _ in acks] == [("staged", 5)]
+    _wait_for(lambda: not any(c["reservations"] for c in call(load_config(cfg), "stats")["clients"]),
+              what="the dead client's reservation to go back")
+    with tiercache.open(cfg) as cache:
+        assert cache.resolve("main") == acks[0][2]  # step 6 never existed
+        _assert_state(cache.restore("main"), 5)
+        # Its regions went back: the arena holds version 5 only, and takes a new save.
+        arena = call(load_config(cfg), "stats")["arena"]
+        assert arena["used_bytes"] < 6 << 20  # version 5 (4.1 MB) and nothing of the cut copy
+        h = cache.save(state_for(7), step=7)
+        h.wait("local")
+        _assert_state(cache.restore("main"), 7)
+
+
+# ------------------------------------------------------------------------ starting and stopping
+
+
+def test_an_auto_started_agent_outlives_its_trainer_and_stops_on_request(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), start="auto", idle_exit=60)
+    assert not listening(sock_dir / "a.sock")
+    code, acks = _trainer({"config": cfg, "steps": [1], "wait": ["local"], "end": "close"})
+    assert code == 0 and [w for w, _, _ in acks] == ["staged", "local"]
+    stats = call(load_config(cfg), "stats")  # the trainer is gone, its agent is not
+    pid = stats["pid"]
+    assert os.getsid(pid) == pid  # a session of its own: not in the trainer's process group
+    arena = Path(stats["arena"]["path"])
+    assert arena.parent == shm_dir and arena.stat().st_mode & 0o777 == 0o600
+    with tiercache.open(cfg) as cache:
+        _assert_state(cache.restore("main"), 1)
+        assert set(cache.last_restore.nbytes) == {"ram"}  # type: ignore[union-attr]
+    runner = CliRunner()
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    out = runner.invoke(app, ["--config", str(spec), "agent", "status"])
+    assert out.exit_code == 0, out.output
+    assert f"agent {pid} up" in out.output and str(arena) in out.output
+    out = runner.invoke(app, ["--config", str(spec), "agent", "status", "--json"])
+    assert json.loads(out.output)["pid"] == pid
+    out = runner.invoke(app, ["--config", str(spec), "agent", "stop"])
+    assert out.exit_code == 0 and f"agent {pid} stopped" in out.output
+    _wait_for(lambda: not _alive(pid), what="the agent to exit")
+    assert not arena.exists() and not (sock_dir / "a.sock").exists()
+    out = runner.invoke(app, ["--config", str(spec), "agent", "status"])
+    assert out.exit_code == 1 and "no agent runs for this cache" in out.output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone as far as we are concerned.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _toml(cfg: dict[str, Any]) -> str:
+    lines = [f"pack_below = {json.dumps(cfg['pack_below'])}"]
+    for table in ("ram", "disk", "policy", "agent"):
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in cfg[table].items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_process_with_other_chunk_settings_saves_in_process(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agents(cfg)
+    other = {**cfg, "chunk_bytes": "128KiB"}
+    with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(other) as cache:
+        h = cache.save(state_for(1), step=1)
+        h.wait("local")
+        assert type(cache.engine).__name__ == "Engine"
+    assert "chunk_bytes = 67108864 (here 131072)" in caplog.text
+    with tiercache.open(without_agent(cfg)) as cache:
+        _assert_state(cache.restore("main"), 1)
+
+
+def test_no_agent_and_start_never_saves_in_process(tmp_path: Path, sock_dir: Path) -> None:
+    cfg = agent_config(tmp_path, sock_dir)
+    with tiercache.open(cfg) as cache:
+        cache.save(state_for(2), step=2).wait("local")
+        assert type(cache.engine).__name__ == "Engine"
+        _assert_state(cache.restore("main"), 2)
+    assert not (sock_dir / "a.sock").exists()
+
+
+# ------------------------------------------------------------------------ the agent crashing
+
+
+def test_the_agent_killed_mid_write_training_goes_on_and_nothing_is_lost(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    # The agent dies by SIGKILL between a chunk's fsync and its rename: mid-write.
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_fsync=kill@4"})
+    handles = []
+    with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(cfg) as cache:
+        for step in range(1, 9):
+            handles.append((step, cache.save(state_for(step), step=step)))
+            time.sleep(0.05)
+        cache.flush()
+        assert agent.proc.wait(30) == -signal.SIGKILL
+        for _, h in handles:
+            assert h.wait("staged") == h.version
+            assert h.wait("local") == h.version  # every version reached disk, by the agent or here
+        assert type(cache.engine).__name__ == "AgentSaver"
+    assert "lost the node agent" in caplog.text
+    with tiercache.open(without_agent(cfg)) as cache:
+        for step, h in handles:
+            _assert_state(cache.restore(h.version, resume=False), step)
+        assert cache.resolve("main") == handles[-1][1].version
+
+
+def test_both_killed_acknowledged_versions_survive_and_the_next_agent_sweeps_the_arena(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agent = agents(cfg)
+    proc = subprocess.Popen([sys.executable, str(TRAINER), json.dumps(
+        {"config": cfg, "steps": list(range(1, 10_000)), "wait": ["local"], "end": "close"})],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    acks = []
+    for line in proc.stdout:
+        acks.append(line.split())
+        if len(acks) >= 8:
+            break
+    old_arena = Path(call(load_config(cfg), "stats")["arena"]["path"])
+    os.kill(proc.pid, signal.SIGKILL)  # both at once
+    agent.kill()
+    proc.wait(30)
+    acks += [line.split() for line in proc.stdout.read().splitlines()]
+    local = [(int(s), v) for w, s, v in acks if w == "local"]
+    assert local and old_arena.exists()  # nobody unlinked it: the agent died
+    old_inode = old_arena.stat().st_ino
+    with tiercache.open(without_agent(cfg)) as cache:
+        for step, vid in local:
+            _assert_state(cache.restore(vid, resume=False), step)
+        got = cache.restore("main")
+        assert got["step"] >= local[-1][0]
+        _assert_state(got, got["step"])
+    agent = agents(cfg)
+    # Swept (its agent is dead); the new agent's arena has the same name, not the same file.
+    assert not old_arena.exists() or old_arena.stat().st_ino != old_inode
+    assert "removed the arena of a dead agent" in agent.log.read_text()
+    with tiercache.open(cfg) as cache:
+        got = cache.restore("main")
+        assert got["step"] >= local[-1][0]
+
+
+# ------------------------------------------------------------------------ what operators see
+
+
+def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agent = agents(cfg)
+    with tiercache.open(cfg) as cache:
+        cache.save(state_for(1), step=1).wait("local")
+        cache.restore("main")
+        stats = cache.stats()
+    with tiercache.open(cfg) as cache:  # as `tiercache ui` reads it: a process that never saved
+        overview = views.overview(views.Capture.of(cache, mttf=None, now=time.time()), refresh=2.0)
+    assert overview["agent"]["pid"] == agent.pid and overview["agent"]["arena_capacity"] == 32 << 20
+    assert overview["tiers"] == ["ram", "disk"] and overview["versions"] == 1
+    assert stats["agent"]["pid"] == agent.pid
+    assert stats["meter"]["tiers"]["disk"]["write"]["transfers"] >= 1  # the agent wrote, and measured it
+    assert stats["agent"]["levels"]["local:ok"] == 1
+    assert stats["agent"]["served_bytes"]["ram"] > 0
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    out = CliRunner().invoke(app, ["--config", str(spec), "stats"])
+    assert out.exit_code == 0, out.output
+    assert f"agent {agent.pid} up" in out.output
+
+
+def test_a_client_refuses_another_users_socket(tmp_path: Path, sock_dir: Path) -> None:
+    cfg = agent_config(tmp_path, sock_dir)
+    sock = sock_dir / "a.sock"
+    sock.write_text("")
+    os.chown(sock, 65534, 65534)
+    with pytest.raises(AgentUnavailableError, match="belongs to uid 65534"):
+        call(load_config(cfg), "stats")
+    out = CliRunner().invoke(app, ["agent", "--config", str(_write(tmp_path, cfg))])
+    assert out.exit_code == 2
+    assert "is in use by another user (uid 65534)" in out.output
+
+
+def _write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    return spec
+
+
+def test_naming_keys_a_cache_by_storage_and_node(tmp_path: Path) -> None:
+    a = load_config({"disk": {"path": str(tmp_path / "a")}, "agent": {}})
+    b = load_config({"disk": {"path": str(tmp_path / "b")}, "agent": {}})
+    a_node = load_config({"disk": {"path": str(tmp_path / "a")}, "agent": {}, "node": "n1"})
+    keys = {naming.cache_key(c) for c in (a, b, a_node)}
+    assert len(keys) == 3
+    assert naming.place(a).socket.name == f"agent-{naming.cache_key(a)}.sock"
+
+
+def test_the_agent_serves_prometheus_metrics(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), metrics="127.0.0.1:0")
+    agent = agents(cfg)
+    with tiercache.open(cfg) as cache:
+        for step in (1, 2):
+            cache.save(state_for(step), step=step).wait("local")
+        cache.restore("main")
+        address = cache.stats()["agent"]["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("tiercache_agent_info", (("cache", naming.cache_key(load_config(cfg))), ("pid", str(agent.pid)),
+                                              ("socket", str(sock_dir / "a.sock"))))] == 1
+    assert samples[("tiercache_agent_arena_bytes", (("kind", "capacity"),))] == 32 << 20
+    assert samples[("tiercache_agent_versions_total", (("level", "local"), ("outcome", "ok")))] == 2
+    assert samples[("tiercache_agent_versions_total", (("level", "remote"), ("outcome", "failed")))] == 2
+    assert samples[("tiercache_agent_tier_versions", (("tier", "disk"),))] == 2
+    assert samples[("tiercache_agent_tier_versions", (("tier", "ram"),))] == 2
+    assert samples[("tiercache_agent_tier_bytes", (("tier", "disk"),))] > 0
+    assert samples[("tiercache_agent_queue_depth", (("tier", "disk"),))] == 0
+    assert samples[("tiercache_agent_restores_total", (("source", "ram"),))] == 1
+    assert samples[("tiercache_agent_lag_steps", (("branch", "main"), ("level", "local")))] == 0
+    assert samples[("tiercache_agent_lost_versions_total", ())] == 0
+
+
+def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "reflog_keep": 0}
+    agents(cfg)
+    with tiercache.open(cfg) as cache:
+        a, b, c = (cache.save(state_for(s), step=s).wait("local") for s in (1, 2, 3))
+        cache.rollback("main", a)  # b and c are reachable from nothing now
+        report = cache.gc(grace=0)
+        assert set(report.versions) == {b, c} and report.chunks["disk"] > 0
+        assert [v.id for v in cache.versions()] == [a]
+        # The agent collected them itself: its view of the disk is true, and the next save builds on a.
+        d = cache.save(state_for(4), step=4).wait("local")
+        assert cache.manifest(d).parent == a
+        cache.flush()  # a version in flight keeps its chunks in RAM
+        assert cache.evict(d, "ram") > 0  # node RAM's copy goes; the disk's stays
+        assert "ram" not in next(v for v in cache.versions() if v.id == d).tiers
+        _assert_state(cache.restore(d, resume=False), 4)
+        assert set(cache.last_restore.nbytes) == {"disk"}  # type: ignore[union-attr]
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert [v.id for v in cache.versions()] == [a, d]
+        _assert_state(cache.restore("main"), 4)

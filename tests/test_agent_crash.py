@@ -1,0 +1,270 @@
+"""Crash consistency with the node agent: SIGKILL the trainer, the agent, or both, at random moments.
+
+The trainers are forked by ``_crash_child.ForkServer`` (a warm interpreter: a child costs
+milliseconds) and save ``state_for(step)`` in a loop through a real agent process, acknowledging
+(fsynced) ``staged`` once ``save()`` returned and ``local`` once that level was reached. The
+guarantees checked after every kill:
+
+* trainer killed: every version whose ``save()`` returned is restorable bit-exact by the next
+  process (from node RAM, or from disk once written), ``main`` is never older than the newest
+  of them nor a version never saved; once the agent has settled, each of them is on the disk
+  tier (the policy is write-through), bit-exact;
+* agent killed mid-write: the trainer never sees an error from ``save()``, and every version it
+  saved (before and after the agent died) reaches disk bit-exact; the next agent sweeps the arena;
+* both killed: every version acknowledged ``local`` is restorable bit-exact, ``main`` is whole.
+
+Trial counts: 30 + 3 + 3 per CI run; ``--slow`` (or ``TEST_TIERCACHE_SLOW=1``): 300 + 20 + 20.
+One agent serves fifteen trainer trials (a restart after a crash finds the agent that outlived
+it); the agent-killing trials run on one cache, each trial's new agent taking over from the dead
+one of the trial before (sweeping its arena).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercache
+from tiercache.agent.client import call
+from tiercache.config import load_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _agent import AgentProcess, short_dir
+from _crash_child import ForkServer, state_for
+
+#: Steps of trial t are t * STRIDE + i: every step (and its state) is unique in a cache.
+STRIDE = 10_000
+#: Trainer trials one agent (and one cache root) serves.
+TRIALS_PER_AGENT = 15
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    srv = ForkServer()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def places() -> Iterator[tuple[Path, Path]]:
+    """A short directory for agent sockets and one in /dev/shm for their arenas."""
+    sock = short_dir()
+    shm = Path("/dev/shm") / f"tca-{os.getpid()}-{time.monotonic_ns()}"
+    shm.mkdir()
+    yield sock, shm
+    for d in (sock, shm):
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+
+@dataclass
+class Tally:
+    trials: int = 0
+    kills: int = 0
+    staged: int = 0
+    from_ram: int = 0
+
+
+def _spec(root: Path, sock: Path, shm: Path, t: int, base: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "mode": "loop", "root": str(root), "ack": str(base / f"ack{t}"), "log": str(base / "child.log"),
+        "first_step": t * STRIDE, "levels": ["staged", "local"],
+        "agent": {"socket": str(sock / f"a{root.name}.sock"), "start": "never", "shm_dir": str(shm),
+                  "idle_exit": 0},
+        **extra,
+    }
+
+
+def _config(spec: dict[str, Any], *, agent: bool = True) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "ram": {"capacity": "16MiB", "serve_reads": False},
+        "disk": {"path": spec["root"]},
+        "policy": {"name": "write-through"},
+        "pack_below": "4KiB",
+    }
+    if agent:
+        cfg["agent"] = spec["agent"]
+    return cfg
+
+
+def _acks(path: Path) -> dict[str, list[tuple[int, str]]]:
+    out: dict[str, list[tuple[int, str]]] = {"staged": [], "local": []}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:  # a line torn by the kill was never a promise
+                out[parts[2]].append((int(parts[0]), parts[1]))
+    return out
+
+
+def _exact(got: dict[str, Any], step: int) -> None:
+    want = state_for(step)
+    assert got["step"] == step
+    for k in ("w", "v", "b"):
+        assert torch.equal(got[k], want[k]), f"{k} of step {step} is not bit-exact (a mixed version?)"
+
+
+def _wait_for_ack(path: Path, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end and not (path.exists() and path.stat().st_size):
+        time.sleep(0.005)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _start_agent(spec: dict[str, Any], base: Path, env: dict[str, str] | None = None) -> AgentProcess:
+    return AgentProcess(_config(spec), base / f"agent-{Path(spec['root']).name}.log", env=env)
+
+
+def test_trainer_killed_at_random_every_saved_version_survives(
+    server: ForkServer, tmp_path: Path, places: tuple[Path, Path], slow: bool
+) -> None:
+    sock, shm = places
+    n = 300 if slow else 30
+    rng = random.Random(33)
+    tally = Tally()
+    agent: AgentProcess | None = None
+    staged_all: list[tuple[int, str]] = []
+    for t in range(n):
+        spec = _spec(tmp_path / f"r{t // TRIALS_PER_AGENT}", sock, shm, t, tmp_path)
+        if t % TRIALS_PER_AGENT == 0:
+            if agent is not None:
+                _settle_and_check_disk(agent, staged_all)
+            agent, staged_all = _start_agent(spec, tmp_path), []
+        (pid,) = server.start([spec])
+        _wait_for_ack(Path(spec["ack"]))
+        time.sleep(rng.uniform(0.0, 0.15))
+        _kill(pid)
+        (code,) = server.reap()
+        log = Path(spec["log"]).read_text() if Path(spec["log"]).exists() else ""
+        assert code == -signal.SIGKILL, f"child exited {code}: {log[-2000:]}"
+        staged = _acks(Path(spec["ack"]))["staged"]
+        assert staged, "the child acknowledged nothing"
+        tally.trials += 1
+        tally.kills += 1
+        tally.staged += len(staged)
+        last_try = staged[-1][0] + 1
+        with tiercache.open(_config(spec)) as cache:
+            vid = cache.resolve("main")
+            step = cache.manifest(vid).step
+            assert staged[-1][0] <= step <= last_try, f"main is step {step}; acknowledged up to {staged[-1][0]}"
+            if step == staged[-1][0]:
+                assert vid == staged[-1][1]
+            _exact(cache.restore("main"), step)
+            tally.from_ram += set(cache.last_restore.nbytes) == {"ram"}  # type: ignore[union-attr]
+            for s, v in {staged[-1], rng.choice(staged)}:  # the newest, and one at random
+                _exact(cache.restore(v, resume=False), s)
+        staged_all += staged
+    assert agent is not None
+    _settle_and_check_disk(agent, staged_all)
+    assert tally.trials == n and tally.staged > n
+    print(f"agent: trainer kills {tally}")
+
+
+def _settle_and_check_disk(agent: AgentProcess, staged: list[tuple[int, str]]) -> None:
+    """Once the agent has written everything, every acknowledged version is on disk, whole; then stop it."""
+    cfg = load_config(agent.cfg)
+    call(cfg, "flush")
+    assert agent.stop() == 0
+    disk_only = {k: v for k, v in agent.cfg.items() if k != "agent"}
+    with tiercache.open(disk_only) as cache:
+        on_disk = {v.id for v in cache.versions() if "disk" in v.tiers}
+        missing = [(s, v) for s, v in staged if v not in on_disk]
+        assert not missing, f"acknowledged versions not on disk: {missing[:5]}"
+        for s, v in staged[-3:]:
+            _exact(cache.restore(v, resume=False), s)
+
+
+def test_agent_killed_mid_write_the_trainer_loses_nothing(
+    server: ForkServer, tmp_path: Path, places: tuple[Path, Path], slow: bool
+) -> None:
+    sock, shm = places
+    n = 20 if slow else 3
+    rng = random.Random(34)
+    dead: tuple[Path, int] | None = None
+    for t in range(n + 1):
+        spec = _spec(tmp_path / "r", sock, shm, t, tmp_path, max_saves=12)
+        # Slow fsyncs: the agent always dies with versions half-written or queued.
+        agent = _start_agent(spec, tmp_path, env={"TIERCACHE_FAILPOINTS": "disk.after_fsync=sleep:0.02"})
+        _check_swept(dead)
+        arena = Path(call(load_config(_config(spec)), "stats")["arena"]["path"])
+        dead = (arena, arena.stat().st_ino)
+        if t == n:
+            assert agent.stop() == 0
+            break
+        (_pid,) = server.start([spec])
+        _wait_for_ack(Path(spec["ack"]))
+        time.sleep(rng.uniform(0.0, 0.3))
+        agent.kill()
+        (code,) = server.reap()  # the trainer finishes its saves and closes
+        log = Path(spec["log"]).read_text() if Path(spec["log"]).exists() else ""
+        assert code == 0, f"trainer exited {code} after its agent died: {log[-2000:]}"
+        acks = _acks(Path(spec["ack"]))
+        assert len(acks["staged"]) == 12 and len(acks["local"]) == 12
+        with tiercache.open(_config(spec, agent=False)) as cache:
+            for s, v in acks["staged"]:
+                _exact(cache.restore(v, resume=False), s)
+            assert cache.resolve("main") == acks["staged"][-1][1]
+
+
+def _check_swept(dead: tuple[Path, int] | None) -> None:
+    """The arena of the agent killed before is gone (the one at its name now is the new agent's)."""
+    if dead is not None:
+        arena, inode = dead
+        assert not arena.exists() or arena.stat().st_ino != inode, "the dead agent's arena was not swept"
+
+
+def test_trainer_and_agent_killed_together(
+    server: ForkServer, tmp_path: Path, places: tuple[Path, Path], slow: bool
+) -> None:
+    sock, shm = places
+    n = 20 if slow else 3
+    rng = random.Random(35)
+    dead: tuple[Path, int] | None = None
+    newest = -1
+    for t in range(n + 1):
+        spec = _spec(tmp_path / "r", sock, shm, t, tmp_path)
+        agent = _start_agent(spec, tmp_path)
+        _check_swept(dead)
+        # The new agent serves the cache the dead pair left: whole versions only, none older.
+        with tiercache.open(_config(spec)) as cache:
+            if newest >= 0:
+                got = cache.restore("main")
+                assert got["step"] >= newest
+                _exact(got, got["step"])
+        arena = Path(call(load_config(_config(spec)), "stats")["arena"]["path"])
+        dead = (arena, arena.stat().st_ino)
+        if t == n:
+            assert agent.stop() == 0
+            break
+        (pid,) = server.start([spec])
+        _wait_for_ack(Path(spec["ack"]))
+        time.sleep(rng.uniform(0.0, 0.3))
+        _kill(pid)
+        agent.kill()
+        (code,) = server.reap()
+        assert code == -signal.SIGKILL
+        acks = _acks(Path(spec["ack"]))
+        with tiercache.open(_config(spec, agent=False)) as cache:
+            for s, v in acks["local"]:
+                _exact(cache.restore(v, resume=False), s)
+            if acks["local"]:
+                newest = acks["local"][-1][0]
+                got = cache.restore("main")
+                assert got["step"] >= newest
+                _exact(got, got["step"])

@@ -1,0 +1,465 @@
+"""What the agent does for each request of a trainer, and what it tells every trainer it is connected to.
+
+:class:`Requests` is the part of :class:`~tiercache.agent.server.AgentServer` that answers the
+requests of :mod:`tiercache.agent.protocol` (one method per request, :data:`HANDLERS` maps names
+to them) and follows each published version level by level, broadcasting events. The server
+(:mod:`tiercache.agent.server`) owns the process, the socket and the threads, and sets the state
+declared here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from tiercache.agent.arena import SharedArena
+from tiercache.agent.client import LAYOUT_FIELDS
+from tiercache.agent.naming import AgentPlace
+from tiercache.agent.protocol import (
+    PROTOCOL_VERSION,
+    Connection,
+    ProtocolError,
+    error_to_wire,
+    metas_from_wire,
+    staged_from_wire,
+)
+from tiercache.cache import TierCache
+from tiercache.config import CacheConfig
+from tiercache.errors import AgentUnavailableError, ConflictError, InvalidArgumentError, TierCacheError
+from tiercache.format import TensorMeta
+from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
+from tiercache.layout import Layout
+from tiercache.manifest import RefRecord, Version
+from tiercache.names import chunk_key
+from tiercache.pipeline.engine import Engine
+from tiercache.pipeline.staging import PlanCache
+from tiercache.status import StatusRecorder
+from tiercache.tiers.ram import Region
+
+
+@dataclasses.dataclass
+class Client:
+    """One connected trainer process."""
+
+    cid: int
+    conn: Connection
+    pid: int = 0
+    reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
+    pins: dict[int, Region] = dataclasses.field(default_factory=dict)
+    alive: bool = True
+
+    def send(self, msg: Mapping[str, Any]) -> None:
+        """Send a message; a client that went away is marked dead, never an error."""
+        if not self.alive:
+            return
+        try:
+            self.conn.send(msg)
+        except OSError:
+            self.alive = False
+
+
+@dataclasses.dataclass
+class Tracked:
+    """A version published through the agent, until every level of it is settled."""
+
+    version: str
+    branch: str
+    step: int
+    record: RefRecord
+    base: RefRecord | None
+    owner: int
+    handle: SaveHandle
+    published: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class Requests:
+    """The request handlers of the agent (mixed into :class:`~tiercache.agent.server.AgentServer`)."""
+
+    place: AgentPlace
+    inner: CacheConfig
+    cache: TierCache | None
+    shared: SharedArena | None
+    started_at: float
+    metrics_address: tuple[str, int] | None
+    _lock: threading.RLock
+    _ids: itertools.count[int]
+    _clients: dict[int, Client]
+    _structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]]
+    _plans: PlanCache
+    _tracked: dict[str, Tracked]
+    _levels: Counter[str]
+    _restores: Counter[str]
+    _restore_bytes: Counter[str]
+    _served: Counter[str]
+    _errors: Counter[str]
+    _recorder: StatusRecorder | None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of the agent's cache."""
+        assert self.cache is not None
+        engine = self.cache.engine
+        assert isinstance(engine, Engine)
+        return engine
+
+    def broadcast(self, msg: Mapping[str, Any]) -> None:
+        """Send an event to every client."""
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
+            c.send(msg)
+
+    def _hello(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("proto") != PROTOCOL_VERSION:
+            raise AgentUnavailableError(f"protocol {msg.get('proto')} is not this agent's ({PROTOCOL_VERSION}): "
+                                        "run the same tiercache version in the trainer and the agent")
+        if msg.get("cache") != self.place.key:
+            raise AgentUnavailableError(f"this agent serves cache {self.place.key}, not {msg.get('cache')}")
+        client.pid = int(msg.get("pid", 0))
+        return {"agent": os.getpid(), "arena": self._arena_info(),
+                "config": {f: getattr(self.inner, f) for f in LAYOUT_FIELDS}}
+
+    def _arena_info(self) -> dict[str, Any] | None:
+        shared = self.shared
+        return None if shared is None else {"size": shared.capacity, "path": str(shared.path)}
+
+    def _map(self, client: Client, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        if self.shared is None:
+            raise InvalidArgumentError("the arena is made at the first save: reserve first")
+        return {"arena": self._arena_info()}, [self.shared.fd]
+
+    def _structure(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        sid = str(msg["sid"])
+        with self._lock:
+            if sid in self._structures:
+                return {}
+        metas = metas_from_wire(msg["metas"])
+        items = [int(x) for x in msg["items"]]
+        if len(items) != len(metas):
+            raise ProtocolError("a structure needs one item size per tensor")
+        plan = self._plans.for_sizes(sid, [m.nbytes for m in metas], items, int(msg["chunk_bytes"]))
+        with self._lock:
+            if len(self._structures) > 64:
+                self._structures.clear()
+            self._structures[sid] = (metas, plan.layout)
+        return {}
+
+    def _layout(self, sid: Any) -> tuple[tuple[TensorMeta, ...], Layout]:
+        with self._lock:
+            got = self._structures.get(str(sid))
+        if got is None:
+            raise ProtocolError(f"unknown structure {sid!r}: send it first")
+        return got
+
+    def _reserve(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        _, layout = self._layout(msg["sid"])
+        regions = self.engine.reserve(layout)
+        if regions is None:
+            return {"skip": "the RAM arena is full and the policy said skip"}
+        with self._lock:
+            if client.alive:
+                rid = next(self._ids)
+                client.reservations[rid] = regions
+                return {"rid": rid, "regions": [[r.offset, r.nbytes] for r in regions], "arena": self._arena_info()}
+        self._give_back(regions)
+        raise AgentUnavailableError("the client left")
+
+    def _cancel(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            regions = client.reservations.pop(int(msg["rid"]), [])
+        self._give_back(regions)
+        return {}
+
+    def _give_back(self, regions: list[Region]) -> None:
+        """Return regions to the arena (reserved and never published, or pinned by a reader that left)."""
+        if not regions:
+            return
+        engine = self.engine
+        arena = engine.ramcache.arena
+        with engine.jobs.lock:  # as the engine frees regions
+            for r in regions:
+                if arena is not None:
+                    arena.free(r)
+        engine.ramcache.notify()
+
+    def _publish(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        metas, layout = self._layout(msg["sid"])
+        staged = staged_from_wire(msg["version"], metas)
+        with self._lock:
+            regions = client.reservations.pop(int(msg["rid"]), None)
+        if regions is None:
+            raise ProtocolError(f"unknown reservation {msg['rid']!r}")
+        base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
+        record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
+        assert self.cache is not None
+        # Before the engine has it: its commit may then replace ``base`` and nothing else.
+        self.cache.catalog.note_move(record, base, msg.get("why") or "save")
+        handle = self.engine.adopt(staged, layout, regions)
+        tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle)
+        with self._lock:
+            self._tracked[staged.version_id] = tracked
+        self._follow(tracked, float(msg.get("wait_s", 0.0)), staged.created_at)
+        return {}
+
+    def _follow(self, t: Tracked, wait_s: float, created_at: float) -> None:
+        """Tell every client what becomes of a published version, level by level."""
+        engine = self.engine
+        job = engine.jobs.get(t.version)
+        if job is not None:
+            job.published.add_done_callback(lambda f: self._published(t, f))
+        else:  # already through the pipeline
+            with contextlib.suppress(TierCacheError):
+                self._send_published(t, self.cache.catalog.get(t.version))  # type: ignore[union-attr]
+        if self._recorder is not None:
+            self._recorder.note_save(t.handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
+        for lvl in LEVELS:
+            t.handle.future(lvl).add_done_callback(lambda f, lvl=lvl: self._level(t, lvl, f))  # type: ignore[misc]
+
+    def _published(self, t: Tracked, f: Future[Version]) -> None:
+        if f.exception() is None:
+            self._send_published(t, f.result())
+        else:
+            t.published.set()
+
+    def _send_published(self, t: Tracked, manifest: Version) -> None:
+        self.broadcast({"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
+        t.published.set()
+
+    def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
+        err = f.exception()
+        ok = err is None
+        if ok:
+            t.published.wait(60.0)  # the manifest goes out before the first level that names it
+        self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
+        job = self.engine.jobs.get(t.version)
+        done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
+        pending = sorted(n for n in job.pending if n != done_tier) if job is not None else []
+        event: dict[str, Any] = {"ev": "level", "v": t.version, "level": level, "ok": ok, "pending": pending}
+        if not ok:
+            event["error"] = error_to_wire(err)  # type: ignore[arg-type]
+        if level == "durable" and not ok:
+            # As the engine counts it: a version another writer kept off its branch, or one the
+            # user's policy dropped, is no loss.
+            event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
+            assert self.cache is not None
+            head = self.cache.catalog.ref("branch", t.branch)
+            event["head"] = head.model_dump(mode="json") if head is not None else None
+            event["record"] = t.record.model_dump(mode="json")
+        if ok and level in TIER_LEVEL.values() and job is not None and job.final is not None \
+                and job.manifest is not None and job.final.parent != job.manifest.parent:
+            event["manifest"] = job.final.to_json().decode()
+        self.broadcast(event)
+        if all(t.handle.done(lvl) for lvl in LEVELS):  # type: ignore[arg-type]
+            with self._lock:
+                last = self._tracked.pop(t.version, None) is not None
+            if last:
+                threading.Thread(target=self._settled, args=(t.version,), daemon=True,
+                                 name="tiercache-agent-settle").start()
+
+    def _settled(self, version: str) -> None:
+        """Once the engine is done with a version (its regions back, its chunks unpinned), say so."""
+        self.engine.wait_job(version)
+        self.broadcast({"ev": "settled", "v": version})
+
+    def _snapshot(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        engine = self.engine
+        engine.wait_published()
+        assert self.cache is not None
+        cat = self.cache.catalog
+        with self._lock:
+            tracked = list(self._tracked.values())
+        in_flight = {t.version for t in tracked}
+        versions = []
+        for v in cat.all():
+            if v.id in in_flight or "ram" in cat.residency(v):
+                versions.append(v.to_json().decode())
+        moves = [[t.record.model_dump(mode="json"), t.base.model_dump(mode="json") if t.base else None]
+                 for t in sorted(tracked, key=lambda t: t.record.seq)]
+        pending = {t.version: sorted(engine.pending_tiers(t.version)) for t in tracked}
+        refs = [r.model_dump(mode="json") for r in cat.refs().values()]
+        return {"versions": versions, "moves": moves, "pending": pending, "refs": refs}
+
+    def _pin(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        ram = self.engine.ram
+        key = str(msg["key"])
+        got = ram.pin(key) if ram is not None else None
+        if got is None:
+            return {"missing": True}
+        region, length, data = got
+        if data is not None:
+            return {"data": data.decode("latin-1")}
+        assert region is not None
+        with self._lock:
+            if not client.alive:
+                ram.unpin(region)
+                raise AgentUnavailableError("the client left")
+            pin = next(self._ids)
+            client.pins[pin] = region
+        self._served["ram"] += length
+        return {"pin": pin, "offset": region.offset, "length": length}
+
+    def _unpin(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            region = client.pins.pop(int(msg["pin"]), None)
+        ram = self.engine.ram
+        if region is not None and ram is not None:
+            ram.unpin(region)
+        return {}
+
+    def _list(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        ram = self.engine.ram
+        return {"keys": ram.list(str(msg.get("prefix", ""))) if ram is not None else []}
+
+    def _get(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        ram = self.engine.ram
+        data = ram.get(str(msg["key"])) if ram is not None else None
+        return {"missing": True} if data is None else {"data": data.decode("latin-1")}
+
+    def _holds(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        cat = self.cache.catalog
+        ram = self.engine.ram
+        versions = {}
+        for vid in msg.get("versions", ()):
+            try:
+                versions[vid] = "ram" in cat.residency(cat.get(str(vid)))
+            except TierCacheError:
+                versions[vid] = False
+        chunks = {cid: ram is not None and ram.size(chunk_key(str(cid))) is not None for cid in msg.get("chunks", ())}
+        return {"versions": versions, "chunks": chunks}
+
+    def _flush(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        timeout = msg.get("within")
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        if msg.get("mine"):
+            with self._lock:
+                mine = [t for t in self._tracked.values() if t.owner == client.cid]
+            for t in mine:
+                for lvl in LEVELS:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    with contextlib.suppress(Exception):
+                        t.handle.future(lvl).exception(left)  # type: ignore[arg-type]
+            return {}
+        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), report=False)
+        return {}
+
+    def _promote(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        return {"nbytes": self.cache.promote(str(msg["version"]), to="ram")}
+
+    def _evict(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"nbytes": self.engine.evict_ram(str(c) for c in msg.get("chunks", ()))}
+
+    def _gc(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        # Trainers move refs themselves (rollback, branch, tag): read what the tiers hold now.
+        for name in self.cache.repo.durable:
+            self.cache.catalog.reload(name)
+        grace = msg.get("grace")
+        report = self.cache.gc(dry_run=bool(msg.get("dry_run")), grace=None if grace is None else float(grace))
+        return {"report": dataclasses.asdict(report)}
+
+    def _restored(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        for source, n in dict(msg.get("nbytes", {})).items():
+            self._restores[str(source)] += 1
+            self._restore_bytes[str(source)] += int(n)
+        return {}
+
+    def _stats(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics.
+
+        Cheap enough for every scrape: nothing here lists a tier (``meter`` is what the agent
+        observed writing and reading, ``lag`` what its status recorder computes).
+        """
+        assert self.cache is not None
+        engine = self.engine
+        arena = engine.ramcache.arena
+        with self._lock:
+            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins)}
+                       for c in self._clients.values()]
+            tracked = len(self._tracked)
+        queues: Counter[str] = Counter()
+        for job in engine.jobs.snapshot():
+            for name in job.pending:
+                queues[name] += 1
+        status = self._recorder.current() if self._recorder is not None else None
+        return {
+            "pid": os.getpid(), "started_at": self.started_at, "socket": str(self.place.socket),
+            "cache": self.place.key,
+            "metrics": None if self.metrics_address is None else "{}:{}".format(*self.metrics_address),
+            "arena": {"path": str(self.shared.path) if self.shared else None,
+                      "capacity": arena.capacity if arena is not None else None,
+                      "used_bytes": arena.used_bytes if arena is not None else 0},
+            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked,
+            "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
+            "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
+            "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
+            "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
+        }
+
+    def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        timeout = msg.get("within")
+        with contextlib.suppress(TimeoutError):
+            self.engine.flush(None if timeout is None else float(timeout), report=False)
+        return {}
+
+    # ------------------------------------------------------------------ node RAM changes
+
+    def _watch_ram(self, engine: Engine) -> None:
+        """Tell clients when node RAM drops chunks (evicted for room), so they stop counting on them."""
+        assert self.cache is not None
+        catalog = self.cache.catalog
+        note = catalog.note_chunks
+
+        def noted(tier: str, ids: Iterable[str], present: bool = True) -> None:
+            ids = list(ids)
+            note(tier, ids, present)
+            if tier == "ram" and not present and ids:
+                self.broadcast({"ev": "ram", "chunks": ids, "present": False})
+
+        catalog.note_chunks = noted  # type: ignore[method-assign]
+
+    def ram_versions(self) -> list[Version]:
+        """Versions node RAM holds whole."""
+        assert self.cache is not None
+        cat = self.cache.catalog
+        return [v for v in cat.all() if "ram" in cat.residency(v)]
+
+
+#: Each request: its handler, and whether it may take a while (answered from a thread of its own).
+HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
+    "hello": (Requests._hello, False),
+    "map": (Requests._map, False),
+    "structure": (Requests._structure, False),
+    "reserve": (Requests._reserve, True),
+    "cancel": (Requests._cancel, False),
+    "publish": (Requests._publish, False),
+    "snapshot": (Requests._snapshot, True),
+    "pin": (Requests._pin, False),
+    "unpin": (Requests._unpin, False),
+    "list": (Requests._list, False),
+    "get": (Requests._get, False),
+    "holds": (Requests._holds, False),
+    "flush": (Requests._flush, True),
+    "promote": (Requests._promote, True),
+    "evict": (Requests._evict, False),
+    "gc": (Requests._gc, True),
+    "restored": (Requests._restored, False),
+    "stats": (Requests._stats, False),
+    "stop": (Requests._stop_request, True),
+}
+
+
+
+__all__ = ["HANDLERS", "Client", "Requests", "Tracked"]

@@ -1,0 +1,149 @@
+"""``tiercache agent``: run the node agent of a cache in the foreground, or ask a running one.
+
+``tiercache agent [--config FILE]`` is what a systemd unit, a Kubernetes sidecar or
+``srun --ntasks-per-node=1`` runs; it stops on SIGTERM or SIGINT after finishing every version it
+holds. ``tiercache agent status`` and ``tiercache agent stop`` talk to the running one. Registered
+on :data:`tiercache.cli.app` by that module; it reuses its error handling and config options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from tiercache.cli import _JSON_HELP, _cli_errors, _config, _examples, _Options, human_bytes, human_duration
+
+if TYPE_CHECKING:
+    from tiercache.config import CacheConfig
+
+agent_app = typer.Typer(
+    name="agent",
+    help="Run this node's agent for the cache in the foreground, or ask the running one (status, stop).\n\n"
+    "The agent owns the node's RAM tier (a file in /dev/shm) and does the background work of the tiers "
+    "below it for every process of the node; with [agent] start = \"auto\" (the default) the first process "
+    "that saves starts one by itself.",
+    epilog=_examples(
+        "tiercache agent --config tiercache.toml        # foreground: systemd, a sidecar, srun",
+        "tiercache agent status",
+        "tiercache agent stop",
+    ),
+    invoke_without_command=True,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _agent_config(opts: _Options, spec: Path | None) -> CacheConfig:
+    """The config the agent runs: ``--spec`` (written by a process that started it), else the global one.
+
+    A config without an ``[agent]`` table gets the defaults: ``tiercache agent`` itself says to run one.
+    """
+    from tiercache.config import AgentConfig, load_config
+
+    if spec is not None:
+        try:
+            data = json.loads(spec.read_text())
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"cannot read agent spec {spec}: {e}") from None
+        cfg = load_config(data)
+    else:
+        cfg = _config(opts)
+    return cfg if cfg.agent is not None else cfg.model_copy(update={"agent": AgentConfig()})
+
+
+@agent_app.callback()
+def agent(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option("--config", help="Cache config TOML (as the global --config).",
+                                                metavar="FILE", show_default=False)] = None,
+    spec: Annotated[Path | None, typer.Option("--spec", hidden=True)] = None,
+    exist_ok: Annotated[bool, typer.Option("--exist-ok", hidden=True)] = False,
+) -> None:
+    """Run the node agent of the cache in the foreground until SIGTERM, SIGINT or `tiercache agent stop`."""
+    opts: _Options = ctx.obj
+    if config is not None:
+        opts = ctx.obj = dataclasses.replace(opts, config=config)
+    if ctx.invoked_subcommand is not None:
+        return
+    with _cli_errors(opts.debug):
+        from tiercache.agent.server import run
+
+        cfg = _agent_config(opts, spec)
+        raise typer.Exit(run(cfg, exist_ok=exist_ok, echo=lambda line: typer.echo(line, err=True)))
+
+
+@agent_app.command("status", epilog=_examples("tiercache agent status", "tiercache agent status --json"))
+def status(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
+) -> None:
+    """Show the running agent: pid, arena, clients, versions in flight, queues, levels reached, restores.
+
+    Exits 1 when no agent runs for the cache.
+    """
+    opts: _Options = ctx.obj
+    with _cli_errors(opts.debug):
+        from tiercache.agent.client import call
+
+        data = call(_agent_config(opts, None), "stats")
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    for line in describe(data):
+        typer.echo(line)
+
+
+def describe(data: dict[str, Any]) -> list[str]:
+    """The lines ``tiercache agent status`` (and ``stats``) print for an agent's stats."""
+    arena = data.get("arena", {})
+    cap = arena.get("capacity")
+    up = human_duration(max(0.0, time.time() - float(data.get("started_at", time.time()))))
+    started = datetime.fromtimestamp(float(data.get("started_at", 0)), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    lines = [
+        f"agent {data.get('pid')} up {up} (since {started}), socket {data.get('socket')}",
+        f"arena {arena.get('path') or '(made at the first save)'}: "
+        f"{human_bytes(int(arena.get('used_bytes') or 0))} used of {human_bytes(int(cap)) if cap else '-'}",
+        f"clients {len(data.get('clients', []))}, versions in flight {data.get('in_flight', 0)}"
+        + "".join(f", {n} queued for {t}" for t, n in sorted(data.get("queues", {}).items())),
+    ]
+    levels = data.get("levels", {})
+    if levels:
+        lines.append("levels " + ", ".join(f"{k} {v}" for k, v in sorted(levels.items())))
+    restores = data.get("restores", {})
+    if restores:
+        lines.append("restores " + ", ".join(f"{k} {v} ({human_bytes(int(data['restore_bytes'].get(k, 0)))})"
+                                           for k, v in sorted(restores.items())))
+    if data.get("metrics"):
+        lines.append(f"metrics http://{data['metrics']}/metrics")
+    return lines
+
+
+@agent_app.command("stop", epilog=_examples("tiercache agent stop", "tiercache agent stop --timeout 60"))
+def stop(
+    ctx: typer.Context,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds to let it finish what it holds "
+                                                  "(default: as long as it takes).", show_default=False)] = None,
+) -> None:
+    """Stop the running agent once every version it holds is written (or after --timeout).
+
+    Exits 1 when no agent runs for the cache.
+    """
+    opts: _Options = ctx.obj
+    with _cli_errors(opts.debug):
+        from tiercache.agent.client import call
+        from tiercache.agent.naming import place
+
+        cfg = _agent_config(opts, None)
+        pid = int(call(cfg, "stats").get("pid", 0))
+        call(cfg, "stop", within=timeout)
+        sock = place(cfg).socket
+        deadline = time.monotonic() + 30.0
+        while sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    typer.echo(f"agent {pid} stopped")
