@@ -399,3 +399,28 @@ def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, sh
     with tiercache.open(without_agent(cfg)) as cache:
         assert [v.id for v in cache.versions()] == [a, d]
         _assert_state(cache.restore("main"), 4)
+
+
+# ------------------------------------------------------------------------ a multi-rank job
+
+
+def test_a_restarted_group_restores_from_node_ram(tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any) -> None:
+    """Two ranks save over their group with a node agent and are SIGKILLed; the restarted ranks read node RAM only."""
+    from _multirank_worker import node_state
+    from test_multirank import rank_out, run_ranks
+
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agents(cfg)
+    codes = run_ranks("_agent_group_worker:save_and_die", 2, tmp_path / "save", cfg, opts={"broken": True})
+    assert codes == [-signal.SIGKILL] * 2
+    saved = [rank_out(tmp_path / "save", r) for r in range(2)]
+    vid = saved[0]["v2"]["local"]
+    for out in saved:
+        assert out["v2"]["local"] == out["v2"]["durable"] == vid
+        assert out["node_ram_holds_part"] and out["chunks"] > 0
+    assert run_ranks("_agent_group_worker:restore", 2, tmp_path / "restore", cfg) == [0, 0]
+    for r in range(2):
+        got = rank_out(tmp_path / "restore", r)
+        assert got["restored_equal"], f"rank {r} restored other bytes than its part of step 2"
+        want = sum(t.nbytes for t in node_state(r, 2).values() if hasattr(t, "nbytes"))
+        assert set(got["restored_report"]) == {"ram"} and got["restored_report"]["ram"] >= want

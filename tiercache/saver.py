@@ -16,7 +16,7 @@ and the agent saver hands those to its in-process engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from tiercache.errors import ConfigError
@@ -92,6 +92,10 @@ class Saver(Protocol):
 
     def promote_ram(self, version: Version, read: ObjectReader, progress: Progress | None) -> int:
         """Copy a version's chunks into the RAM tier; return bytes copied."""
+        ...
+
+    def keep_chunks(self, chunks: Sequence[tuple[str, int]], hash_algo: str, read: ObjectReader) -> int:
+        """Copy chunks (id, bytes) into the RAM tier as evictable read cache; return bytes copied."""
         ...
 
     def evict_ram(self, chunk_ids: Iterable[str]) -> int:

@@ -355,6 +355,11 @@ class Requests:
         assert self.cache is not None
         return {"nbytes": self.cache.promote(str(msg["version"]), to="ram")}
 
+    def _keep(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        chunks = [(str(c), int(n)) for c, n in msg.get("chunks", ())]
+        return {"nbytes": self.cache.keep_in_ram(chunks, str(msg["hash_algo"]))}
+
     def _evict(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         return {"nbytes": self.engine.evict_ram(str(c) for c in msg.get("chunks", ()))}
 
@@ -453,6 +458,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "holds": (Requests._holds, False),
     "flush": (Requests._flush, True),
     "promote": (Requests._promote, True),
+    "keep": (Requests._keep, True),
     "evict": (Requests._evict, False),
     "gc": (Requests._gc, True),
     "restored": (Requests._restored, False),

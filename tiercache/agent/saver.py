@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -507,6 +507,16 @@ class AgentSaver:
         if progress is not None:
             progress(int(got.get("nbytes", 0)))
         return int(got.get("nbytes", 0))
+
+    def keep_chunks(self, chunks: Sequence[tuple[str, int]], hash_algo: str, read: ObjectReader) -> int:
+        """Have the agent copy chunks into node RAM in the background (a multi-rank part it did not stage).
+
+        Returns 0: the agent reads them from the tiers below on its own time, so that a
+        restarted trainer restores them from node RAM; nobody waits for it.
+        """
+        if self.link.lost is None:
+            self.link.notify("keep", chunks=[[c, n] for c, n in chunks], hash_algo=hash_algo)
+        return 0
 
     def evict_ram(self, chunk_ids: Iterable[str]) -> int:
         """Have the agent drop node RAM's copies of chunks no version in flight needs."""

@@ -360,17 +360,26 @@ class GroupFill:
                 self.read[src] = self.read.get(src, 0) + n
 
     def _held(self, ids: set[str]) -> set[str]:
-        """The chunks among ``ids`` this rank's node holds (its RAM arena, its node-local disk).
+        """The chunks among ``ids`` this rank's node holds (its RAM arena or node RAM, its node-local disk).
 
-        The disk is asked rather than the catalog: other ranks of the node and peer copies
-        write there without this process's catalog knowing; what is found is noted so the
-        reader tries it.
+        The node agent and the disk are asked rather than the catalog: other ranks of the node,
+        an earlier trainer and peer copies put chunks there without this process's catalog
+        knowing; what is found is noted so the reader tries it (node RAM first).
         """
         repo = self.cache.repo
         out: set[str] = set()
         for name, tier in repo.tiers.items():
             if not tier.durable:  # the RAM arena: this process's catalog knows what it holds
                 out |= ids & repo.catalog.chunks_on(name)
+        agent = self.cache.agent
+        if agent is not None and ids - out:
+            try:
+                _, held = agent.holds([], sorted(ids - out))
+            except TierCacheError:  # an agent lost now holds nothing this restore can count on
+                held = {}
+            found = [c for c, yes in held.items() if yes]
+            repo.stored("ram", found)
+            out |= set(found)
         for name in sorted(self.view.node_local):
             if not repo.available(name):
                 continue

@@ -341,9 +341,17 @@ class GroupView:
         self.phases.submit(rnd)
 
     def _settled(self, rnd: Round, durable: Any) -> None:
-        """A version the group failed everywhere is no branch head in this process's view."""
+        """A version the group failed everywhere is no branch head in this process's view.
+
+        One the group made durable goes to node RAM when a node agent runs: this process staged
+        it in its own memory (the group commits from here), so the agent copies this rank's part
+        from the tiers below, and a restarted trainer restores it from node RAM.
+        """
         if durable.exception() is not None:
             self.cache.catalog.retract(rnd.ref)
+        elif self.cache.agent is not None and rnd.published is not None:
+            part = rnd.published.result()
+            self.cache.keep_in_ram(sorted({(c.id, c.nbytes) for c in part.chunks}), part.hash_algo)
 
     # ------------------------------------------------------------------ what the phases ask
 

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -320,6 +320,23 @@ class Engine:
         copied = self.repo.copy_version(version, "ram", read, progress)
         for c in version.chunks:
             self.ramcache.keep(chunk_key(c.id))
+        return copied
+
+    def keep_chunks(self, chunks: Sequence[tuple[str, int]], hash_algo: str, read: ObjectReader) -> int:
+        """Copy chunks (id, bytes) the RAM tier lacks into it as evictable read cache; return bytes copied.
+
+        What node RAM keeps of a multi-rank version: a rank's part, once the group committed it.
+        """
+        ram = self.ensure_arena(sum(n for _, n in chunks))
+        copied = 0
+        for cid, nbytes in chunks:
+            key = chunk_key(cid)
+            if ram.size(key) is None:
+                data, _src = read(cid, nbytes, hash_algo)
+                ram.put(key, data, sync_name=False)
+                self.repo.stored("ram", [cid])
+                copied += len(data)
+            self.ramcache.keep(key)
         return copied
 
     def evict_ram(self, chunk_ids: Iterable[str]) -> int:
