@@ -201,7 +201,8 @@ def test_read_only_cli_commands_in_a_fresh_process_serve_the_disk_while_s3_is_do
         assert got.returncode == 0, (args, got.stdout, got.stderr)
         warned = [line for line in got.stderr.splitlines() if "tier s3 is unavailable" in line]
         assert len(warned) == 1, (args, got.stderr)
-    assert v1[:10] in _cli(toml, "ls").stdout and v2[:10] in _cli(toml, "ls").stdout
+    listed = _cli(toml, "ls").stdout
+    assert v1[:10] in listed and v2[:10] in listed
     assert torch.equal(torch.load(out)["w"], _state(2)["w"])
     needs_s3 = _cli(toml, "promote", "main", "--to", "s3")
     assert needs_s3.returncode == 1
