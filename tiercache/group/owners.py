@@ -20,8 +20,51 @@ from tiercache.group.topology import Topology
 RankChunks = Sequence[tuple[str, int]]
 
 
+def _split(chunks: Sequence[RankChunks], ranks: Sequence[int], preset: Mapping[str, int]) -> list[list[int]]:
+    """Per rank of ``ranks`` (in that order), the positions in its own chunk list of the chunks it writes.
+
+    Each distinct chunk among those ranks' goes to one rank that holds it: a chunk one rank holds
+    to that rank; a chunk several hold to its ``preset`` writer where that is one of them, else to
+    the holder with the fewest bytes so far (ties: the lowest rank), the shared chunks in the
+    order they are first named, after every rank's own chunks (only it can write those). One pass
+    over the ranks' chunks, a dictionary look-up each: the coordinator runs this for thousands of
+    ranks once per version.
+    """
+    first: dict[str, tuple[int, int]] = {}  # id -> (index in ranks, position) where it is first named
+    more: dict[str, list[tuple[int, int]]] = {}  # id -> its other holders, for ids several ranks hold
+    for i, rank in enumerate(ranks):
+        for pos, (cid, _) in enumerate(chunks[rank]):
+            at = first.setdefault(cid, (i, pos))
+            if at[0] != i:
+                others = more.setdefault(cid, [])
+                if not others or others[-1][0] != i:  # a rank naming a chunk twice writes it once
+                    others.append((i, pos))
+    out: list[list[int]] = [[] for _ in ranks]
+    load = [0] * len(ranks)
+    shared: list[tuple[str, tuple[int, int]]] = []
+    for cid, (i, pos) in first.items():
+        if cid in more:
+            shared.append((cid, (i, pos)))
+        else:
+            out[i].append(pos)
+            load[i] += chunks[ranks[i]][pos][1]
+    for cid, at in shared:
+        holders = [at, *more[cid]]
+        writer = preset.get(cid)
+        i, pos = next((h for h in holders if ranks[h[0]] == writer), None) or min(
+            holders, key=lambda h: (load[h[0]], h[0]))
+        out[i].append(pos)
+        load[i] += chunks[ranks[i]][pos][1]
+    for positions in out:
+        positions.sort()
+    return out
+
+
 def assign_owners(chunks: Sequence[RankChunks], preset: Mapping[str, int] | None = None) -> list[set[str]]:
     """Give each distinct chunk one writer among the ranks that hold it (the same answer from the same input).
+
+    A chunk only one rank holds is its own; a chunk several hold goes to its ``preset`` writer
+    if that rank holds it, else to the holder with the fewest bytes assigned so far.
 
     Args:
         chunks: Per rank, its chunks.
@@ -31,25 +74,8 @@ def assign_owners(chunks: Sequence[RankChunks], preset: Mapping[str, int] | None
     Returns:
         Per rank, the ids it writes.
     """
-    holders: dict[str, list[int]] = {}
-    size: dict[str, int] = {}
-    for rank, own in enumerate(chunks):
-        for cid, nbytes in own:
-            ranks = holders.setdefault(cid, [])
-            size[cid] = nbytes
-            if not ranks or ranks[-1] != rank:
-                ranks.append(rank)
-    owned: list[set[str]] = [set() for _ in chunks]
-    load = [0] * len(chunks)
-    preset = preset or {}
-    for single in (True, False):  # a rank's own chunks first: only it can write them
-        for cid, ranks in holders.items():
-            if (len(ranks) == 1) != single:
-                continue
-            rank = preset[cid] if preset.get(cid) in ranks else min(ranks, key=lambda r: (load[r], r))
-            owned[rank].add(cid)
-            load[rank] += size[cid]
-    return owned
+    split = _split(chunks, range(len(chunks)), preset or {})
+    return [{chunks[r][p][0] for p in positions} for r, positions in enumerate(split)]
 
 
 def writers_by_node(
@@ -60,13 +86,24 @@ def writers_by_node(
     The ranks of each node split that node's chunks as :func:`assign_owners` splits a group's
     (a ``preset`` writer counts where it is on the node).
     """
-    out: list[dict[str, int]] = []
+    return _writers(chunks, topology, _by_node(chunks, topology, preset or {}))
+
+
+def _by_node(chunks: Sequence[RankChunks], topology: Topology, preset: Mapping[str, int]) -> list[list[int]]:
+    """Per rank, the positions of the chunks it writes to its node's disk."""
+    out: list[list[int]] = [[] for _ in chunks]
     for node in range(topology.count):
         ranks = topology.ranks(node)
-        local = {cid: ranks.index(r) for cid, r in (preset or {}).items() if r in ranks}
-        owned = assign_owners([chunks[r] for r in ranks], local)
-        out.append({cid: ranks[i] for i, ids in enumerate(owned) for cid in ids})
+        for rank, positions in zip(ranks, _split(chunks, ranks, preset), strict=True):
+            out[rank] = positions
     return out
+
+
+def _writers(
+    chunks: Sequence[RankChunks], topology: Topology, positions: Sequence[Sequence[int]]
+) -> list[dict[str, int]]:
+    """Per node, each chunk its ranks write to its disk -> the rank that writes it."""
+    return [{chunks[r][p][0]: r for r in topology.ranks(node) for p in positions[r]} for node in range(topology.count)]
 
 
 @dataclass(frozen=True)
@@ -104,23 +141,22 @@ def plan_parts(parts: Sequence[Mapping[str, Any]], tiers: Sequence[str], node_lo
 
     The work is linear in the ranks' chunks (never in their tensors).
     """
-    chunks = [[(cid, n) for cid, n in p["chunks"]] for p in parts]
-    owners: dict[str, list[set[str]]] = {}
-    writers: list[dict[str, int]] = []
+    chunks: list[RankChunks] = [p["chunks"] for p in parts]  # [id, raw length] pairs, as sent
+    preset = preset or {}
+    per_rank: list[dict[str, list[int]]] = [{} for _ in chunks]
+    node: list[list[int]] | None = None
+    group: list[list[int]] | None = None
     for tier in tiers:
         if tier in node_local:
-            writers = writers or writers_by_node(chunks, topology, preset)
-            owners[tier] = [set() for _ in chunks]
-            for node_writers in writers:
-                for cid, r in node_writers.items():
-                    owners[tier][r].add(cid)
+            node = node if node is not None else _by_node(chunks, topology, preset)
+            positions = node
         else:
-            owners[tier] = assign_owners(chunks, preset)
-    per_rank = []
-    for r, own in enumerate(chunks):
-        position = {cid: i for i, (cid, _) in enumerate(own)}
-        per_rank.append({t: sorted(position[c] for c in owned[r]) for t, owned in owners.items()})
-    return PartsPlan(nbytes=sum(p["nbytes"] for p in parts), per_rank=per_rank, writers=writers,
+            group = group if group is not None else _split(chunks, range(len(chunks)), preset)
+            positions = group
+        for r, own in enumerate(positions):
+            per_rank[r][tier] = own
+    return PartsPlan(nbytes=sum(p["nbytes"] for p in parts), per_rank=per_rank,
+                     writers=_writers(chunks, topology, node) if node is not None else [],
                      sizes={cid: n for own in chunks for cid, n in own}, part_bytes=[p["part"] for p in parts])
 
 
