@@ -1,8 +1,8 @@
-"""Who writes which chunk (tiercache.group.owners).
+"""Who writes which chunk (tiercache.group.owners), and each rank's slots (tiercache.group.transfer.by_rank).
 
-The coordinator's decision is checked against a plain restatement of its rule on random groups:
-duplicate ids within a rank, chunks shared by some ranks, preset writers on and off the node,
-one node or several.
+The coordinator's decisions are checked against plain restatements of their rules on random
+groups: duplicate ids within a rank, chunks shared by some ranks, preset writers on and off the
+node, one node or several.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from tiercache.group.owners import assign_owners, plan_parts, writers_by_node
 from tiercache.group.topology import Topology
+from tiercache.group.transfer import Move, by_rank, own, schedule
 
 
 def reference_owners(chunks: Sequence[Sequence[tuple[str, int]]], preset: Mapping[str, int]) -> list[set[str]]:
@@ -92,3 +93,14 @@ def test_a_replicated_tensor_is_written_slice_by_slice_in_a_large_group() -> Non
     assert sum(len(p["s3"]) for p in plan.per_rank) == len(plan.sizes) == 16 + world - 16
     # Each of the two nodes holding the tensor writes all of it to its disk, split over its 8 ranks.
     assert [len(p["disk"]) for p in plan.per_rank[:16]] == [2] * 16
+
+
+def test_by_rank_gives_every_rank_what_own_gives_it() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        world = rng.randint(1, 9)
+        moves = [Move(f"c{i}", rng.randint(1, 100), rng.randrange(world),
+                      tuple(rng.sample(range(world), rng.randint(0, world))))
+                 for i in range(rng.randint(0, 30))]
+        slots = schedule(moves, rng.randint(50, 300))
+        assert by_rank(slots, world) == [own(slots, r) for r in range(world)]

@@ -35,7 +35,7 @@ from tiercache.group.collective import Channel, Decision
 from tiercache.group.round import Round
 from tiercache.group.status import Status
 from tiercache.group.topology import Topology
-from tiercache.group.transfer import Move, Slot, own, run_moves, schedule
+from tiercache.group.transfer import Move, Slot, by_rank, run_moves, schedule
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, part_key
 from tiercache.restore import byte_view
@@ -141,7 +141,7 @@ class Replicator:
         view = self.view
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
         slots = schedule(moves, view.cache.config.peers.batch_bytes)
-        return Decision(None, [[s.to_json() for s in own(slots, r)] for r in range(view.world_size)])
+        return Decision(None, [[s.to_json() for s in mine] for mine in by_rank(slots, view.world_size)])
 
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
         view = self.view

@@ -77,6 +77,19 @@ def own(slots: Sequence[Slot], rank: int) -> list[Slot]:
     return [s for s in slots if s.move.src == rank or rank in s.move.dsts]
 
 
+def by_rank(slots: Sequence[Slot], world: int) -> list[list[Slot]]:
+    """:func:`own` for every rank of a group of ``world``, in one pass over the slots.
+
+    The coordinator sends each rank its own slots: calling :func:`own` once per rank would cost
+    ranks x slots, and with thousands of ranks moving a few chunks each that is seconds.
+    """
+    out: list[list[Slot]] = [[] for _ in range(world)]
+    for s in slots:
+        for rank in dict.fromkeys((s.move.src, *s.move.dsts)):  # each rank once, in the order own() sees it
+            out[rank].append(s)
+    return out
+
+
 def batches(moves: Sequence[Move], budget: int) -> list[list[tuple[int, Move]]]:
     """Cut ``moves`` (with their positions) into batches in which no rank receives over ``budget`` bytes.
 
@@ -157,4 +170,4 @@ def _op(work: dist.Work | None) -> dist.Work:
     return work
 
 
-__all__ = ["Land", "Move", "Read", "Slot", "batches", "own", "run_moves", "schedule"]
+__all__ = ["Land", "Move", "Read", "Slot", "batches", "by_rank", "own", "run_moves", "schedule"]
