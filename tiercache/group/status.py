@@ -17,6 +17,9 @@ from tiercache import errors
 from tiercache.errors import GroupSaveError, SkippedError, TierCacheError
 
 Kind = Literal["ok", "skip", "error"]
+#: ``json.dumps`` with these separators builds an encoder per call; the coordinator encodes one
+#: status per rank per phase.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,7 @@ class Status:
 
     def encode(self) -> bytes:
         """Serialize (JSON: nothing a rank receives is ever unpickled)."""
-        return json.dumps([self.kind, self.payload, self.error, self.message, self.extra],
-                          separators=(",", ":")).encode()
+        return _ENCODE([self.kind, self.payload, self.error, self.message, self.extra]).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Status:
