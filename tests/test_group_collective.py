@@ -175,4 +175,19 @@ def test_statuses_round_trip_and_unknown_error_types_become_group_errors() -> No
     assert type(err) is GroupSaveError and str(err) == "ZeroDivisionError: division by zero"
     with pytest.raises(GroupSaveError, match="cannot read"):
         Status.decode(b"\x80not json")
+
+
+def test_many_statuses_decode_in_one_parse_as_one_by_one() -> None:
+    statuses = [OK, Status("ok", 0), Status("ok", {"chunks": [["a", 1]]}), Status("skip", message="full"),
+                Status("error", error="ValueError", message="bad meta", extra={"missing": [2]}), OK, Status("ok", 0),
+                Status("ok", {"chunks": [["a", 1]]})]
+    blobs = [s.encode() for s in statuses]
+    decoded = Status.decode_all(blobs)
+    assert decoded == [Status.decode(b) for b in blobs] == statuses
+    assert decoded[0] is decoded[5]  # an equal status with nothing mutable is one object
+    assert decoded[2].payload is not decoded[7].payload  # a mutable payload is each rank's own
+    assert Status.decode_all([]) == []
+    for bad in (b"\x80not json", b"", b'["ok",1,"",""', b'["maybe",null,"","",{}]', b'1,2'):
+        with pytest.raises(GroupSaveError, match="cannot read"):
+            Status.decode_all([blobs[0], bad, blobs[1]])
     assert threading.active_count() >= 1

@@ -10,6 +10,7 @@ rank gets the same verdict. A failed verdict names the rank and the phase, and
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,13 +92,44 @@ class Status:
             GroupSaveError: If ``data`` is not a status (a rank of another tiercache version).
         """
         try:
-            kind, payload, error, message, extra = json.loads(data)
-            if kind not in ("ok", "skip", "error"):
-                raise ValueError(kind)
-            return cls(kind, payload, str(error), str(message), dict(extra))
+            return cls._of(json.loads(data))
         except (ValueError, TypeError) as e:
             raise GroupSaveError(f"a rank sent a status this tiercache cannot read ({e}): run the same "
                                  "tiercache version on every rank") from None
+
+    @classmethod
+    def decode_all(cls, blobs: Sequence[bytes]) -> list[Status]:
+        """:meth:`decode` each of ``blobs``, in one JSON parse (the coordinator reads every rank's status).
+
+        Equal blobs whose status holds nothing mutable (no list or dict payload, no extra) give
+        one shared object: most ranks send the same ``ok`` at most phases.
+
+        Raises:
+            GroupSaveError: If one of them is not a status (the one :meth:`decode` names).
+        """
+        try:
+            rows = json.loads(b"[" + b",".join(blobs) + b"]")
+            if len(rows) != len(blobs):
+                raise ValueError(len(rows))
+            out: list[Status] = []
+            shared: dict[bytes, Status] = {}
+            for blob, row in zip(blobs, rows, strict=True):
+                status = shared.get(blob)
+                if status is None:
+                    status = cls._of(row)
+                    if not status.extra and not isinstance(status.payload, list | dict):
+                        shared[blob] = status
+                out.append(status)
+            return out
+        except (ValueError, TypeError):
+            return [cls.decode(b) for b in blobs]  # one by one: the bad one raises, named as decode names it
+
+    @classmethod
+    def _of(cls, row: Any) -> Status:
+        kind, payload, error, message, extra = row
+        if kind not in ("ok", "skip", "error"):
+            raise ValueError(kind)
+        return cls(kind, payload, str(error), str(message), dict(extra))
 
 
 OK = Status()
