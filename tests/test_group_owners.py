@@ -1,4 +1,4 @@
-"""Who writes which chunk (tiercache.group.owners), and each rank's slots (tiercache.group.transfer.by_rank).
+"""Who writes which chunk (tiercache.group.owners), and each rank's slots (tiercache.group.transfer).
 
 The coordinator's decisions are checked against plain restatements of their rules on random
 groups: duplicate ids within a rank, chunks shared by some ranks, preset writers on and off the
@@ -14,7 +14,7 @@ import pytest
 
 from tiercache.group.owners import assign_owners, plan_parts, writers_by_node
 from tiercache.group.topology import Topology
-from tiercache.group.transfer import Move, by_rank, own, schedule
+from tiercache.group.transfer import Move, Slot, batches, by_rank, own, schedule, shares
 
 
 def reference_owners(chunks: Sequence[Sequence[tuple[str, int]]], preset: Mapping[str, int]) -> list[set[str]]:
@@ -104,3 +104,34 @@ def test_by_rank_gives_every_rank_what_own_gives_it() -> None:
                  for i in range(rng.randint(0, 30))]
         slots = schedule(moves, rng.randint(50, 300))
         assert by_rank(slots, world) == [own(slots, r) for r in range(world)]
+        assert shares(slots, world) == [[s.to_json() for s in own(slots, r)] for r in range(world)]
+
+
+def reference_batches(moves: Sequence[Move], budget: int) -> list[list[tuple[int, Move]]]:
+    """The rule, stated plainly: a move opens a new batch when the current one holds a move and
+    one of its receivers would get over ``budget`` bytes in it."""
+    out: list[list[tuple[int, Move]]] = []
+    load: dict[int, int] = {}
+    for i, m in enumerate(moves):
+        if out and out[-1] and any(load.get(d, 0) + m.nbytes > budget for d in m.dsts):
+            out.append([])
+            load = {}
+        if not out:
+            out.append([])
+        out[-1].append((i, m))
+        for d in m.dsts:
+            load[d] = load.get(d, 0) + m.nbytes
+    return out
+
+
+def test_schedule_batches_as_the_rule_says() -> None:
+    rng = random.Random(11)
+    for _ in range(500):
+        world = rng.randint(1, 6)
+        moves = [Move(f"c{i}", rng.randint(1, 100), rng.randrange(world),
+                      tuple(rng.sample(range(world), rng.randint(0, world))))
+                 for i in range(rng.randint(0, 30))]
+        budget = rng.randint(1, 300)
+        expected = reference_batches(moves, budget)
+        assert batches(moves, budget) == expected
+        assert schedule(moves, budget) == [Slot(2 * i, b, m) for b, batch in enumerate(expected) for i, m in batch]

@@ -35,7 +35,7 @@ from tiercache.group.collective import Channel, Decision
 from tiercache.group.round import Round
 from tiercache.group.status import Status
 from tiercache.group.topology import Topology
-from tiercache.group.transfer import Move, Slot, by_rank, run_moves, schedule
+from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, part_key
 from tiercache.restore import byte_view
@@ -71,17 +71,24 @@ def copy_moves(
     position = {cid: i for i, cid in enumerate(sizes)}
     moves: dict[tuple[str, int], list[int]] = {}
     nbytes = dict(sizes)
-    sent: set[tuple[str, int]] = set()
+    sent: list[set[str]] = [set() for _ in peers]  # per peer node, the chunks on their way to it
     for node, holders in enumerate(peers):
-        part = sorted(writers[node], key=position.__getitem__)  # the node's chunks, in plan order
+        mine = writers[node]
+        part = sorted(mine, key=position.__getitem__)  # the node's chunks, in plan order
         for peer in holders:
             receivers = topology.ranks(peer)
+            held, going = writers[peer], sent[peer]
             turn = 0
             for cid in part:
-                if cid in writers[peer] or (cid, peer) in sent:
+                if cid in held or cid in going:
                     continue
-                sent.add((cid, peer))
-                moves.setdefault((cid, writers[node][cid]), []).append(receivers[turn % len(receivers)])
+                going.add(cid)
+                key = (cid, mine[cid])
+                dsts = moves.get(key)
+                if dsts is None:
+                    moves[key] = [receivers[turn % len(receivers)]]
+                else:
+                    dsts.append(receivers[turn % len(receivers)])
                 turn += 1
             for rank in topology.ranks(node) if part_bytes else ():
                 name = f"{_PART}{rank}"
@@ -141,7 +148,7 @@ class Replicator:
         view = self.view
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
         slots = schedule(moves, view.cache.config.peers.batch_bytes)
-        return Decision(None, [[s.to_json() for s in mine] for mine in by_rank(slots, view.world_size)])
+        return Decision(None, shares(slots, view.world_size))
 
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
         view = self.view

@@ -46,7 +46,7 @@ from tiercache.errors import (
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.status import Status
-from tiercache.group.transfer import Move, Slot, by_rank, run_moves, schedule
+from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, part_key
 from tiercache.parts import check_part, rank_view
@@ -352,7 +352,7 @@ class GroupFill:
         moves = plan_moves(None, [set(s.payload["missing"]) for s in statuses],  # type: ignore[arg-type]
                            [set(s.payload["holding"]) for s in statuses], sizes)
         slots = schedule(moves, self.cache.config.peers.batch_bytes)
-        return Decision(None, [[s.to_json() for s in mine] for mine in by_rank(slots, len(statuses))])
+        return Decision(None, shares(slots, len(statuses)))
 
     def _count(self, read: dict[str, int]) -> None:
         with self._lock:

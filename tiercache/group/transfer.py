@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Move:
     """One chunk (or other object) going from one rank to others.
 
@@ -47,7 +47,7 @@ Read = Callable[[Move], torch.Tensor]
 Land = Callable[[Move, torch.Tensor | None], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """A move in a schedule: its tag (messages ``tag`` and ``tag + 1``) and its batch."""
 
@@ -58,7 +58,7 @@ class Slot:
     def to_json(self) -> list[Any]:
         """A compact JSON form (a rank receives its slots in a verdict)."""
         m = self.move
-        return [self.tag, self.batch, m.chunk, m.nbytes, m.src, list(m.dsts)]
+        return [self.tag, self.batch, m.chunk, m.nbytes, m.src, m.dsts]  # dsts: a tuple, a JSON array
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> Slot:
@@ -69,7 +69,7 @@ class Slot:
 
 def schedule(moves: Sequence[Move], budget: int) -> list[Slot]:
     """Tag and batch ``moves`` (see :func:`batches`)."""
-    return [Slot(2 * i, b, m) for b, batch in enumerate(batches(moves, budget)) for i, m in batch]
+    return [Slot(2 * i, b, m) for i, (b, m) in enumerate(zip(_batch_of(moves, budget), moves, strict=True))]
 
 
 def own(slots: Sequence[Slot], rank: int) -> list[Slot]:
@@ -83,10 +83,27 @@ def by_rank(slots: Sequence[Slot], world: int) -> list[list[Slot]]:
     The coordinator sends each rank its own slots: calling :func:`own` once per rank would cost
     ranks x slots, and with thousands of ranks moving a few chunks each that is seconds.
     """
-    out: list[list[Slot]] = [[] for _ in range(world)]
-    for s in slots:
-        for rank in dict.fromkeys((s.move.src, *s.move.dsts)):  # each rank once, in the order own() sees it
-            out[rank].append(s)
+    return _by_rank(slots, slots, world)
+
+
+def shares(slots: Sequence[Slot], world: int) -> list[list[list[Any]]]:
+    """Each rank's slots of a group of ``world`` in their JSON form (:meth:`Slot.to_json`), each encoded once.
+
+    What the coordinator sends every rank: :func:`by_rank`, without encoding a slot once per rank it names.
+    """
+    return _by_rank(slots, [s.to_json() for s in slots], world)
+
+
+def _by_rank(slots: Sequence[Slot], items: Sequence[Any], world: int) -> list[list[Any]]:
+    out: list[list[Any]] = [[] for _ in range(world)]
+    for s, item in zip(slots, items, strict=True):
+        m = s.move
+        out[m.src].append(item)
+        for d in m.dsts:
+            if d != m.src:
+                mine = out[d]
+                if not mine or mine[-1] is not item:  # each rank once, in the order own() sees it
+                    mine.append(item)
     return out
 
 
@@ -96,17 +113,29 @@ def batches(moves: Sequence[Move], budget: int) -> list[list[tuple[int, Move]]]:
     A batch always takes at least one move, so a chunk larger than the budget still goes.
     """
     out: list[list[tuple[int, Move]]] = []
-    cur: list[tuple[int, Move]] = []
+    for i, (b, m) in enumerate(zip(_batch_of(moves, budget), moves, strict=True)):
+        if b == len(out):
+            out.append([])
+        out[b].append((i, m))
+    return out
+
+
+def _batch_of(moves: Sequence[Move], budget: int) -> list[int]:
+    """The batch of each move (see :func:`batches`): one pass, no object per move."""
+    out: list[int] = []
+    batch = 0
     load: dict[int, int] = {}
-    for i, m in enumerate(moves):
-        if cur and any(load.get(d, 0) + m.nbytes > budget for d in m.dsts):
-            out.append(cur)
-            cur, load = [], {}
-        cur.append((i, m))
+    for m in moves:
+        n = m.nbytes
+        if out and out[-1] == batch:  # the batch holds a move already
+            for d in m.dsts:
+                if load.get(d, 0) + n > budget:
+                    batch += 1
+                    load = {}
+                    break
+        out.append(batch)
         for d in m.dsts:
-            load[d] = load.get(d, 0) + m.nbytes
-    if cur:
-        out.append(cur)
+            load[d] = load.get(d, 0) + n
     return out
 
 
@@ -170,4 +199,4 @@ def _op(work: dist.Work | None) -> dist.Work:
     return work
 
 
-__all__ = ["Land", "Move", "Read", "Slot", "batches", "by_rank", "own", "run_moves", "schedule"]
+__all__ = ["Land", "Move", "Read", "Slot", "batches", "by_rank", "own", "run_moves", "schedule", "shares"]
