@@ -160,6 +160,8 @@ def _part(view: GroupView, ch: Channel, tag: str, what: str, found: dict[str, An
     if world == 1:  # saved by one process: every rank restores the whole state
         try:
             version, mine = cat.get(vid), Status("ok", [])
+            if version.ranks:  # saved by a group of one rank: its part, not the list of the ranks' states
+                version = rank_view(version, 0)
         except TierCacheError as e:
             version, mine = None, Status.of(e)
         ch.exchange(f"{tag}/parts", mine, what=what, decide=_union_missing).raise_failure()
