@@ -475,9 +475,11 @@ def measure_world(world: int, layout: str, part: Synthetic, versions: int, root:
             tiercache.open({"disk": {"path": str(s3_root)}}) as shared:
         w = World(world, layout, part, local, shared)
         parent: str | None = None
+        saved: list[str] = []
         try:
             for k in range(versions + 1):  # the first version warms up (the disk tiers, the store)
                 parent, lat = w.version(k, parent)
+                saved.append(parent)
                 if k == 0:
                     continue
                 for name, value in w.row.items():
@@ -485,6 +487,7 @@ def measure_world(world: int, layout: str, part: Synthetic, versions: int, root:
                 latency.extend(lat)
         finally:
             w.sim.close()
+    committed = {"disk": committed_versions(disk_root, saved, w), "s3": committed_versions(s3_root, saved, w)}
     shutil.rmtree(disk_root, ignore_errors=True)
     shutil.rmtree(s3_root, ignore_errors=True)
     seen = w.seen
@@ -496,7 +499,19 @@ def measure_world(world: int, layout: str, part: Synthetic, versions: int, root:
             "bytes": {who: {"version": _sum(seen, who, [x for x in SAVE_PHASES if f"{who}/{x}" in seen]),
                             "parts": _sum(seen, who, ("parts",)), "restore": _sum(seen, who, ("restore",))}
                       for who in ("coordinator", "rank")},
-            "shares": shares}
+            "shares": shares, "saved": len(saved), "committed": committed}
+
+
+def committed_versions(root: Path, saved: Sequence[str], w: World) -> dict[str, Any]:
+    """What a fresh process reads back from a tier the commits went to: how many of ``saved`` have a
+    group manifest there that parses and names every rank and node, and whether ``main`` is the last."""
+    good = 0
+    with tiercache.open({"disk": {"path": str(root)}}) as fresh:
+        for vid in saved:
+            m = fresh.catalog.peek(vid)  # read from the tier and parsed
+            good += int(m.id == vid and m.ranks == w.world and len(m.nodes) == w.topo.count and m.nbytes == w.total)
+        head = fresh.resolve("main")
+    return {"parsed": good, "head_is_last": head == saved[-1]}
 
 
 def _traffic(t: Traffic) -> dict[str, int]:
@@ -659,10 +674,39 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     results["load_1min_end"] = os.getloadavg()[0]
+    results["scale_inputs"] = scale_inputs(results)
     render(results, console)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     return results
+
+
+def scale_inputs(results: dict[str, Any], layout: str = "fsdp") -> dict[str, Any]:
+    """The constants of ``bench/scale_model.py`` from one run: least-squares lines over the ranks.
+
+    Per level, the coordinator's seconds per version as ``(fixed, per rank)``; the median phase
+    latency at 512 ranks and more (or the largest run); one rank's part manifest per leaf.
+    """
+    rows = [r for r in results["rows"] if r["layout"] == layout]
+    out: dict[str, Any] = {"control_s": {}}
+    names = {"begin": "begin", "local": "local", "replicated": "replicated", "remote": "remote",
+             "restore": "restore"}
+    for level, name in names.items():
+        pts = [(r["world"], r["median_s"][name]) for r in rows if name in r["median_s"]]
+        if len(pts) < 2:
+            continue
+        mx = statistics.fmean(x for x, _ in pts)
+        my = statistics.fmean(y for _, y in pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out["control_s"][level] = (max(0.0, my - slope * mx), slope)
+    big = [r for r in rows if r["world"] >= 512] or rows[-1:]
+    if big:
+        out["phase_latency_s"] = statistics.median(r["latency_s"]["median"] for r in big)
+        out["part_restore_s_per_leaf"] = statistics.median(r["median_s"]["read_part"] for r in rows) / results["leaves"]
+    pr = results.get("per_rank")
+    if pr:
+        out["part_save_s_per_leaf"] = (pr["build_s"] + pr["serialize_s"]) / results["leaves"]
+    return out
 
 
 def _say(what: str) -> None:
@@ -726,6 +770,12 @@ def render(results: dict[str, Any], console: Console) -> None:
                         f"{r['save_wait_s']:.3f}", f"{r['save_wait_max_rank_s']:.3f}", f"{r['local_s']:.3f}",
                         f"{r['restore_s']:.3f}", "yes" if r["exact"] else "NO")
         console.print(e2e)
+    fit = scale_inputs(results)
+    if fit["control_s"]:
+        lines = ", ".join(f"{k}: {a * 1e3:.2f} ms + {b * 1e6:.1f} us/rank" for k, (a, b) in fit["control_s"].items())
+        console.print(f"for bench/scale_model.py (fsdp, least squares over the ranks): {lines}; phase latency "
+                      f"{fit['phase_latency_s'] * 1e3:.0f} ms; part manifest {fit['part_save_s_per_leaf'] * 1e6:.1f} "
+                      f"us/leaf at save, {fit['part_restore_s_per_leaf'] * 1e6:.1f} us/leaf at restore")
     console.print(f"load average (1 min) at start {results['load_1min_start']:.2f}, at end "
                   f"{results['load_1min_end']:.2f}")
 
