@@ -24,6 +24,14 @@ Assumptions (all stated as parameters of :class:`Inputs`):
 - restore after one lost node: every surviving node reads its part from its own NVMe while the
   replacement node receives its part from its peers (``copies >= 1``) or reads it from S3 alone
   (``copies = 0``); the restore takes the slower of the two;
+- metadata (the control plane, measured by ``bench/control_plane.py`` on this repository's
+  2-core VM, see ``docs/benchmarks.md``, "Control plane"): each level also waits for its
+  exchanges, whose coordinator work is ``fixed + per_rank x ranks`` (fitted on 8 to 4096 ranks,
+  FSDP layout: every rank's chunks its own), plus the polling latency of each exchange, plus each
+  rank's own part manifest (``leaves_per_rank`` tensors: built and serialized at save, read and
+  parsed at restore, every rank in parallel). ``staged`` (the save wait) includes the ``begin``
+  exchange ``save()`` takes part in. The metadata is added to the data time, not overlapped with
+  it (an upper bound);
 - failures: one node fails every ``node_mtbf_h`` hours (Llama 3: 419 interruptions in 54 days on
   16,384 GPUs, i.e. about one per 6,300 hours of a 8-GPU node), so the job fails every
   ``node_mtbf_h / nodes`` hours; the interval is Young's ``sqrt(2 * wait * MTBF)`` with the save
@@ -42,6 +50,28 @@ GB = 1e9
 LOCAL_VS_RAW_WRITE = 1.35
 REMOTE_VS_BOTO3 = 0.89
 RESTORE_VS_RAW_READ = 1.34
+#: The coordinator's work per version to each level (seconds = fixed + per rank x ranks), the
+#: medians of ``python -m bench.control_plane`` (FSDP layout) fitted by least squares over 8 to 4096 ranks.
+#: Each level counts from the call to ``save()``: ``begin`` is the exchange inside ``save()``;
+#: ``local`` adds ``parts``, ``disk`` and the nodes' commits; ``replicated`` the peer copies' two;
+#: ``remote`` is ``begin``, ``parts`` and ``s3`` (with the commit); ``restore`` the five exchanges of a
+#: restore at the same world size. ``python -m bench.control_plane`` prints these from its run.
+CONTROL_S: dict[str, tuple[float, float]] = {
+    "begin": (0.0006, 9.4e-6),
+    "local": (0.0094, 57.9e-6),
+    "replicated": (0.0592, 204.2e-6),
+    "remote": (0.0078, 56.0e-6),
+    "restore": (0.0031, 28.7e-6),
+}
+#: Exchanges on each level's path, counted from ``save()`` (``begin`` is in ``staged`` and in each
+#: level), and the median wall-clock latency one adds beyond the coordinator's work at 512 and
+#: 4096 ranks (both sides polling; it can reach ``0.05 s x ranks / 256`` when ranks wait longer).
+EXCHANGES = {"begin": 1, "local": 4, "replicated": 6, "remote": 3, "restore": 5}
+PHASE_LATENCY_S = 0.17
+#: One rank's own part manifest, per tensor: built and serialized for a save; read and parsed for
+#: a restore (measured on 20,000 leaves).
+PART_SAVE_S_PER_LEAF = 25.7e-6
+PART_RESTORE_S_PER_LEAF = 28.2e-6
 #: S3's documented rate per prefix before it partitions further, and tiercache's chunk prefixes.
 S3_PUTS_PER_PREFIX = 3500
 PREFIXES = 256
@@ -65,6 +95,8 @@ class Inputs:
         part_bytes: Size of one S3 request (multipart part or chunk).
         copies: ``[peers] copies``.
         node_mtbf_h: Hours between failures of one node.
+        leaves_per_rank: Tensors in each rank's part (its part manifest's size; FSDP shards every
+            tensor, so it does not shrink with more nodes).
     """
 
     state_bytes: float = 2e12
@@ -80,6 +112,7 @@ class Inputs:
     part_bytes: float = 16 * 2**20
     copies: int = 1
     node_mtbf_h: float = 6300.0
+    leaves_per_rank: int = 20_000
 
 
 @dataclass(frozen=True)
@@ -98,42 +131,59 @@ class Row:
     restore_all_s3: float
     job_mtbf_h: float
     interval: float
+    meta_local: float = 0.0
+
+
+def control(level: str, ranks: int, i: Inputs) -> float:
+    """The metadata's share of the time to ``level`` (or of ``begin``, or ``restore``) at ``ranks`` ranks."""
+    fixed, per_rank = CONTROL_S[level]
+    own = 0.0
+    if level in ("local", "replicated", "remote"):
+        own = i.leaves_per_rank * PART_SAVE_S_PER_LEAF
+    elif level == "restore":
+        own = i.leaves_per_rank * PART_RESTORE_S_PER_LEAF
+    return fixed + per_rank * ranks + EXCHANGES[level] * PHASE_LATENCY_S + own
 
 
 def model(nodes: int, i: Inputs) -> Row:
-    """Times to each level and restore times for ``nodes`` nodes."""
+    """Times to each level and restore times for ``nodes`` nodes, metadata included."""
     replicas = min(i.replicas, nodes)
+    ranks = nodes * i.gpus_per_node
     part = i.state_bytes * replicas / nodes
-    staged = part / i.gpus_per_node / (i.memcpy_gbps * GB)
-    local = part / (i.nvme_write_gbps * GB) * LOCAL_VS_RAW_WRITE
+    staged = part / i.gpus_per_node / (i.memcpy_gbps * GB) + control("begin", ranks, i)
+    meta_local = control("local", ranks, i)
+    local = part / (i.nvme_write_gbps * GB) * LOCAL_VS_RAW_WRITE + meta_local
     send = 0.0 if replicas >= nodes else part * i.copies
-    replicated = local + send / (i.net_gbps * GB * i.peer_efficiency)
+    replicated = local - meta_local + send / (i.net_gbps * GB * i.peer_efficiency) + control("replicated", ranks, i)
     s3_rate = min(i.s3_total_gbps, nodes * i.s3_node_gbps) * GB
-    remote = max(staged, i.state_bytes / s3_rate * REMOTE_VS_BOTO3)
+    remote = max(staged, i.state_bytes / s3_rate * REMOTE_VS_BOTO3) + control("remote", ranks, i)
     puts = s3_rate / i.part_bytes / PREFIXES
-    survivors = part / (i.nvme_read_gbps * GB) * RESTORE_VS_RAW_READ
-    from_peers = part / (i.net_gbps * GB * i.peer_efficiency)
-    from_s3 = part / (min(i.s3_node_gbps, i.s3_total_gbps) * GB)
-    all_s3 = i.state_bytes / s3_rate + part / (i.net_gbps * GB * i.peer_efficiency)
+    meta_restore = control("restore", ranks, i)
+    survivors = part / (i.nvme_read_gbps * GB) * RESTORE_VS_RAW_READ + meta_restore
+    from_peers = part / (i.net_gbps * GB * i.peer_efficiency) + meta_restore
+    from_s3 = part / (min(i.s3_node_gbps, i.s3_total_gbps) * GB) + meta_restore
+    all_s3 = i.state_bytes / s3_rate + part / (i.net_gbps * GB * i.peer_efficiency) + meta_restore
     job_mtbf = i.node_mtbf_h / nodes
     # A node loss is survived by `replicated` (copies >= 1), else only by `remote`.
     interval = max(math.sqrt(2 * staged * job_mtbf * 3600), replicated if i.copies else remote)
     return Row(nodes, part / GB, staged, local, replicated if i.copies else math.nan, remote, puts,
                max(survivors, from_peers) if i.copies else math.nan, max(survivors, from_s3), all_s3, job_mtbf,
-               interval)
+               interval, meta_local)
 
 
 def table(i: Inputs, counts: list[int]) -> str:
     """The model's rows as a fixed-width text table."""
-    head = (f"{'nodes':>5} {'part GB':>7} {'staged':>7} {'local':>7} {'replic.':>7} {'remote':>7} "
-            f"{'PUT/s/prefix':>12} {'restore':>8} {'no peers':>8} {'all S3':>7} {'job MTBF':>8} {'interval':>8}")
+    head = (f"{'nodes':>5} {'ranks':>6} {'part GB':>7} {'staged':>7} {'local':>7} {'(meta)':>7} {'replic.':>7} "
+            f"{'remote':>7} {'PUT/s/prefix':>12} {'restore':>8} {'no peers':>8} {'all S3':>7} {'job MTBF':>8} "
+            f"{'interval':>8}")
     lines = [head]
     for n in counts:
         r = model(n, i)
         lines.append(
-            f"{r.nodes:>5} {r.part_gb:>7.1f} {_s(r.staged, 2):>7} {_s(r.local):>7} {_s(r.replicated):>7} "
-            f"{_s(r.remote, 0):>7} {r.puts_per_prefix:>12.0f} {_s(r.restore_peers):>8} {_s(r.restore_s3):>8} "
-            f"{_s(r.restore_all_s3):>7} {r.job_mtbf_h:>7.1f}h {_duration(r.interval):>8}"
+            f"{r.nodes:>5} {n * i.gpus_per_node:>6} {r.part_gb:>7.1f} {_s(r.staged, 2):>7} {_s(r.local):>7} "
+            f"{_s(r.meta_local):>7} {_s(r.replicated):>7} {_s(r.remote, 0):>7} {r.puts_per_prefix:>12.0f} "
+            f"{_s(r.restore_peers):>8} {_s(r.restore_s3):>8} {_s(r.restore_all_s3):>7} {r.job_mtbf_h:>7.1f}h "
+            f"{_duration(r.interval):>8}"
         )
     return "\n".join(lines)
 
@@ -151,7 +201,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = Inputs()
     for name in ("state_bytes", "replicas", "gpus_per_node", "memcpy_gbps", "nvme_write_gbps", "nvme_read_gbps",
-                 "net_gbps", "peer_efficiency", "s3_node_gbps", "s3_total_gbps", "copies", "node_mtbf_h"):
+                 "net_gbps", "peer_efficiency", "s3_node_gbps", "s3_total_gbps", "copies", "node_mtbf_h",
+                 "leaves_per_rank"):
         value = getattr(defaults, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--nodes", default="8,32,128,512,1024,2048,4096")
