@@ -76,7 +76,7 @@ def test_shell_completion_completes_verbs_and_options() -> None:
     assert options.returncode == 0
     assert {"--branch", "--json", "--help"} <= set(options.stdout.split())
     script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="tiercache")
-    assert script.exit_code == 0 and "_TIERCACHE_COMPLETE=complete_bash" in script.stdout
+    assert script.exit_code == 0 and "_TIERCACHE_COMPLETE=complete_bash" in script.stdout, script.output
 
 
 @pytest.fixture

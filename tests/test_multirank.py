@@ -197,7 +197,7 @@ def test_a_rank_throttled_by_s3_slows_every_rank_down(tmp_path: Path, s3_config:
 def test_rank_killed_mid_save_commits_nothing(tmp_path: Path, s3_config: S3Config) -> None:
     config = cache_config(tmp_path, s3_config)
     work = tmp_path / "work"
-    assert run_ranks("kill", 2, work, config) == [0, -9]
+    assert run_ranks("kill", 2, work, config, opts={"timeout": 8}) == [0, -9]  # rank 1 is gone after 6 s
     r0 = rank_out(work, 0)
     for lvl in ("local", "remote", "durable"):
         name, message = r0["v2_errors"][lvl]

@@ -225,7 +225,7 @@ def test_a_group_keeps_saving_locally_while_s3_refuses(tmp_path: Path, s3_config
 def test_a_peer_dying_mid_copy_fails_replicated_only_with_one_error(tmp_path: Path) -> None:
     env = node_env(tmp_path, ["a", "b", "c", "d"])
     work = tmp_path / "work"
-    codes = run_ranks("peer_dies", 4, work, base_config(peers={"copies": 1}), env=env)
+    codes = run_ranks("peer_dies", 4, work, base_config(peers={"copies": 1}), env=env, opts={"timeout": 8})
     assert codes == [0, 0, 0, -9]
     outs = [rank_out(work, r) for r in range(3)]
     vid = outs[0]["levels"]["local"]
