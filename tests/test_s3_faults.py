@@ -163,7 +163,8 @@ def test_lost_ref_write_responses_are_never_conflicts(s3_config: S3Config, trial
 
 
 def test_a_part_that_keeps_failing_aborts_its_upload_and_fails_the_save(s3_config: S3Config) -> None:
-    cache = tiercache.open(_cfg(s3_config, max_attempts=2))
+    # Two throttle retries (default 8) still take the slowed-down path, without its 15 s of waits.
+    cache = tiercache.open(_cfg(s3_config, max_attempts=2, throttle_retries=2))
     good = _saves(cache, 1, big=True)
     faults = S3Faults(cache.repo.durable["s3"]._client, seed=1, error_rate=1.0, only=frozenset({"UploadPart"}))
     bad = _saves(cache, 1, big=True, first_step=1)
