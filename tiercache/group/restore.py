@@ -333,9 +333,12 @@ class GroupFill:
                 status = Status.of(e)
         else:
             sizes: dict[str, int] = wanted.status.payload
-            holding = sorted(self._held(set(sizes)))
-            plan = ch.exchange(f"{tag}/holding", Status("ok", {"missing": sorted(missing), "holding": holding}),
-                               what=self.what, decide=lambda statuses: self._plan(statuses, sizes))
+            try:
+                offer = Status("ok", {"missing": sorted(missing), "holding": sorted(self._held(set(sizes)))})
+            except Exception as e:  # the others learn it in this phase, not at the timeout
+                offer = Status.of(e)
+            plan = ch.exchange(f"{tag}/holding", offer, what=self.what,
+                               decide=lambda statuses: self._plan(statuses, sizes))
             plan.raise_failure()
             slots = [Slot.from_json(s) for s in plan.mine]
             own_idx = [i for i in needed if version.chunks[i].id in held]
