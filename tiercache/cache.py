@@ -48,7 +48,7 @@ from tiercache.errors import (
 )
 from tiercache.handle import TIER_LEVEL, SaveHandle
 from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, check_meta, parse_ref
-from tiercache.names import check_name, chunk_key
+from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
@@ -711,14 +711,6 @@ class TierCache:
         RAM then holds this rank's part, and a restarted trainer restores it from there.
         """
         self.check_open()
-        # Other processes wrote them (the ranks' engines): ask the tiers, as this catalog may not know.
-        repo = self.repo
-        unknown = {c for c, _ in chunks if not self.reader.order(c)}
-        for name, tier in repo.durable.items():
-            if unknown and repo.available(name):
-                found = [c for c in sorted(unknown) if tier.exists(chunk_key(c))]
-                repo.stored(name, found)
-                unknown.difference_update(found)
         return self.engine.keep_chunks(chunks, hash_algo, self._read_object)
 
     def promote(self, ref: str, to: str = "disk", progress: Progress | None = None) -> int:

@@ -37,6 +37,7 @@ from tiercache.config import CacheConfig, RamConfig
 from tiercache.errors import (
     CacheClosedError,
     ConflictError,
+    IntegrityError,
     InvalidArgumentError,
     SkippedError,
     TierCacheError,
@@ -326,13 +327,23 @@ class Engine:
         """Copy chunks (id, bytes) the RAM tier lacks into it as evictable read cache; return bytes copied.
 
         What node RAM keeps of a multi-rank version: a rank's part, once the group committed it.
+        Other processes wrote those chunks, so a chunk no tier is known to hold is looked for on
+        the durable tiers before it counts as missing.
         """
         ram = self.ensure_arena(sum(n for _, n in chunks))
         copied = 0
         for cid, nbytes in chunks:
             key = chunk_key(cid)
             if ram.size(key) is None:
-                data, _src = read(cid, nbytes, hash_algo)
+                try:
+                    data, _src = read(cid, nbytes, hash_algo)
+                except IntegrityError:
+                    found = [n for n, t in self.repo.durable.items() if self.repo.available(n) and t.exists(key)]
+                    if not found:
+                        raise
+                    for name in found:
+                        self.repo.stored(name, [cid])
+                    data, _src = read(cid, nbytes, hash_algo)
                 ram.put(key, data, sync_name=False)
                 self.repo.stored("ram", [cid])
                 copied += len(data)
