@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -477,18 +478,18 @@ def _tensors(version: Version) -> list[torch.Tensor]:
     return [empty_aligned(e.shape, dtype_from_name(e.dtype)) for e in version.tensors]
 
 
-class _Source:
-    """Where a load reads a DCP checkpoint's entries from."""
+class _Source(ABC):
+    """Where a load reads a DCP checkpoint's entries from (:class:`_Local` or :class:`_Group`)."""
 
     vid: str
 
+    @abstractmethod
     def metadata(self) -> StoredItem | None:
         """Where the DCP metadata entry is, or ``None`` if this is no DCP checkpoint."""
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
         """The bytes of ``items`` as tensors of their saved dtype and shape."""
-        raise NotImplementedError
 
 
 class _Local(_Source):
