@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def short_dir() -> Path:
     """A fresh directory with a short path, for agent sockets."""
     return Path(tempfile.mkdtemp(prefix="tca-", dir="/tmp"))
+
+
+def remove_dir(d: Path) -> None:
+    """Remove a flat directory and its files."""
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+@contextlib.contextmanager
+def shm_place(prefix: str = "tca") -> Iterator[Path]:
+    """A directory of its own in /dev/shm for arenas (sweeps never see the machine's others), removed after."""
+    d = Path("/dev/shm") / f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir()
+    try:
+        yield d
+    finally:
+        remove_dir(d)
 
 
 def agent_config(root: Path, sock_dir: Path, *, capacity: str = "32MiB", s3: dict[str, Any] | None = None,

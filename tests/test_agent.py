@@ -31,7 +31,7 @@ from tiercache.errors import AgentUnavailableError
 from tiercache.ui import views
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _agent import ROOT, AgentProcess, agent_config, listening, short_dir, without_agent
+from _agent import ROOT, AgentProcess, agent_config, listening, remove_dir, shm_place, short_dir, without_agent
 from _crash_child import state_for
 
 TRAINER = Path(__file__).with_name("_agent_trainer.py")
@@ -41,20 +41,13 @@ TRAINER = Path(__file__).with_name("_agent_trainer.py")
 def sock_dir() -> Iterator[Path]:
     d = short_dir()
     yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    remove_dir(d)
 
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    """A directory of its own in /dev/shm for the arenas (sweeps never see the machine's others)."""
-    d = Path("/dev/shm") / f"tca-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with shm_place() as d:
+        yield d
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ from tiercache.agent.client import call
 from tiercache.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _agent import AgentProcess, short_dir
+from _agent import AgentProcess, remove_dir, shm_place, short_dir
 from _crash_child import ForkServer, state_for
 
 #: Steps of trial t are t * STRIDE + i: every step (and its state) is unique in a cache.
@@ -60,13 +60,9 @@ def server() -> Iterator[ForkServer]:
 def places() -> Iterator[tuple[Path, Path]]:
     """A short directory for agent sockets and one in /dev/shm for their arenas."""
     sock = short_dir()
-    shm = Path("/dev/shm") / f"tca-{os.getpid()}-{time.monotonic_ns()}"
-    shm.mkdir()
-    yield sock, shm
-    for d in (sock, shm):
-        for p in d.iterdir():
-            p.unlink()
-        d.rmdir()
+    with shm_place() as shm:
+        yield sock, shm
+    remove_dir(sock)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _agent import shm_place
 
 import tiercache
 from tiercache import errors
@@ -48,12 +49,8 @@ def pair() -> Iterator[tuple[Connection, Connection]]:
 
 @pytest.fixture
 def shm() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"tcp-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with shm_place("tcp") as d:
+        yield d
 
 
 @pytest.fixture
