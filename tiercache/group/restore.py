@@ -196,31 +196,46 @@ def fetch_parts(view: GroupView, ch: Channel, tag: str, what: str, header: Versi
     cache = view.cache
     order = [*sorted(view.node_local), *(t for t in cache.repo.durable if t not in view.node_local)]
     got: dict[int, Version] = {}
-    for rank in wanted:
-        # Merged in memory (or written merged by an older tiercache): the part is in it already.
-        part = rank_view(header, rank) if header.parts else cache.catalog.part(header, rank, order)
-        if part is not None:
-            got[rank] = part
-    missing = sorted(set(wanted) - set(got))
-    verdict = ch.exchange(f"{tag}/parts", Status("ok", missing), what=what, decide=_union_missing)
+    try:
+        for rank in wanted:
+            # Merged in memory (or written merged by an older tiercache): the part is in it already.
+            part = rank_view(header, rank) if header.parts else cache.catalog.part(header, rank, order)
+            if part is not None:
+                got[rank] = part
+        missing = sorted(set(wanted) - set(got))
+        mine = Status("ok", missing)
+    except Exception as e:  # the others learn it in this phase, not at the timeout
+        missing, mine = [], Status.of(e)
+    verdict = ch.exchange(f"{tag}/parts", mine, what=what, decide=_union_missing)
     verdict.raise_failure()
     lacking: list[int] = verdict.status.payload
     if not lacking:
         return got
     # Some ranks lack parts: a rank whose node holds a copy sends each to each rank that needs it.
-    held = _held_parts(view, header.id, lacking)
-    offer = ch.exchange(f"{tag}/offer", Status("ok", {"held": held, "missing": missing}), what=what,
-                        decide=lambda statuses: _providers(statuses, header.id))
+    try:
+        mine = Status("ok", {"held": _held_parts(view, header.id, lacking), "missing": missing})
+    except Exception as e:
+        mine = Status.of(e)
+    offer = ch.exchange(f"{tag}/offer", mine, what=what, decide=lambda statuses: _providers(statuses, header.id))
     offer.raise_failure()
     disk = cache.repo.durable[min(view.node_local)] if view.node_local else None
+    status = Status()
     for rank, needer in offer.mine or ():
-        data = disk.get(part_key(header.id, rank)) if disk is not None else None
-        ch.send(f"{tag}/part/{rank}/{needer}", data or b"")
-    for rank in missing:
-        data = ch.receive(f"{tag}/part/{rank}/{view.rank}", f"{what}: rank {rank}'s part of version {header.id}")
-        got[rank] = check_part(header, rank, Version.from_json(
-            data, source=f"rank {rank}'s part of version {header.id} (from a peer)"), "the part a peer sent")
-        cache.catalog.add_part(got[rank])
+        data = b""
+        try:
+            data = (disk.get(part_key(header.id, rank)) if disk is not None else None) or b""
+        except Exception as e:  # the needer gets nothing to wait for; the group learns why at "delivered"
+            status = Status.of(e)
+        ch.send(f"{tag}/part/{rank}/{needer}", data)
+    try:
+        for rank in missing:
+            data = ch.receive(f"{tag}/part/{rank}/{view.rank}", f"{what}: rank {rank}'s part of version {header.id}")
+            got[rank] = check_part(header, rank, Version.from_json(
+                data, source=f"rank {rank}'s part of version {header.id} (from a peer)"), "the part a peer sent")
+            cache.catalog.add_part(got[rank])
+    except Exception as e:
+        status = Status.of(e)
+    ch.exchange(f"{tag}/delivered", status, what=what).raise_failure()
     return got
 
 
