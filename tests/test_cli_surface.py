@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +76,12 @@ def test_shell_completion_completes_verbs_and_options() -> None:
                              "COMP_CWORD": "2"})
     assert options.returncode == 0
     assert {"--branch", "--json", "--help"} <= set(options.stdout.split())
-    script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="tiercache")
-    assert script.exit_code == 0 and "_TIERCACHE_COMPLETE=complete_bash" in script.stdout, script.output
+    # `--show-completion` finds the shell among its parent processes, so run it from bash as a user
+    # does (a test process reparented to init, as under a detached job, has no shell above it).
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(tiercache.__file__).parent.parent)}
+    script = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m tiercache --show-completion; true"],
+                            capture_output=True, text=True, env=base, check=False)
+    assert "_TIERCACHE_COMPLETE=complete_bash" in script.stdout, script.stdout + script.stderr
 
 
 @pytest.fixture

@@ -224,16 +224,21 @@ def test_restore_from_ram_verifies_in_place_and_copies_each_byte_once(
     assert sorted(copied) == sorted(p.nbytes for e in version.tensors for p in e.pieces)
 
 
-def test_a_damaged_ram_copy_is_skipped_for_the_disk_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("chunk_bytes", "at"), [("1MiB", 100), ("8MiB", 100), ("8MiB", (8 << 20) - 1)],
+                         ids=["hashed-in-line", "hashed-beside-the-copy", "beside-last-byte"])
+def test_a_damaged_ram_copy_is_skipped_for_the_disk_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                         chunk_bytes: str, at: int) -> None:
     state = _mixed_state()
-    with tiercache.open(_config(tmp_path, chunk_bytes="1MiB", pack_below="64KiB", ram={"capacity": "64MiB"})) as cache:
+    state["huge.f32"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(2))  # 12 MiB: 8 + 4 MiB
+    with tiercache.open(_config(tmp_path, chunk_bytes=chunk_bytes, pack_below="64KiB",
+                                ram={"capacity": "64MiB"})) as cache:
         cache.save(state, step=1).wait("local")
         version = cache.manifest("main")
-        cid = version.chunks[0].id
+        cid = max(version.chunks, key=lambda c: c.nbytes).id
         ram = cache.engine.ram
         region = ram._entries[chunk_key(cid)].region  # flip a bit of the RAM copy only
         assert region is not None
-        ram.arena.buffer(region)[HEADER_BYTES + 100] ^= 0x10
+        ram.arena.buffer(region)[HEADER_BYTES + at] ^= 0x10
         with caplog.at_level("WARNING", logger="tiercache.restore"):
             out = cache.restore("main")
     _assert_same(out, state)

@@ -1058,6 +1058,8 @@ class TierCache:
                 group_view.close()
             if self._link is not None:
                 self._link.close()
+            if self._reader is not None:
+                self._reader.close()
             self.repo.close()
 
     def _meter_tier(self) -> Tier | None:
