@@ -77,7 +77,11 @@ class Tracked:
     base: RefRecord | None
     owner: int
     handle: SaveHandle
-    published: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Set once the manifest went out (or never will): level events that name it wait until then.
+    published: bool = False
+    #: Successful level events that came before the manifest, sent right after it.
+    held: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class Requests:
@@ -216,28 +220,32 @@ class Requests:
         if job is not None:
             job.published.add_done_callback(lambda f: self._published(t, f))
         else:  # already through the pipeline
-            with contextlib.suppress(TierCacheError):
-                self._send_published(t, self.cache.catalog.get(t.version))  # type: ignore[union-attr]
+            try:
+                manifest = self.cache.catalog.get(t.version)  # type: ignore[union-attr]
+            except TierCacheError:
+                manifest = None
+            self._send_published(t, manifest)
         if self._recorder is not None:
             self._recorder.note_save(t.handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
         for lvl in LEVELS:
             t.handle.future(lvl).add_done_callback(lambda f, lvl=lvl: self._level(t, lvl, f))  # type: ignore[misc]
 
     def _published(self, t: Tracked, f: Future[Version]) -> None:
-        if f.exception() is None:
-            self._send_published(t, f.result())
-        else:
-            t.published.set()
+        self._send_published(t, f.result() if f.exception() is None else None)
 
-    def _send_published(self, t: Tracked, manifest: Version) -> None:
-        self.broadcast({"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
-        t.published.set()
+    def _send_published(self, t: Tracked, manifest: Version | None) -> None:
+        """Send the manifest (if there is one), then the level events that waited for it, in order."""
+        with t.lock:
+            if manifest is not None:
+                self.broadcast({"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
+            t.published = True
+            for event in t.held:
+                self.broadcast(event)
+            t.held.clear()
 
     def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
         err = f.exception()
         ok = err is None
-        if ok:
-            t.published.wait(60.0)  # the manifest goes out before the first level that names it
         self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
         job = self.engine.jobs.get(t.version)
         done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
@@ -256,13 +264,25 @@ class Requests:
         if ok and level in TIER_LEVEL.values() and job is not None and job.final is not None \
                 and job.manifest is not None and job.final.parent != job.manifest.parent:
             event["manifest"] = job.final.to_json().decode()
-        self.broadcast(event)
+        self._send_level(t, event)
         if all(t.handle.done(lvl) for lvl in LEVELS):  # type: ignore[arg-type]
             with self._lock:
                 last = self._tracked.pop(t.version, None) is not None
             if last:
                 threading.Thread(target=self._settled, args=(t.version,), daemon=True,
                                  name="tiercache-agent-settle").start()
+
+    def _send_level(self, t: Tracked, event: dict[str, Any]) -> None:
+        """Broadcast a level event; a successful one before the manifest waits for it.
+
+        Never blocks: ``staged`` is reached inside the publish request, long before the version
+        is hashed and its manifest exists, and the trainer waits for that request's answer.
+        """
+        with t.lock:
+            if event["ok"] and not t.published:
+                t.held.append(event)
+                return
+            self.broadcast(event)
 
     def _settled(self, version: str) -> None:
         """Once the engine is done with a version (its regions back, its chunks unpinned), say so."""
