@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -305,6 +306,17 @@ def scenario_nodes_restore(cache: tiercache.TierCache, rank: int, world: int, ou
     torch.save(got, work / f"restored{rank}.pt")
 
 
+def scenario_nodes_restore_fails(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                                 work: Path) -> None:
+    """Restore ``main`` where it cannot succeed: note the error this rank got, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        cache.restore("main", group=dist.group.WORLD)
+    except Exception as e:
+        out["error"] = [type(e).__name__, str(e)]
+    out["seconds"] = time.monotonic() - t0
+
+
 def scenario_ddp_restore(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                          work: Path) -> None:
     """Restore ``main`` (saved by the ranks, a DDP replica each) and ``single`` (saved by one process)."""
@@ -362,7 +374,8 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
-             "nodes_restore": scenario_nodes_restore, "ddp_save": scenario_ddp_save,
+             "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
+             "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
              "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst,
              "nodes_s3_down": scenario_nodes_s3_down}

@@ -26,7 +26,7 @@ from tiercache.group.restore import plan_moves
 from tiercache.group.topology import Topology, choose_peers
 from tiercache.group.transfer import Move, batches
 from tiercache.manifest import ChunkRef, NodePart, Version, utcnow
-from tiercache.names import chunk_key
+from tiercache.names import chunk_key, part_key
 from tiercache.parts import rank_view
 from tiercache.restore import chunk_targets, empty_aligned
 from tiercache.testing import ThrottledProxy
@@ -378,3 +378,49 @@ def test_the_cli_lists_verifies_and_restores_a_multi_node_cache_from_one_process
     refused = cli(on_a, "restore", "main", "--out", str(tmp_path / "part.pt"))
     assert refused.exit_code != 0 and refused.stdout == ""
     assert refused.stderr.count("\n") == 1 and "parts of ranks 1 are on no tier" in refused.stderr
+
+
+
+def _lose_a_part(disk: Path, vid: str) -> str:
+    (disk / part_key(vid, 1)).unlink()
+    return f"rank 0 (node a): IntegrityError: the parts of ranks 1 of version {vid} are on no tier and no node"
+
+
+def _garble_a_part(disk: Path, vid: str) -> str:
+    (disk / part_key(vid, 1)).write_bytes(b'{"not": "a part"}')
+    return f"rank 1 (node b): IntegrityError: rank 1's part of version {vid} (from a peer) is not a valid tiercache"
+
+
+def _damage_a_chunk(disk: Path, vid: str) -> str:
+    with tiercache.open({"disk": {"path": str(disk)}}) as cache:
+        version = cache.manifest(vid)
+    chunk = sorted(part_chunks(version, 1) - part_chunks(version, 0))[0]  # only rank 1 reads it
+    path = disk / chunk_key(chunk)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    # The rank that holds the copy reads it for the needer, finds it damaged, and says so.
+    return f"rank 0 (node a): IntegrityError: chunk {chunk} has no good copy on any tier"
+
+
+@pytest.mark.parametrize("damage", [_lose_a_part, _garble_a_part, _damage_a_chunk],
+                         ids=["no-node-holds-the-part", "the-peer-sends-a-bad-part", "the-peer-holds-a-bad-chunk"])
+def test_a_lost_node_restored_from_a_bad_peer_copy_fails_every_rank_alike(tmp_path: Path, damage: Any) -> None:
+    """Node b is lost, there is no S3, and node a's peer copy of b's part is gone or damaged.
+
+    Every rank fails the restore with the same error, naming the rank that found the fault, in
+    the phase where the copy is needed (offer, delivered, done): none waits for the timeout.
+    """
+    env = node_env(tmp_path, ["a", "b"])
+    work = tmp_path / "work"
+    config = base_config(peers={"copies": 1})
+    assert run_ranks("nodes_save", 2, work, config, env=env) == [0, 0]
+    vid = rank_out(work, 0)["v2_levels"]["local"]
+    shutil.rmtree(tmp_path / "disk-b")
+    want = damage(tmp_path / "disk-a", vid)
+    assert run_ranks("nodes_restore_fails", 2, work, config, env=env, opts={"timeout": 60}) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    assert outs[0]["error"] == outs[1]["error"], outs
+    name, message = outs[0]["error"]
+    assert name == "IntegrityError" and message.startswith(f"the group's restore of 'main' failed: {want}"), message
+    assert all(o["seconds"] < 30 for o in outs), outs  # learnt in that phase, not at the 60 s timeout
