@@ -8,8 +8,10 @@ like cgroupfs (v1 and v2) in a temporary directory, and this machine's real one.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -27,7 +29,7 @@ from _agent import shm_place
 import tiercache
 from tiercache import errors
 from tiercache.agent import naming
-from tiercache.agent.arena import SharedArena, map_shared, sweep
+from tiercache.agent.arena import SharedArena, map_in, map_shared, sweep
 from tiercache.agent.lifecycle import cgroup_memory_limit, check_environment
 from tiercache.agent.protocol import Connection, ProtocolError, error_from_wire, error_to_wire
 from tiercache.agent.saver import pin_mapping
@@ -140,6 +142,41 @@ def test_the_arena_is_private_locked_and_only_its_agent_unlinks_it(shm: Path) ->
     assert sweep(shm) == [path]
     assert mapping[100:105] == b"hello"
     mapping.close()
+
+
+def _resident_kib(mapping: mmap.mmap) -> int:
+    """This process's resident KiB of ``mapping`` (its page tables), from /proc/self/smaps."""
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{start:x}")
+    return int(next(line for line in lines[head:] if line.startswith("Rss:")).split()[1])
+
+
+class _OldKernelMapping(mmap.mmap):
+    """A mapping whose kernel refuses MADV_POPULATE_READ (before Linux 5.14)."""
+
+    def madvise(self, *args: int) -> None:
+        raise OSError(22, "Invalid argument")
+
+
+@pytest.mark.parametrize("kind", [mmap.mmap, _OldKernelMapping], ids=["populate-read", "old-kernel"])
+def test_a_trainer_maps_the_arena_in_without_writing_it(shm: Path, kind: type[mmap.mmap]) -> None:
+    size = 4 << 20
+    arena = SharedArena(shm / "tiercache-0-k-b.arena", size)
+    arena.prefault()
+    arena.mapping[: size] = bytes(range(256)) * (size // 256)
+    fd = os.open(arena.path, os.O_RDWR)
+    mapping = kind(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    assert _resident_kib(mapping) == 0
+    map_in(mapping)
+    assert _resident_kib(mapping) == size // 1024  # every page is in this process's page tables
+    assert mapping[:] == arena.mapping[:]  # and nothing was written
+    mapping[4096:4101] = b"saved"  # the pages take writes, which the agent sees
+    assert arena.mapping[4096:4101] == b"saved"
+    mapping.close()
+    arena.mapping.close()
+    arena.close()
 
 
 def test_an_arena_that_does_not_fit_is_one_clear_error(tmpfs8: Path) -> None:

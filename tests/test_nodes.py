@@ -403,13 +403,13 @@ def _damage_a_chunk(disk: Path, vid: str) -> str:
     return f"rank 0 (node a): IntegrityError: chunk {chunk} has no good copy on any tier"
 
 
-@pytest.mark.parametrize("damage", [_lose_a_part, _garble_a_part, _damage_a_chunk],
-                         ids=["no-node-holds-the-part", "the-peer-sends-a-bad-part", "the-peer-holds-a-bad-chunk"])
-def test_a_lost_node_restored_from_a_bad_peer_copy_fails_every_rank_alike(tmp_path: Path, damage: Any) -> None:
+def test_a_lost_node_restored_from_a_bad_peer_copy_fails_every_rank_alike(tmp_path: Path) -> None:
     """Node b is lost, there is no S3, and node a's peer copy of b's part is gone or damaged.
 
     Every rank fails the restore with the same error, naming the rank that found the fault, in
-    the phase where the copy is needed (offer, delivered, done): none waits for the timeout.
+    the phase where the copy is needed: the part no node holds (``offer``), a bad part sent by the
+    peer (``delivered``), a damaged chunk the peer reads for the needer (``done``). None waits for
+    the group's timeout.
     """
     env = node_env(tmp_path, ["a", "b"])
     work = tmp_path / "work"
@@ -417,10 +417,16 @@ def test_a_lost_node_restored_from_a_bad_peer_copy_fails_every_rank_alike(tmp_pa
     assert run_ranks("nodes_save", 2, work, config, env=env) == [0, 0]
     vid = rank_out(work, 0)["v2_levels"]["local"]
     shutil.rmtree(tmp_path / "disk-b")
-    want = damage(tmp_path / "disk-a", vid)
-    assert run_ranks("nodes_restore_fails", 2, work, config, env=env, opts={"timeout": 60}) == [0, 0]
-    outs = [rank_out(work, r) for r in range(2)]
-    assert outs[0]["error"] == outs[1]["error"], outs
-    name, message = outs[0]["error"]
-    assert name == "IntegrityError" and message.startswith(f"the group's restore of 'main' failed: {want}"), message
-    assert all(o["seconds"] < 30 for o in outs), outs  # learnt in that phase, not at the 60 s timeout
+    saved = tmp_path / "disk-a-saved"
+    shutil.copytree(tmp_path / "disk-a", saved)
+    for damage in (_lose_a_part, _garble_a_part, _damage_a_chunk):
+        shutil.rmtree(tmp_path / "disk-a")
+        shutil.copytree(saved, tmp_path / "disk-a")
+        want = damage(tmp_path / "disk-a", vid)
+        assert run_ranks("nodes_restore_fails", 2, work, config, env=env, opts={"timeout": 60}) == [0, 0]
+        outs = [rank_out(work, r) for r in range(2)]
+        assert outs[0]["error"] == outs[1]["error"], (damage.__name__, outs)
+        name, message = outs[0]["error"]
+        assert name == "IntegrityError" and message.startswith(f"the group's restore of 'main' failed: {want}"), message
+        assert all(o["seconds"] < 30 for o in outs), outs  # learnt in that phase, not at the 60 s timeout
+        shutil.rmtree(tmp_path / "disk-b", ignore_errors=True)  # the failed restore made a fresh one
