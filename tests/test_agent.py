@@ -27,7 +27,7 @@ from tiercache.agent import naming
 from tiercache.agent.client import call
 from tiercache.cli import app
 from tiercache.config import load_config
-from tiercache.errors import AgentUnavailableError
+from tiercache.errors import AgentUnavailableError, StorageError
 from tiercache.ui import views
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -224,6 +224,31 @@ def test_no_agent_and_start_never_saves_in_process(tmp_path: Path, sock_dir: Pat
         assert type(cache.engine).__name__ == "Engine"
         _assert_state(cache.restore("main"), 2)
     assert not (sock_dir / "a.sock").exists()
+
+
+def test_a_write_the_agent_fails_reaches_the_trainer_after_the_version(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent's disk refuses the first version: its trainer learns that level's error, in order."""
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=raise@1"})
+    cache = tiercache.open(cfg)
+    try:
+        bad = cache.save(state_for(1), step=1)
+        assert bad.wait("staged") == bad.version
+        with pytest.raises(StorageError, match=r"^failpoint disk\.after_tmp_write fired"):
+            bad.wait("local", timeout=60)
+        good = cache.save(state_for(2), step=2)
+        assert good.wait("local", timeout=60) == good.version
+        # This process saw the manifest before the levels: node RAM holds both, the disk only the second.
+        tiers = {v.id: v.tiers for v in cache.versions()}
+        assert "ram" in tiers[bad.version] and "disk" not in tiers[bad.version]
+        assert {"ram", "disk"} <= set(tiers[good.version])
+    finally:
+        with pytest.raises(StorageError, match=r"^failpoint disk\.after_tmp_write fired"):
+            cache.close()  # the lost version is reported, as in process
+    with tiercache.open(without_agent(cfg)) as cache:
+        _assert_state(cache.restore(good.version, resume=False), 2)
 
 
 # ------------------------------------------------------------------------ the agent crashing

@@ -614,3 +614,30 @@ def test_chunks_written_before_their_hash_hold_a_bounded_number_of_open_files(
     assert most[0] <= 2 + 2  # _EARLY_AHEAD + io threads (16 open at once without the bound)
     for k, v in state.items():
         assert torch.equal(got[k], v)
+
+
+def test_a_version_whose_placement_fails_settles_its_manifest_future(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever waits for a version's manifest (the node agent, a group) learns why it never came."""
+    boom = StorageError("injected: the policy broke")
+    asked, go = threading.Event(), threading.Event()
+
+    def broken(*args: object) -> None:
+        asked.set()
+        go.wait(10)
+        raise boom
+
+    cache = tiercache.open({"ram": {"capacity": "8MiB"}, "disk": {"path": str(tmp_path / "d")},
+                            "policy": {"name": "write-through"}})
+    engine = cache.engine
+    monkeypatch.setattr(engine.placement.policy, "place", broken)
+    h = cache.save(_state(), step=1)
+    assert asked.wait(10)
+    manifest = engine.published(h.version)
+    assert manifest is not None and not manifest.done()
+    go.set()
+    assert manifest.exception(timeout=10) is boom
+    with pytest.raises(StorageError, match="injected: the policy broke"):
+        h.wait("local", timeout=10)
+    with pytest.raises(StorageError, match="injected: the policy broke"):  # the lost version, reported
+        cache.close()

@@ -77,9 +77,10 @@ class Tracked:
     base: RefRecord | None
     owner: int
     handle: SaveHandle
-    #: Set once the manifest went out (or never will): level events that name it wait until then.
+    #: Set once the manifest went out (or never will): level events wait until then, so every
+    #: client hears of a version in order (the manifest, then its levels as they happened).
     published: bool = False
-    #: Successful level events that came before the manifest, sent right after it.
+    #: Level events that came before the manifest, sent right after it.
     held: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -273,13 +274,14 @@ class Requests:
                                  name="tiercache-agent-settle").start()
 
     def _send_level(self, t: Tracked, event: dict[str, Any]) -> None:
-        """Broadcast a level event; a successful one before the manifest waits for it.
+        """Broadcast a level event; one that comes before the manifest waits for it.
 
         Never blocks: ``staged`` is reached inside the publish request, long before the version
-        is hashed and its manifest exists, and the trainer waits for that request's answer.
+        is hashed and its manifest exists, and the trainer waits for that request's answer. The
+        engine settles ``published`` on every path (the manifest, or the error that stopped it).
         """
         with t.lock:
-            if event["ok"] and not t.published:
+            if not t.published:
                 t.held.append(event)
                 return
             self.broadcast(event)

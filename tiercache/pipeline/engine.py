@@ -636,6 +636,8 @@ class Engine:
     def _fail_staging(self, job: Job, err: BaseException) -> None:
         """Fail a version whose placement or hashing failed: nothing of it can be written."""
         log.error("saving version %s failed: %s", job.version_id, err)
+        if not job.published.done():  # it never will be: whoever waits for the manifest learns why
+            job.published.set_exception(err)
         for lvl in LEVELS if job.copy_error is not None else LEVELS[1:]:
             self._level(job, lvl).fail_unless_settled(err)  # some failed at once (no such tier)
         # A multi-rank version's error reaches every rank through the group's handle instead.
