@@ -29,7 +29,7 @@ from _agent import shm_place
 import tiercache
 from tiercache import errors
 from tiercache.agent import naming
-from tiercache.agent.arena import SharedArena, map_in, map_shared, sweep
+from tiercache.agent.arena import SharedArena, map_shared, sweep
 from tiercache.agent.lifecycle import cgroup_memory_limit, check_environment
 from tiercache.agent.protocol import Connection, ProtocolError, error_from_wire, error_to_wire
 from tiercache.agent.saver import pin_mapping
@@ -38,6 +38,7 @@ from tiercache.format import flatten
 from tiercache.layout import plan_layout
 from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.job import StagedVersion
+from tiercache.tiers.ram import map_in
 
 
 @pytest.fixture

@@ -150,25 +150,6 @@ def sweep(shm_dir: Path, *, uid: int | None = None, boot: str | None = None) -> 
     return gone
 
 
-# Linux's MADV_POPULATE_READ (5.14+); Python 3.11's mmap module does not name it.
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
-
-def map_in(mapping: mmap.mmap) -> None:
-    """Build this process's page tables for a mapping of an arena the agent already faulted in.
-
-    A read populate is enough and about 3x faster than a write populate (5 GB: 0.36 s against
-    1.1-1.4 s on the bench VM): the pages exist, and a tmpfs page in a shared writable mapping is
-    mapped writable on a read fault (tmpfs asks for no write notification), so later copies into
-    it fault no more than after a write populate, which would dirty every page again.
-    """
-    try:
-        mapping.madvise(_MADV_POPULATE_READ)
-    except OSError:
-        # Kernels before 5.14 refuse the advice: read one byte per page instead.
-        mapping[:: mmap.PAGESIZE]
-
-
 def map_shared(fd: int, size: int) -> mmap.mmap:
     """Map the arena whose descriptor came over the agent's socket (the trainer side); closes ``fd``.
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache.agent import naming
-from tiercache.agent.arena import map_in, map_shared
+from tiercache.agent.arena import map_shared
 from tiercache.agent.protocol import PROTOCOL_VERSION, Connection, ProtocolError, error_from_wire
 from tiercache.config import AgentConfig, CacheConfig
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
@@ -38,7 +38,7 @@ from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import RefRecord, Version
 from tiercache.names import CHUNKS, check_key
 from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
-from tiercache.tiers.ram import copy_bytes
+from tiercache.tiers.ram import copy_bytes, map_in
 
 if TYPE_CHECKING:
     from tiercache.repo import Repo

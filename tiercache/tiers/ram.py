@@ -43,7 +43,8 @@ ALIGN = 4096
 SMALL_OBJECT_BYTES = 4096
 _ARENA_PREFIX = "chunks/"
 
-# Linux's MADV_POPULATE_WRITE (5.14+); Python 3.11's mmap module does not name it.
+# Linux's MADV_POPULATE_READ and _WRITE (5.14+); Python 3.11's mmap module does not name them.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -120,6 +121,22 @@ def prefault(mapping: mmap.mmap) -> None:
         # Kernels before 5.14 refuse the advice: write one zero byte per page instead (only ever
         # done to memory nothing has been written to yet).
         mapping[:: mmap.PAGESIZE] = bytes(len(range(0, len(mapping), mmap.PAGESIZE)))
+
+
+def map_in(mapping: mmap.mmap) -> None:
+    """Build this process's page tables for a shared mapping whose pages exist already.
+
+    A read populate is enough and about 3x faster than :func:`prefault`'s write populate (5 GB:
+    0.36 s against 1.1-1.4 s on the bench VM): the owner (the node agent) faulted the pages in, and
+    a tmpfs page in a shared writable mapping is mapped writable on a read fault (tmpfs asks for no
+    write notification), so later copies into it fault no more than after a write populate, which
+    would dirty every page again.
+    """
+    try:
+        mapping.madvise(_MADV_POPULATE_READ)
+    except OSError:
+        # Kernels before 5.14 refuse the advice: read one byte per page instead.
+        mapping[:: mmap.PAGESIZE]
 
 
 def _round_up(n: int) -> int:
