@@ -55,6 +55,25 @@ def test_a_stale_writer_gets_conflict_and_its_retry_lands_on_the_new_head(tmp_pa
         assert torch.equal(c.restore("main")["x"], torch.full((4,), 3.0))
 
 
+def test_a_head_read_before_a_save_never_moves_the_branch_back(tmp_path: Path) -> None:
+    """What catch-up does when a save overtakes it: it read the head, copied it, then writes its ref.
+
+    The head it read (another process's move, never one of this process's) is older than the
+    save this process made meanwhile: writing it must leave the newer head where it is.
+    """
+    with tiercache.open(_cfg(tmp_path)) as a:
+        a.save({"x": torch.zeros(4)}, step=0).wait("local")
+    with tiercache.open(_cfg(tmp_path)) as b:
+        cat = b.catalog
+        read = cat.ref("branch", "main")  # catch-up takes its snapshot of the heads
+        assert read is not None
+        newer = b.save({"x": torch.ones(4)}, step=1)
+        assert newer.wait("local") == newer.version  # the save overtakes it
+        assert cat.write_ref("disk", read) is False  # left alone, as a rollback's overtaken move is
+        assert b.resolve("main") == newer.version
+    assert _history(tmp_path, "main")[0] == newer.version
+
+
 def test_own_rollback_overtaking_an_own_pending_save_is_not_a_conflict(tmp_path: Path) -> None:
     with tiercache.open(_cfg(tmp_path)) as cache:
         first = cache.save({"x": torch.zeros(4)}, step=0)

@@ -666,7 +666,12 @@ class Catalog:
         with self._lock:
             lock = self._ref_locks.setdefault(lk, threading.Lock())
             if record not in self._moves:
-                self._moves[record] = self._refs.get((record.kind, record.name))
+                view = self._refs.get((record.kind, record.name))
+                # A head read earlier (catch-up re-asserting it after a copy) is based on this
+                # process's view only while that view is not newer: a save or rollback that
+                # overtook it must not be undone by it.
+                stale = view is not None and view != record and view.seq > record.seq
+                self._moves[record] = None if stale else view
         t = self._tiers[tier]
         with lock:
             token, cur = self._tokens.get(lk, (None, None))
