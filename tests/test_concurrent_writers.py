@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import tiercache
+from tiercache.config import S3Config
 from tiercache.errors import ConflictError
+from tiercache.manifest import RefRecord, new_version_id
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _crash_child import ForkServer  # the child script lives next to the tests
@@ -72,6 +74,32 @@ def test_a_head_read_before_a_save_never_moves_the_branch_back(tmp_path: Path) -
         assert cat.write_ref("disk", read) is False  # left alone, as a rollback's overtaken move is
         assert b.resolve("main") == newer.version
     assert _history(tmp_path, "main")[0] == newer.version
+
+
+def test_a_head_read_before_a_save_still_brings_a_lagging_tier_forward(tmp_path: Path, s3_config: S3Config) -> None:
+    """Catch-up's copy of an older head reaches a tier that lags behind it even after a save overtook it."""
+    s3 = s3_config.model_dump(mode="json")
+    both = {**_cfg(tmp_path), "s3": s3}
+    with tiercache.open(both) as a:
+        first = a.save({"x": torch.zeros(4)}, step=0)
+        assert first.wait("remote") == first.version
+    with tiercache.open(_cfg(tmp_path)) as a:  # S3 misses this one: it lags behind the disk
+        second = a.save({"x": torch.ones(4)}, step=1)
+        assert second.wait("local") == second.version
+    with tiercache.open(both) as b:
+        cat = b.catalog
+        read = cat.ref("branch", "main")
+        assert read is not None and read.version == second.version
+        # A save of this process moves the branch on (noted, not yet written anywhere)...
+        ahead = RefRecord(kind="branch", name="main", version=new_version_id(), seq=read.seq + 1)
+        cat.note_move(ahead, read)
+        # ...and catch-up, done copying, writes the head it read: S3 comes forward, the view stays.
+        assert cat.write_ref("s3", read) is True
+        assert cat.ref("branch", "main") == ahead
+        assert cat.ref_on("s3", "branch", "main") == read
+        # The save's own commit there replaces it in turn: it was based on that head.
+        assert cat.write_ref("s3", ahead) is True
+        assert cat.ref_on("s3", "branch", "main") == ahead
 
 
 def test_own_rollback_overtaking_an_own_pending_save_is_not_a_conflict(tmp_path: Path) -> None:

@@ -667,11 +667,12 @@ class Catalog:
             lock = self._ref_locks.setdefault(lk, threading.Lock())
             if record not in self._moves:
                 view = self._refs.get((record.kind, record.name))
-                # A head read earlier (catch-up re-asserting it after a copy) is based on this
-                # process's view only while that view is not newer: a save or rollback that
-                # overtook it must not be undone by it.
-                stale = view is not None and view != record and view.seq > record.seq
-                self._moves[record] = None if stale else view
+                # A head read earlier (catch-up re-asserting it after its copy) is based on this
+                # process's view only while that view is not newer. Once a save or rollback of
+                # this process overtook it, it is based on itself: it may still bring a lagging
+                # tier forward, never replace that newer move there.
+                stale = view is not None and view.seq > record.seq
+                self._moves[record] = record if stale else view
         t = self._tiers[tier]
         with lock:
             token, cur = self._tokens.get(lk, (None, None))
