@@ -75,13 +75,15 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
             if step == 4:
                 relay.mode = mode  # type: ignore[assignment]
             handles.append(cache.save(_state(step), step=step))  # never raises
-            handles[-1].wait("local")  # every version is local: before, during and after the outage
+            # Every version saved during the outage is local. (Before it, the default policy may
+            # send one RAM -> S3 directly when the loaded machine measures the disk slower.)
+            handles[-1].wait("local" if step >= 4 else "durable")
             cache.flush()  # each version settled before the next: the one it supersedes is known
             if step < 4:
                 assert handles[-1].wait("remote") == handles[-1].version
         assert cache.stats()["errors"]["lost_versions"] == 0
         assert cache.stats()["tiers"]["s3"]["available"] is False
-        for h in handles:
+        for h in handles[3:]:
             assert h.wait("local") == h.wait("durable") == h.version
         # While S3 is down, the head's remote level waits (catch-up will upload it); every older
         # version saved meanwhile was superseded by the next one, which catch-up copies instead.
