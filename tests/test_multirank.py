@@ -289,14 +289,22 @@ def test_merge_refuses_parts_that_do_not_add_up_to_the_group_manifest() -> None:
 def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles_first() -> None:
     # Each rank settles its tiers in the order their phases finish, which differs between ranks;
     # the durable error must not, or the ranks report different errors for one version.
-    view = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None})), nodes=())
-    rnd = Round(view, "v", RefRecord(kind="branch", name="main", version="v", seq=0), step=1,  # type: ignore[arg-type]
+    # The version leaves its branch in this process's view before anyone hears durable failed:
+    # a trainer reading the head right after wait("durable") raised must not find it there.
+    retracted: list[tuple[RefRecord, bool]] = []
+    catalog = SimpleNamespace(retract=lambda rec: retracted.append((rec, rnd.futures["durable"].done())))
+    view = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None}),
+                                                 catalog=catalog), nodes=())
+    ref = RefRecord(kind="branch", name="main", version="v", seq=0)
+    rnd = Round(view, "v", ref, step=1,  # type: ignore[arg-type]
                 parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
     on_disk, on_s3 = GroupSaveError("failed on disk"), GroupSaveError("failed on s3")
     rnd.settle("s3", on_s3)
+    assert retracted == []  # the disk may still commit it
     rnd.settle("disk", on_disk)
     assert rnd.futures["durable"].exception() is on_disk
     assert rnd.futures["remote"].exception() is on_s3 and rnd.futures["local"].exception() is on_disk
+    assert retracted == [(ref, False)]
 
 
 def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:

@@ -24,7 +24,9 @@ hash its share (or did not stage the version at all) still answers it, with its 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat
@@ -72,10 +74,23 @@ class Split:
         self.theirs = [i for i in range(total) if owners.get(i, rank) != rank]
         #: Once traded: the id of every shared chunk -> the rank that hashed (and so writes) it.
         self.hashed_by: dict[str, int] = {}
+        self._traded: Future[dict[int, str]] | None = None
+        self._lock = threading.Lock()
 
     def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Trade the ids of the shared chunks; raise the group's error if some rank failed to hash its share."""
-        return trade(self._channel, self._vid, self, ids)
+        """Trade the ids of the shared chunks; raise the group's error if some rank failed to hash its share.
+
+        Traded once per version: a second call (this process hashing the version again after its
+        node agent was lost) gets the first one's outcome.
+        """
+        with self._lock:
+            first, self._traded = self._traded is None, self._traded or Future()
+        if first:
+            try:
+                self._traded.set_result(trade(self._channel, self._vid, self, ids))
+            except BaseException as e:
+                self._traded.set_exception(e)
+        return self._traded.result()
 
 
 def trade(channel: Channel, vid: str, split: Split | None, ids: dict[int, str] | None,

@@ -12,9 +12,10 @@ settle the round's futures: one per durability level, the same outcome on every 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Collection
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,22 +103,34 @@ class Round:
         """See :meth:`tiercache.pipeline.job.Committer.split_hashing`."""
         if not self.trade:
             return None
-        self.split = self.view.hashing.split(self.view.hash_channel, self.vid, layout, paths, self.declared)
+        if self.split is None:  # asked again by this process's engine after the node agent was lost
+            self.split = self.view.hashing.split(self.view.hash_channel, self.vid, layout, paths, self.declared)
         return self.split
 
     def owned(self, tier: str) -> Collection[str]:
         """See :meth:`tiercache.pipeline.job.Committer.owned` (waits for the group's ``parts`` phase)."""
         return self.owners[tier].result()
 
-    def commit(self, tier: str, manifest: Version) -> None:
-        """See :meth:`tiercache.pipeline.job.Committer.commit`: write this rank's part, wait for the group."""
+    @property
+    def rank(self) -> int:
+        """This rank (see :attr:`tiercache.pipeline.job.Committer.rank`)."""
+        return self.view.rank
+
+    def commit(self, tier: str, manifest: Version) -> Future[None]:
+        """See :meth:`tiercache.pipeline.job.Committer.commit`: write this rank's part; the group's verdict.
+
+        A second call for a tier (a node agent was lost after handing the part over, and this
+        process wrote it again) writes the part again and reports nothing twice.
+        """
         try:
             self.view.cache.repo.put_part(tier, part_of(manifest, self.view.rank))
         except BaseException as e:
-            self.ready[tier].set_exception(e)
+            with contextlib.suppress(InvalidStateError):
+                self.ready[tier].set_exception(e)
             raise
-        self.ready[tier].set_result(None)
-        self.outcome[tier].result()
+        with contextlib.suppress(InvalidStateError):
+            self.ready[tier].set_result(None)
+        return self.outcome[tier]
 
     def hashed_by(self) -> dict[str, int]:
         """Replicated chunk id -> the rank that hashed it (empty if the ranks did not split hashing)."""
@@ -187,6 +200,9 @@ class Round:
             if err is None:
                 durable.set_result(self.vid)
             elif done:
+                # A version the group failed everywhere is no branch head in this process's view,
+                # before anyone waiting for the level hears of it.
+                self.view.cache.catalog.retract(self.ref)
                 # The first failed tier in tier order, not in the order they settled here, so
                 # every rank reports the same error.
                 durable.set_exception(next(e for t in self.outcome if (e := self._settled[t]) is not None))

@@ -117,12 +117,16 @@ class Engine:
         self.catchup = CatchUp(self)
         self.health.set_on_up(self.catchup.request)
         self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
-        #: Names each staged chunk and publishes the manifest (on the ``tiercache-hash`` thread).
+        #: Names each staged chunk and publishes the manifest (on a ``tiercache-hash`` thread).
         self.hasher = Hasher(config, repo, self.ramcache, self.jobs, wait_for_copy=self._stager.saturates)
         nice = config.background_nice
-        self._hash_thread = ThreadPoolExecutor(
-            1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority, initargs=(nice,)
-        )
+        # One hashing thread per rank whose versions this engine hashes: a process's own versions
+        # (and its part of each multi-rank version) go through one, in save order. A node agent
+        # hashes the parts of several ranks of one version side by side, as their own processes
+        # would: one rank's trade of ids with the others (tiercache.group.hashing) waits for
+        # another rank's part, which must not be queued behind it.
+        self._hash_lanes: dict[int, ThreadPoolExecutor] = {}
+        self._lanes_lock = threading.Lock()
         # Names chunks written before their hash (see TierWriter): these tasks wait for hashes,
         # so they get threads of their own rather than holding up the writers.
         self.finisher = ThreadPoolExecutor(
@@ -213,13 +217,15 @@ class Engine:
             pending.add_done_callback(lambda f: self._copied_later(job, f))
         return self._report_earlier(SaveHandle(vid, futures))
 
-    def adopt(self, staged: StagedVersion, layout: Layout, regions: list[Region]) -> SaveHandle:
+    def adopt(self, staged: StagedVersion, layout: Layout, regions: list[Region],
+              committer: Committer | None = None) -> SaveHandle:
         """Start writing a version another process already copied into regions of this engine's arena.
 
         The entry point of the node agent (:mod:`tiercache.agent.server`): a trainer reserved
         ``regions`` (:meth:`reserve`), copied its state into them as :meth:`stage` would, and
         handed over ``staged``; from here on the version goes through the same pipeline as one
-        staged in process. The regions belong to the version from now on.
+        staged in process. The regions belong to the version from now on. ``committer``: one
+        rank's part of a multi-rank version, which the group commits (see :meth:`stage`).
 
         Returns:
             The version's handle (``staged`` is reached already).
@@ -231,7 +237,7 @@ class Engine:
             raise CacheClosedError("the cache is closed: open a new one to save")
         flat = Flat(staged.tree, [], list(staged.metas), staged.pickled, structure_key=None)
         job = self._new_job(staged.version_id, staged.branch, staged.step, staged.seq, staged.parent, staged.meta,
-                            staged.created_at, flat, layout, None)
+                            staged.created_at, flat, layout, committer)
         self._start_catch_up()
         for e in self._launch(job, regions):
             e.set()
@@ -269,8 +275,18 @@ class Engine:
             job.futures[lvl].set_exception(err)
         self.repo.leases.open(job.version_id, job.parent)
         self.jobs.add(job)
-        self._hash_thread.submit(self._after_stage, job)
+        self._lane(job.committer.rank if job.committer is not None else 0).submit(self._after_stage, job)
         return job.copied
+
+    def _lane(self, rank: int) -> ThreadPoolExecutor:
+        """The hashing thread of ``rank``'s versions (made on first use)."""
+        with self._lanes_lock:
+            lane = self._hash_lanes.get(rank)
+            if lane is None:
+                lane = self._hash_lanes[rank] = ThreadPoolExecutor(
+                    1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority,
+                    initargs=(self.config.background_nice,))
+            return lane
 
     def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
         """Apply ``engine.on_error`` to versions lost earlier, now that ``handle``'s version is staged.
@@ -505,8 +521,12 @@ class Engine:
         self._level(job, "durable").reach()  # the first tier to commit decides it
         self._done_with(job, name)
 
-    def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False) -> None:
-        """Record that writing ``job`` to tier ``name`` failed; an outage marks the tier down."""
+    def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False, group: bool = False) -> None:
+        """Record that writing ``job`` to tier ``name`` failed; an outage marks the tier down.
+
+        ``group``: the error is the group's verdict on a multi-rank version (another rank's
+        failure, or the trainer of a part that went away), which says nothing of this tier.
+        """
         with self.jobs.lock:
             job.failed[name] = err
             self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
@@ -514,7 +534,7 @@ class Engine:
         # A remote tier's outage may leave the level waiting for its catch-up: settle decides.
         if lvl and not self.catchup.defers(name, job, err):
             self._level(job, lvl).fail_unless_settled(err)  # a staging failure may have failed it first
-        if is_outage(err):
+        if is_outage(err) and not group:
             self.health.mark_down(name, err)  # logged once per outage
         elif not quiet:
             log.warning("writing version %s to %s failed: %s", job.version_id, name, err)
@@ -675,7 +695,10 @@ class Engine:
     def wait_published(self) -> None:
         """Block until every staged version's manifest is in the catalog (hashing is quick)."""
         if not self._closed:
-            self._hash_thread.submit(lambda: None).result()
+            with self._lanes_lock:
+                lanes = list(self._hash_lanes.values())
+            for lane in lanes:
+                lane.submit(lambda: None).result()
 
     def pending_jobs(self) -> list[str]:
         """Ids of versions still being written."""
@@ -790,7 +813,10 @@ class Engine:
         for writer in self._writers.values():
             writer.close()
         self.finisher.shutdown()
-        self._hash_thread.shutdown()
+        with self._lanes_lock:
+            lanes = list(self._hash_lanes.values())
+        for lane in lanes:
+            lane.shutdown()
         self._stager.close()
         self.ramcache.close()
         lost = self.take_losses()

@@ -1,6 +1,7 @@
 """The hasher: names each staged chunk by the hash of its bytes and publishes the version's manifest.
 
-It runs on the engine's one ``tiercache-hash`` thread, chunk by chunk as each is copied (unless
+It runs on a ``tiercache-hash`` thread of the engine (one per rank whose versions it hashes:
+one in a trainer, one per local rank in a node agent), chunk by chunk as each is copied (unless
 the copy keeps every core busy: then after the whole copy). Naming a chunk writes its header in
 place in the arena and hands the region to the RAM tier (:mod:`tiercache.pipeline.ramcache`),
 which completes the chunk's ``ready`` future: the writers start on it from there.
@@ -28,7 +29,7 @@ from tiercache.tiers.ram import Region
 
 
 class Hasher:
-    """Names the chunks of each version and publishes its manifest (one thread calls :meth:`run`).
+    """Names the chunks of each version and publishes its manifest (one thread per rank calls :meth:`run`).
 
     Args:
         config: The cache config (its hash algorithm).

@@ -36,20 +36,30 @@ class Committer(Protocol):
     """Commits one version for a group of processes in place of the engine (multi-rank saves).
 
     A tier's writer thread calls :meth:`owned` before writing the version's chunks and
-    :meth:`commit` once the chunks it wrote are durable with their names synced; the engine then
-    completes that level. Both may block while the group agrees, and raise to fail the level.
-    The hasher thread calls :meth:`split_hashing` once per version, before naming its first chunk.
+    :meth:`commit` once the chunks it wrote are durable with their names synced; the engine
+    completes that level when the future :meth:`commit` returns resolves. ``owned`` may block
+    while the group agrees; ``commit`` must not wait for the group's verdict: one engine may write
+    the parts of several processes (a node agent), and the group's verdict on one part waits for
+    the others. The hasher thread calls :meth:`split_hashing` once per version, before naming its
+    first chunk.
+
+    Attributes:
+        rank: Which part of the group's version this is (the process's rank in the group).
     """
+
+    rank: int
 
     def owned(self, tier: str) -> Collection[str]:
         """Ids of the version's chunks this process writes to ``tier`` (the others write the rest)."""
         ...
 
-    def commit(self, tier: str, manifest: Version) -> None:
-        """Hand this process's part (``manifest``) to the group; return once it committed the version on ``tier``.
+    def commit(self, tier: str, manifest: Version) -> Future[None]:
+        """Hand this process's part (``manifest``) to the group; the future resolves once it committed it on ``tier``.
+
+        The future fails with the group's error (the same on every process) if the group did not.
 
         Raises:
-            TierCacheError: If the group did not commit it there (the same error on every process).
+            TierCacheError: If the part could not be handed over (its manifest not written).
         """
         ...
 

@@ -123,7 +123,14 @@ class TierWriter:
             eng.placement.skip_tier(name, job, plan.reason or "policy decision", writing=True)
             return
         # A multi-rank version: write only the chunks the group gave this rank (waits for the group).
-        mine = job.committer.owned(name) if job.committer is not None else None
+        mine = None
+        if job.committer is not None:
+            try:
+                mine = job.committer.owned(name)
+            except BaseException as e:  # the group failed the version: nothing was tried here
+                eng.repo.release(job.version_id, name)
+                eng.fail_tier(name, job, e, group=True)
+                return
         written: set[str] = set()
         spans = self._put_chunks(job, plan.codec, mine, written)
         t_commit = time.perf_counter()
@@ -134,9 +141,10 @@ class TierWriter:
         eng.repo.stored(name, written)
         if job.committer is not None:
             eng.repo.sync_chunks(name, written)  # before the group commits a manifest naming them
-            job.committer.commit(name, job.published.result())
-            eng.repo.release(job.version_id, name)
-            eng.tier_done(name, job)
+            verdict = job.committer.commit(name, job.published.result())
+            # The next version goes on meanwhile (in a node agent: maybe another rank's part of
+            # this one, which the group's verdict waits for).
+            verdict.add_done_callback(lambda f: self._group_verdict(job, f))
             return
         manifest = eng.final_manifest(job)
         rec = RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq)
@@ -153,6 +161,16 @@ class TierWriter:
         eng.meter.record(name, "write", len(manifest.to_json()), time.perf_counter() - t_commit,
                          requests=COMMIT_REQUESTS)
         eng.tier_done(name, job)
+
+    def _group_verdict(self, job: Job, verdict: Future[None]) -> None:
+        """The group committed (or failed) a multi-rank version on this tier: complete its level."""
+        eng = self.engine
+        eng.repo.release(job.version_id, self.name)
+        err = verdict.exception()
+        if err is None:
+            eng.tier_done(self.name, job)
+        else:
+            eng.fail_tier(self.name, job, err, group=True)
 
     def _put_chunks(
         self, job: Job, codec: str, mine: Collection[str] | None, written: set[str]
