@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from _multirank_worker import _levels, _restore, node_state
+from _multirank_worker import _error, _levels, _record_chunk_puts, _restore, node_state
 
 import tiercache
+from tiercache import failpoints
 
 
 def scenario_save_and_die(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
@@ -44,4 +45,85 @@ def scenario_restore(cache: tiercache.TierCache, rank: int, world: int, out: dic
     _restore(cache, "main", node_state(rank, 2), out, "restored")
 
 
-SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore}
+def _through_agent(cache: tiercache.TierCache) -> bool:
+    """Whether this trainer saved only through its node's agent (it never made an engine of its own)."""
+    engine = cache.engine
+    return type(engine).__name__ == "AgentSaver" and engine.local is None  # type: ignore[attr-defined]
+
+
+def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                            work: Path) -> None:
+    """Save two versions over the group, each rank's part through its node's agent; restore both."""
+    group = dist.group.WORLD
+    puts: list[str] = []
+    _record_chunk_puts(cache, puts)  # chunk writes this trainer makes itself (none: the agent makes them)
+    handles = [cache.save(node_state(rank, s), step=s, group=group, replicated=["emb"]) for s in (1, 2)]
+    out["levels"] = [_levels(h) for h in handles]
+    cache.flush()
+    rounds = [cache.distributed().round(h.version) for h in handles]  # type: ignore[attr-defined]
+    # Chunks of "emb" (the same on every rank) this rank's agent hashed itself, per version.
+    out["hashed_by"] = [sorted(set(r.hashed_by().values())) if r is not None else None for r in rounds]
+    out["through_agent"] = _through_agent(cache)
+    out["trainer_chunk_puts"] = len(puts)
+    _restore(cache, "main", node_state(rank, 2), out, "restored")
+    _restore(cache, handles[0].version, node_state(rank, 1), out, "v1")
+    agent = cache.agent
+    assert agent is not None
+    stats = agent.request("stats")
+    out["agent_levels"] = stats["levels"]
+    out["agent_tracked"] = stats["tracked"]
+
+
+def scenario_dies_at_write(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                           work: Path) -> None:
+    """The last rank's trainer dies once its part is written, before the group commits it."""
+    if rank == world - 1:
+        failpoints.configure("group.write=kill@1")
+    handle = cache.save(node_state(rank, 1), step=1, group=dist.group.WORLD)
+    out["v"] = handle.version
+    out["levels"] = _levels(handle)
+
+
+def scenario_agent_dies(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                        work: Path) -> None:
+    """The node's agent dies while it writes the parts (a failpoint in it): the ranks finish them, then save on."""
+    group = dist.group.WORLD
+    h1 = cache.save(node_state(rank, 1), step=1, group=group)
+    out["v1"] = _levels(h1)
+    h2 = cache.save(node_state(rank, 2), step=2, group=group)
+    out["v2"] = _levels(h2)
+    out["agent_lost"] = cache.agent is None
+    out["through_agent"] = _through_agent(cache)
+    _restore(cache, "main", node_state(rank, 2), out, "restored")
+    _restore(cache, h1.version, node_state(rank, 1), out, "v1")
+    out["head_error"] = _error(lambda: cache.resolve("main"))
+
+
+def scenario_orphan(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Version 1 is committed; version 2 is in node RAM on every rank when every trainer dies, uncommitted."""
+    group = dist.group.WORLD
+    out["v1"] = cache.save(node_state(rank, 1), step=1, group=group).wait("durable")
+    failpoints.configure("group.write=sleep:60")  # the group's commit of what comes next never comes
+    h2 = cache.save(node_state(rank, 2), step=2, group=group, meta={"loss": 0.5})
+    out["v2"] = h2.version
+    published = cache.engine.published(h2.version)
+    assert published is not None
+    out["v2_part_chunks"] = len(published.result(60).chunks)  # the agent hashed this rank's part
+    out["v2_committed"] = h2.done("durable")
+    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # the job dies, as when one of its ranks does
+
+
+def scenario_adopt(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """The restarted job restores its branch: the group first commits what the dead trainers left in node RAM."""
+    step = json.loads((work / "run.json").read_text()).get("step", 2)  # the step of the version left there
+    _restore(cache, "main", node_state(rank, step), out, "restored")
+    out["head"] = cache.resolve("main")
+    _restore(cache, "main", node_state(rank, step), out, "again")  # adopted once: nothing is left to adopt
+    out["head_again"] = cache.resolve("main")
+
+
+SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
+             "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
+             "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt}

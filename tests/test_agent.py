@@ -442,3 +442,164 @@ def test_a_restarted_group_restores_from_node_ram(tmp_path: Path, sock_dir: Path
         assert got["restored_equal"], f"rank {r} restored other bytes than its part of step 2"
         want = sum(t.nbytes for t in node_state(r, 2).values() if hasattr(t, "nbytes"))
         assert set(got["restored_report"]) == {"ram"} and got["restored_report"]["ram"] >= want
+
+
+def _node_agents(tmp_path: Path, agents: Any, base: dict[str, Any], nodes: list[str], ranks_per_node: int,
+                 env: dict[str, str] | None = None) -> tuple[list[Any], list[dict[str, str]]]:
+    """One agent per simulated node (its own disk, socket and arena); each rank's variables."""
+    started, per_rank = [], []
+    for name in nodes:
+        sock = short_dir()
+        cfg = {**base, "node": name, "disk": {"path": str(tmp_path / f"disk-{name}")},
+               "agent": {**base["agent"], "socket": str(sock / "a.sock")}}
+        started.append(agents(cfg, env=env))
+        per_rank += [{"TIERCACHE_NODE": name, "TIERCACHE_DISK__PATH": cfg["disk"]["path"],
+                      "TIERCACHE_AGENT__SOCKET": cfg["agent"]["socket"]}] * ranks_per_node
+    return started, per_rank
+
+
+def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, agents: Any,
+                                                s3_config: Any) -> None:
+    """Four ranks on two nodes, an agent each: the agents hash and write every part, the ranks agree."""
+    from _multirank_worker import node_state
+    from test_multirank import rank_out, run_ranks
+
+    base = {**agent_config(tmp_path, tmp_path, shm_dir=str(shm_dir), s3=s3_config.model_dump(mode="json")),
+            "ram": {"capacity": "16MiB"}, "chunk_bytes": "128KiB"}
+    _, env = _node_agents(tmp_path, agents, base, ["a", "b"], 2)
+    assert run_ranks("_agent_group_worker:through_agents", 4, tmp_path / "run", base, env=env) == [0] * 4
+    outs = [rank_out(tmp_path / "run", r) for r in range(4)]
+    for v in range(2):
+        vid = outs[0]["levels"][v]["durable"]
+        for out in outs:
+            levels = out["levels"][v]
+            assert levels["local"] == levels["remote"] == levels["durable"] == vid
+            assert levels["replicated"][0] == "ConfigError"  # no [peers] copies in this config
+    for r, out in enumerate(outs):
+        # The ranks split the hashing of the replicated "emb" (each agent hashes its ranks' shares
+        # side by side) and traded ids: every version's shared chunks were hashed by several ranks.
+        assert all(len(ranks) > 1 for ranks in out["hashed_by"]), out["hashed_by"]
+        assert out["through_agent"], f"rank {r} saved in its own process"
+        assert out["trainer_chunk_puts"] == 0, f"rank {r}'s trainer wrote chunks itself"
+        assert out["restored_equal"] and out["v1_equal"], f"rank {r} restored other bytes"
+        want = sum(t.nbytes for t in node_state(r, 2).values() if hasattr(t, "nbytes"))
+        assert set(out["restored_report"]) == {"ram"} and out["restored_report"]["ram"] >= want
+        # Two parts per agent and version, every tier reached (levels counted by the agent).
+        assert out["agent_levels"]["local:ok"] >= 4 and out["agent_levels"]["remote:ok"] >= 4
+    # The group's versions are committed on each node's disk, and whole on S3: a process with no
+    # agent and no group reads every rank's part there.
+    vids = [outs[0]["levels"][0]["durable"], outs[0]["levels"][1]["durable"]]
+    for node in ("a", "b"):
+        cfg = without_agent({**base, "node": node, "disk": {"path": str(tmp_path / f"disk-{node}")}})
+        with tiercache.open(cfg) as cache:
+            assert [v.id for v in cache.versions()] == vids
+    with tiercache.open({"s3": base["s3"], "chunk_bytes": base["chunk_bytes"]}) as cache:
+        parts = cache.restore("main")
+    assert len(parts) == 4
+    for r, part in enumerate(parts):
+        want = node_state(r, 2)
+        assert all(torch.equal(part[k], want[k]) for k in ("shard", "emb", "rng")) and part["step"] == 2
+
+
+def _wait_idle(agent_cfg: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """The agent's stats once it holds no version in flight (what it frees when its parts fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = call(load_config(agent_cfg), "stats")
+        if (stats["tracked"] == 0 and stats["in_flight"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_a_rank_that_dies_before_the_commit_fails_the_version_and_the_restart_adopts_it(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """Rank 1 dies once its part is written: rank 0 learns it, the agent waits for nothing, the restart adopts it."""
+    from _multirank_worker import node_state
+    from test_multirank import rank_out, run_ranks
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agents(cfg)
+    codes = run_ranks("_agent_group_worker:dies_at_write", 2, tmp_path / "die", cfg,
+                      opts={"broken": True, "timeout": 8})
+    assert codes == [0, -signal.SIGKILL]
+    levels = rank_out(tmp_path / "die", 0)["levels"]
+    for lvl in ("local", "durable"):
+        kind, message = levels[lvl]
+        assert kind in ("GroupBrokenError", "GroupSaveError") and "rank 1" in message, levels
+    # Both parts reached the agent; the dead trainer's failed there, the other with the group's error.
+    stats = _wait_idle(cfg)
+    assert (stats["tracked"], stats["in_flight"]) == (0, 0), stats
+    assert stats["levels"].get("durable:failed") == 2 and not stats["levels"].get("durable:ok"), stats["levels"]
+    assert stats["lost_versions"] == 0  # a part the group failed is no loss of the agent's
+    vid = rank_out(tmp_path / "die", 0)["v"]
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert cache.versions() == []  # the group committed nothing
+    # The job is restarted, as torchrun restarts it: the same agent adopts the version both parts
+    # of which it holds (one rank died, the other's group broke), and the ranks restore it.
+    assert run_ranks_agent("adopt", tmp_path / "again", cfg, opts={"step": 1}) == [0, 0]
+    for r in range(2):
+        out = rank_out(tmp_path / "again", r)
+        assert out["head"] == out["head_again"] == vid and out["restored_equal"] and out["again_equal"]
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert [v.id for v in cache.versions()] == [vid]
+        got = cache.restore("main")
+    assert all(torch.equal(got[r]["shard"], node_state(r, 1)["shard"]) for r in range(2))
+
+
+def test_the_agent_killed_mid_write_of_a_group_version_the_ranks_finish_it(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent dies while writing the ranks' parts: every rank finishes them in process, with one outcome."""
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "engine.after_chunk_write=kill@3"})
+    assert run_ranks_agent("agent_dies", tmp_path / "run", cfg) == [0, 0]
+    assert agent.proc.wait(30) == -signal.SIGKILL  # it died at the failpoint, mid-version
+    from test_multirank import rank_out
+
+    outs = [rank_out(tmp_path / "run", r) for r in range(2)]
+    for out in outs:
+        # Nothing save() returned is lost: both versions are committed, the same on every rank.
+        for key in ("v1", "v2"):
+            assert out[key]["local"] == out[key]["durable"] == outs[0][key]["durable"], out[key]
+        assert out["agent_lost"] and not out["through_agent"]
+        assert out["restored_equal"] and out["v1_equal"] and out["head_error"] is None
+
+
+def run_ranks_agent(scenario: str, work: Path, cfg: dict[str, Any], world: int = 2,
+                    opts: dict[str, Any] | None = None) -> list[int]:
+    from test_multirank import run_ranks
+
+    return run_ranks(f"_agent_group_worker:{scenario}", world, work, cfg, opts=opts)
+
+
+def test_a_restarted_group_adopts_the_version_its_dead_trainers_left_in_node_ram(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """Every trainer dies after save() returned and before the group committed: the restart commits it, once."""
+    from _multirank_worker import node_state
+    from test_multirank import rank_out
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agents(cfg)
+    from test_multirank import run_ranks
+
+    codes = run_ranks("_agent_group_worker:orphan", 2, tmp_path / "die", cfg, opts={"broken": True})
+    assert codes == [-signal.SIGKILL] * 2
+    died = [rank_out(tmp_path / "die", r) for r in range(2)]
+    v1, v2 = died[0]["v1"], died[0]["v2"]
+    assert all(d["v1"] == v1 and d["v2"] == v2 and not d["v2_committed"] and d["v2_part_chunks"] > 0 for d in died)
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert cache.resolve("main") == v1  # what the group had committed when it died
+    assert run_ranks_agent("adopt", tmp_path / "restart", cfg) == [0, 0]
+    for r in range(2):
+        out = rank_out(tmp_path / "restart", r)
+        assert out["head"] == out["head_again"] == v2, f"rank {r} restored {out['head']}, not the adopted {v2}"
+        assert out["restored_equal"] and out["again_equal"], f"rank {r} restored other bytes than its part of step 2"
+        assert set(out["restored_report"]) == {"ram"}
+    with tiercache.open(without_agent(cfg)) as cache:
+        assert [v.id for v in cache.versions()] == [v1, v2]  # committed once, with its own id
+        adopted = cache.manifest(v2)
+        assert (adopted.parent, adopted.step, adopted.meta, adopted.world) == (v1, 2, {"loss": 0.5}, 2)
+        parts = cache.restore(v2)
+    assert all(torch.equal(parts[r]["shard"], node_state(r, 2)["shard"]) for r in range(2))

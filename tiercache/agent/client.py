@@ -359,7 +359,7 @@ class AgentLink:
 
     def _follow(self, msg: Event) -> None:
         cat = self._catalog
-        if cat is None:
+        if cat is None or msg.get("part"):  # a rank's part: the group makes the version known
             return
         ev = msg.get("ev")
         vid = str(msg.get("v", ""))

@@ -21,7 +21,10 @@ map        -> ``arena`` {``size``, ``path``}, with the arena's descriptor (``fds
 structure  ``sid``, ``metas`` [[path, dtype, shape, nbytes]...], ``chunk_bytes`` -> {} (cached)
 reserve    ``sid`` -> ``rid``, ``regions`` [[offset, nbytes]...] | ``skip``: reason
 cancel     ``rid`` -> {} (a copy that failed: the regions go back)
-publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s`` -> {}
+publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s``, ``part``
+           (the rank, for a rank's part of a group version) -> {}
+answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
+orphans    ``rank`` -> ``orphans``: parts whose trainer died before its group committed them
 snapshot   -> ``versions`` (manifests in node RAM or in flight), ``moves``, ``refs``, ``pending``
 pin        ``key`` -> ``pin``, ``offset``, ``length`` | ``missing``: true
 unpin      ``pin`` -> {}
@@ -42,7 +45,9 @@ Events (agent -> every client of the cache): ``published`` {``v``, ``manifest``}
 committed a manifest other than the published one: its parent was lost), and for a ``durable``
 failure ``loss``, ``record`` (the branch move to undo) and ``head`` (the agent's view of the branch)},
 ``settled`` {``v``} (every level of it settled: nothing pending), ``ram`` {``chunks``, ``present``}
-(node RAM dropped chunks).
+(node RAM dropped chunks). Events about a rank's part of a group version go to its trainer only,
+marked ``part``, and so does ``call`` {``n``, ``v``, ``call``, ``tier``, ``ids``}: what the
+agent's engine asks the group's committer (see :mod:`tiercache.agent.committer`).
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ import itertools
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from tiercache.agent.arena import SharedArena
 from tiercache.agent.client import LAYOUT_FIELDS
+from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.protocol import (
     PROTOCOL_VERSION,
@@ -33,7 +34,13 @@ from tiercache.agent.protocol import (
 )
 from tiercache.cache import TierCache
 from tiercache.config import CacheConfig
-from tiercache.errors import AgentUnavailableError, ConflictError, InvalidArgumentError, TierCacheError
+from tiercache.errors import (
+    AgentUnavailableError,
+    ConflictError,
+    GroupBrokenError,
+    InvalidArgumentError,
+    TierCacheError,
+)
 from tiercache.format import TensorMeta
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout
@@ -43,6 +50,11 @@ from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
+
+#: How many orphaned parts the agent remembers (a restarted group adopts the newest complete one).
+_KEEP_ORPHANS = 64
+#: How long a question for orphans waits for the parts of a trainer that just died to fail.
+_ORPHAN_WAIT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -55,6 +67,11 @@ class Client:
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
     alive: bool = True
+    #: What the engine asks this trainer about the parts of group versions it published.
+    calls: Calls = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.calls = Calls(self.send)
 
     def send(self, msg: Mapping[str, Any]) -> None:
         """Send a message; a client that went away is marked dead, never an error."""
@@ -77,6 +94,14 @@ class Tracked:
     base: RefRecord | None
     owner: int
     handle: SaveHandle
+    #: The rank, for one rank's part of a group version (the group commits it through its
+    #: trainer): only that trainer hears of it, and it is no version of node RAM's until the
+    #: group commits it.
+    part: int | None = None
+    #: For a part: what a restarted group needs to adopt it (see :meth:`Requests._orphan`), and
+    #: its manifest once hashed.
+    adopt: dict[str, Any] | None = None
+    manifest: Version | None = None
     #: Set once the manifest went out (or never will): level events wait until then, so every
     #: client hears of a version in order (the manifest, then its levels as they happened).
     published: bool = False
@@ -100,6 +125,8 @@ class Requests:
     _structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]]
     _plans: PlanCache
     _tracked: dict[str, Tracked]
+    #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
+    _orphans: OrderedDict[str, dict[str, Any]]
     _levels: Counter[str]
     _restores: Counter[str]
     _restore_bytes: Counter[str]
@@ -121,6 +148,16 @@ class Requests:
             clients = list(self._clients.values())
         for c in clients:
             c.send(msg)
+
+    def _tell(self, t: Tracked, msg: Mapping[str, Any]) -> None:
+        """Send an event about a version: to every client, or about a part only to its trainer."""
+        if t.part is None:
+            self.broadcast(msg)
+            return
+        with self._lock:
+            owner = self._clients.get(t.owner)
+        if owner is not None:
+            owner.send({**msg, "part": True})
 
     def _hello(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("proto") != PROTOCOL_VERSION:
@@ -205,10 +242,21 @@ class Requests:
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         assert self.cache is not None
-        # Before the engine has it: its commit may then replace ``base`` and nothing else.
-        self.cache.catalog.note_move(record, base, msg.get("why") or "save")
-        handle = self.engine.adopt(staged, layout, regions)
-        tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle)
+        part = msg.get("part")
+        if part is None:
+            # Before the engine has it: its commit may then replace ``base`` and nothing else.
+            self.cache.catalog.note_move(record, base, msg.get("why") or "save")
+            handle = self.engine.adopt(staged, layout, regions)
+        else:  # the group moves the branch, through the trainers
+            committer = TrainerCommitter(client.calls, staged.version_id, int(part))
+            with self._lock:
+                self._orphans.pop(staged.version_id, None)  # saved again: adopted by the restarted group
+            handle = self.engine.adopt(staged, layout, regions, committer)
+        tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,
+                          part=None if part is None else int(part))
+        if part is not None:
+            tracked.adopt = {"v": staged.version_id.rsplit(".", 1)[0], "rank": int(part), "branch": staged.branch,
+                             "step": staged.step, "created_at": staged.created_at, "meta": staged.meta}
         with self._lock:
             self._tracked[staged.version_id] = tracked
         self._follow(tracked, float(msg.get("wait_s", 0.0)), staged.created_at)
@@ -226,22 +274,24 @@ class Requests:
             except TierCacheError:
                 manifest = None
             self._send_published(t, manifest)
-        if self._recorder is not None:
+        if self._recorder is not None and t.part is None:  # a part's lag is its group's (the trainers')
             self._recorder.note_save(t.handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
         for lvl in LEVELS:
             t.handle.future(lvl).add_done_callback(lambda f, lvl=lvl: self._level(t, lvl, f))  # type: ignore[misc]
 
     def _published(self, t: Tracked, f: Future[Version]) -> None:
-        self._send_published(t, f.result() if f.exception() is None else None)
+        manifest = f.result() if f.exception() is None else None
+        t.manifest = manifest
+        self._send_published(t, manifest)
 
     def _send_published(self, t: Tracked, manifest: Version | None) -> None:
         """Send the manifest (if there is one), then the level events that waited for it, in order."""
         with t.lock:
             if manifest is not None:
-                self.broadcast({"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
+                self._tell(t, {"ev": "published", "v": t.version, "manifest": manifest.to_json().decode()})
             t.published = True
             for event in t.held:
-                self.broadcast(event)
+                self._tell(t, event)
             t.held.clear()
 
     def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
@@ -254,7 +304,9 @@ class Requests:
         event: dict[str, Any] = {"ev": "level", "v": t.version, "level": level, "ok": ok, "pending": pending}
         if not ok:
             event["error"] = error_to_wire(err)  # type: ignore[arg-type]
-        if level == "durable" and not ok:
+        if level == "durable" and not ok and t.part is not None:
+            self._orphan(t, err)
+        if level == "durable" and not ok and t.part is None:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
             event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
@@ -270,8 +322,38 @@ class Requests:
             with self._lock:
                 last = self._tracked.pop(t.version, None) is not None
             if last:
-                threading.Thread(target=self._settled, args=(t.version,), daemon=True,
+                threading.Thread(target=self._settled, args=(t,), daemon=True,
                                  name="tiercache-agent-settle").start()
+
+    def _orphan(self, t: Tracked, err: BaseException | None) -> None:
+        """Keep what a restarted group needs to adopt a part that failed because a trainer died.
+
+        Only a part that was hashed whole (its chunks are in node RAM), whose own trainer is
+        gone, or whose group broke (another rank died: the job is restarted, and the version is
+        whole if every rank's part is somewhere). A part the group failed for any other reason
+        stays failed: the group's word on it stands.
+        """
+        with self._lock:
+            gone = t.owner not in self._clients or isinstance(err, GroupBrokenError)
+            if t.adopt is None or t.manifest is None or not gone or t.version in self._orphans:
+                return
+            self._orphans[t.version] = {**t.adopt, "manifest": t.manifest.to_json().decode()}
+            while len(self._orphans) > _KEEP_ORPHANS:
+                self._orphans.popitem(last=False)
+
+    def _orphans_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        rank = msg.get("rank")
+        # Parts whose trainer just died may still be failing (their writers learn it one by one):
+        # a restarted trainer asking right away must find them.
+        with self._lock:
+            settling = [t for t in self._tracked.values() if t.part is not None and t.owner not in self._clients]
+        for t in settling:
+            err: BaseException | None = None
+            with contextlib.suppress(Exception):
+                err = t.handle.future("durable").exception(_ORPHAN_WAIT_S)
+            self._orphan(t, err)
+        with self._lock:
+            return {"orphans": [o for o in self._orphans.values() if rank is None or o["rank"] == int(rank)]}
 
     def _send_level(self, t: Tracked, event: dict[str, Any]) -> None:
         """Broadcast a level event; one that comes before the manifest waits for it.
@@ -284,12 +366,12 @@ class Requests:
             if not t.published:
                 t.held.append(event)
                 return
-            self.broadcast(event)
+            self._tell(t, event)
 
-    def _settled(self, version: str) -> None:
+    def _settled(self, t: Tracked) -> None:
         """Once the engine is done with a version (its regions back, its chunks unpinned), say so."""
-        self.engine.wait_job(version)
-        self.broadcast({"ev": "settled", "v": version})
+        self.engine.wait_job(t.version)
+        self._tell(t, {"ev": "settled", "v": t.version})
 
     def _snapshot(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
@@ -297,7 +379,7 @@ class Requests:
         assert self.cache is not None
         cat = self.cache.catalog
         with self._lock:
-            tracked = list(self._tracked.values())
+            tracked = [t for t in self._tracked.values() if t.part is None]
         in_flight = {t.version for t in tracked}
         versions = []
         for v in cat.all():
@@ -394,6 +476,10 @@ class Requests:
         report = self.cache.gc(dry_run=bool(msg.get("dry_run")), grace=None if grace is None else float(grace))
         return {"report": dataclasses.asdict(report)}
 
+    def _answer_call(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        client.calls.answer(int(msg["n"]), msg.get("result"), msg.get("error"))
+        return {}
+
     def _restored(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         for source, n in dict(msg.get("nbytes", {})).items():
             self._restores[str(source)] += 1
@@ -484,6 +570,8 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "evict": (Requests._evict, False),
     "gc": (Requests._gc, True),
     "restored": (Requests._restored, False),
+    "answer": (Requests._answer_call, False),
+    "orphans": (Requests._orphans_request, True),
     "stats": (Requests._stats, False),
     "stop": (Requests._stop_request, True),
 }

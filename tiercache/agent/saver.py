@@ -34,13 +34,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiercache.agent.client import AgentLink
-from tiercache.agent.protocol import error_from_wire, metas_to_wire, staged_to_wire
+from tiercache.agent.protocol import ProtocolError, error_from_wire, error_to_wire, metas_to_wire, staged_to_wire
 from tiercache.config import CacheConfig, RamConfig
 from tiercache.errors import (
     AgentUnavailableError,
@@ -60,7 +60,7 @@ from tiercache.saver import ObjectReader, Saver, absent_levels
 if TYPE_CHECKING:
     from tiercache.format import Flat
     from tiercache.pipeline.deferred import Owned
-    from tiercache.pipeline.job import Committer
+    from tiercache.pipeline.job import Committer, HashSplit
     from tiercache.repo import Repo
     from tiercache.restore import Progress
 
@@ -81,9 +81,22 @@ class _Job:
     published: threading.Event = field(default_factory=threading.Event)
     #: Handed over to the in-process engine after the agent was lost.
     moved: bool = False
+    #: For one rank's part of a group version: the group's version id (the agent knows the part
+    #: by ``staged.version_id``, the id and the rank), the group's committer in this process,
+    #: the part's manifest once the agent hashed it, and the group's hashing split if any.
+    vid: str | None = None
+    committer: Committer | None = None
+    manifest: Future[Version] | None = None
+    split: HashSplit | None = None
 
     @property
     def version(self) -> str:
+        """The version's id (the group's, for a part)."""
+        return self.vid or self.staged.version_id
+
+    @property
+    def key(self) -> str:
+        """What the agent knows the version by."""
         return self.staged.version_id
 
     def settled(self) -> bool:
@@ -114,8 +127,11 @@ class AgentSaver:
         config: The cache config (its ``[agent]`` table set).
         repo: This process's storage layer (its catalog follows the agent through ``link``).
         link: The connection to the agent.
-        make_local: Makes the in-process saver that takes over if the agent is lost, and that
-            serves multi-rank saves (their committer lives in this process).
+        make_local: Makes the in-process saver that takes over if the agent is lost.
+
+    A rank's part of a multi-rank version goes to the agent as any version; the group's
+    committer stays here, and this saver answers the agent's questions to it (see
+    :mod:`tiercache.agent.committer`).
     """
 
     def __init__(self, config: CacheConfig, repo: Repo, link: AgentLink, *, make_local: Callable[[], Saver]) -> None:
@@ -149,7 +165,7 @@ class AgentSaver:
 
     @property
     def local(self) -> Saver | None:
-        """The in-process saver, once made (the agent was lost, or a multi-rank save came)."""
+        """The in-process saver, once made (the agent was lost)."""
         return self._local
 
     def _local_saver(self) -> Saver:
@@ -165,8 +181,9 @@ class AgentSaver:
               defer: Owned | None = None, flat: Flat | None = None) -> SaveHandle:
         """Copy ``state`` into the agent's arena and hand it over (see the module docstring).
 
-        Multi-rank saves (``committer``: the group commits in this process) and every save after
-        the agent was lost are staged by the in-process engine instead.
+        A rank's part of a multi-rank version (``committer``: the group commits it, through this
+        process) goes to the agent as any version. Every save after the agent was lost is staged
+        by the in-process engine instead.
 
         Raises:
             CacheClosedError: If the cache is closed.
@@ -179,8 +196,6 @@ class AgentSaver:
         kw: dict[str, Any] = {"step": step, "branch": branch, "meta": meta, "parent": parent, "seq": seq,
                               "version_id": version_id, "chunk_bytes": chunk_bytes, "committer": committer,
                               "defer": defer, "flat": flat}
-        if committer is not None:
-            return self._local_saver().stage(state, **kw)
         if self.link.lost is not None:
             return self._in_process(state, kw)
         t0 = time.perf_counter()
@@ -188,12 +203,16 @@ class AgentSaver:
             flat = flatten(state, allow_pickle=self.config.allow_pickle)
         cb = chunk_bytes or self.config.chunk_bytes
         plan = self._plans.get(flat, cb)
-        staged = StagedVersion(version_id or new_version_id(), branch, step, seq, parent, dict(meta), time.time(),
+        vid = version_id or new_version_id()
+        key = vid if committer is None else f"{vid}.{committer.rank}"  # each rank's part is a job of the agent
+        staged = StagedVersion(key, branch, step, seq, parent, dict(meta), time.time(),
                                flat.tree, tuple(flat.metas), flat.pickled)
-        job = _Job(staged, plan.layout, level_futures(staged.version_id))
+        job = _Job(staged, plan.layout, level_futures(vid))
+        if committer is not None:
+            job.vid, job.committer, job.manifest = vid, committer, Future()
         for lvl, err in absent_levels(self.config.tier_names()).items():
             job.futures[lvl].set_exception(err)
-        handle = SaveHandle(staged.version_id, job.futures)
+        handle = SaveHandle(vid, job.futures)
         try:
             sid = self._structure(flat, plan, cb)
             got = self.link.request("reserve", sid=sid)
@@ -209,10 +228,10 @@ class AgentSaver:
         rid = int(got["rid"])
         job.regions = [(int(o), int(n)) for o, n in got["regions"]]
         with self._cv:
-            self._jobs[staged.version_id] = job
+            self._jobs[key] = job
         later = deferrable(flat.tensors, defer) if defer else frozenset()
         copied = [threading.Event() for _ in views]
-        base, why = self._move_of(branch, parent)
+        base, why = self._move_of(branch, parent) if committer is None else (None, "save")
         try:
             pending = self._stager.copy_in(flat, plan, views, copied, later=later)
         except BaseException:
@@ -220,6 +239,8 @@ class AgentSaver:
             self.link.notify("cancel", rid=rid)
             raise
         publish = {"op_sid": sid, "rid": rid, "base": base, "why": why}
+        if committer is not None:
+            publish["part"] = committer.rank
         if pending is None:
             self._publish(job, publish, time.perf_counter() - t0)
         else:
@@ -229,12 +250,19 @@ class AgentSaver:
         return self._report_earlier(handle)
 
     def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
-        """The chunk layout a multi-rank save of ``flat`` gets (those are staged in process)."""
-        return self._local_saver().layout_of(flat, chunk_bytes)
+        """The chunk layout a save of ``flat`` gets (the agent's is the same: it plans the same way)."""
+        return self._plans.get(flat, chunk_bytes or self.config.chunk_bytes).layout
 
     def published(self, version_id: str) -> Future[Version] | None:
-        """The manifest future of a multi-rank version staged in process, or ``None``."""
+        """The manifest future of this rank's part of a multi-rank version in flight, or ``None``."""
+        job = self._job(version_id)
+        if job is not None and job.manifest is not None:
+            return job.manifest
         return self._local.published(version_id) if self._local is not None else None
+
+    def _job(self, version_id: str) -> _Job | None:
+        with self._cv:
+            return self._jobs.get(version_id) or next((j for j in self._jobs.values() if j.vid == version_id), None)
 
     def _in_process(self, state: object, kw: dict[str, Any]) -> SaveHandle:
         self._handed_over()
@@ -286,10 +314,11 @@ class AgentSaver:
 
     def _publish(self, job: _Job, publish: dict[str, Any], wait_s: float) -> None:
         job.copied = True
+        extra = {"part": publish["part"]} if "part" in publish else {}
         try:
             self.link.request("publish", sid=publish["op_sid"], rid=publish["rid"],
                               version=staged_to_wire(job.staged), base=publish["base"], why=publish["why"],
-                              wait_s=wait_s)
+                              wait_s=wait_s, **extra)
         except TierCacheError as e:
             # Lost, or refusing (stopping): the bytes are whole in the mapping; finish it here.
             log.warning("the node agent did not take version %s (%s): saving it in this process", job.version, e)
@@ -314,12 +343,14 @@ class AgentSaver:
         for f in job.futures.values():
             if not f.done():
                 f.set_exception(err)
+        if job.manifest is not None and not job.manifest.done():
+            job.manifest.set_exception(err)
         self._forget(job)
 
     def _forget(self, job: _Job) -> None:
         job.published.set()
         with self._cv:
-            self._jobs.pop(job.version, None)
+            self._jobs.pop(job.key, None)
             self._cv.notify_all()
 
     def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
@@ -347,7 +378,13 @@ class AgentSaver:
         if job is None or job.moved:
             return
         ev = msg.get("ev")
+        if ev == "call":
+            threading.Thread(target=self._answer, args=(job, msg), daemon=True, name="tiercache-agent-call").start()
+            return
         if ev == "published":
+            if job.manifest is not None and not job.manifest.done():
+                own = Version.from_json(str(msg["manifest"]).encode(), source="node agent")
+                job.manifest.set_result(own.model_copy(update={"id": job.version}))
             job.published.set()
             return
         if ev == "settled":  # the agent is done with it, as the engine is when a flush returns
@@ -362,10 +399,40 @@ class AgentSaver:
             else:
                 err = error_from_wire(msg.get("error", {}))
                 if msg.get("level") == "durable":
+                    if job.manifest is not None and not job.manifest.done():
+                        job.manifest.set_exception(err)
                     job.published.set()
                     if msg.get("loss"):
                         self._record_loss(job, err)
                 f.set_exception(err)
+
+    def _answer(self, job: _Job, msg: dict[str, Any]) -> None:
+        """Answer what the agent asks of the group's committer about this rank's part (a thread each)."""
+        call, tier = msg.get("call"), str(msg.get("tier", ""))
+        committer = job.committer
+        result: Any = None
+        try:
+            if committer is None or job.manifest is None:
+                raise ProtocolError(f"version {job.version} is no part of a group version here")
+            if call == "owned":
+                result = sorted(committer.owned(tier))
+            elif call == "commit":
+                committer.commit(tier, job.manifest.result()).result()  # the group's verdict
+            elif call == "split":
+                job.split = committer.split_hashing(job.layout, [m.path for m in job.staged.metas])
+                result = None if job.split is None else {"mine": job.split.mine, "theirs": job.split.theirs}
+            elif call == "exchange":
+                if job.split is None:
+                    raise ProtocolError(f"version {job.version}: no hashing split to trade ids for")
+                ids = msg.get("ids")
+                got = job.split.exchange(None if ids is None else {int(i): str(c) for i, c in dict(ids).items()})
+                result = {str(i): c for i, c in got.items()}
+            else:
+                raise ProtocolError(f"unknown question {call!r}")
+        except Exception as e:
+            self.link.notify("answer", n=msg.get("n"), error=error_to_wire(e))
+            return
+        self.link.notify("answer", n=msg.get("n"), result=result)
 
     def _on_lost(self, err: BaseException) -> None:
         """The agent is gone: finish what it had not, in this process, off the link's thread."""
@@ -410,7 +477,13 @@ class AgentSaver:
             dst = arena.tensor(r)
             n = min(nbytes, r.nbytes)
             ctypes.memmove(dst.data_ptr(), src.data_ptr() + offset, n)
-        handle = local.adopt(job.staged, job.layout, regions)
+        # A part goes on under the group's id, with the same committer: the group waits for it.
+        staged = replace(job.staged, version_id=job.version)
+        handle = local.adopt(staged, job.layout, regions, job.committer)
+        if job.manifest is not None:
+            theirs = local.published(job.version)
+            assert theirs is not None
+            theirs.add_done_callback(lambda f, ours=job.manifest: _copy_outcome(f, ours))
         job.published.set()
         for lvl in LEVELS:
             theirs = handle.future(lvl)  # type: ignore[arg-type]
@@ -470,8 +543,7 @@ class AgentSaver:
     def wait_job(self, version_id: str, timeout: float | None = None) -> bool:
         """Block until ``version_id`` is settled (this process's, or one the agent is still writing)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            job = self._jobs.get(version_id)
+        job = self._job(version_id)
         if job is not None:
             for f in job.futures.values():
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -491,7 +563,7 @@ class AgentSaver:
     def pending_jobs(self) -> list[str]:
         """This process's versions not settled yet, oldest first."""
         with self._cv:
-            mine = list(self._jobs)
+            mine = [j.version for j in self._jobs.values()]
         return mine + (self._local.pending_jobs() if self._local is not None else [])
 
     def pending_tiers(self, version_id: str) -> frozenset[str]:
@@ -574,7 +646,7 @@ class AgentSaver:
             raise lost[0]
 
 
-def _copy_outcome(src: Future[str], dst: Future[str]) -> None:
+def _copy_outcome(src: Future[Any], dst: Future[Any]) -> None:
     if dst.done():
         return
     err = src.exception()

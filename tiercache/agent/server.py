@@ -28,12 +28,13 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
+from tiercache.agent.committer import trainer_left
 from tiercache.agent.lifecycle import check_environment
 from tiercache.agent.protocol import (
     Connection,
@@ -91,6 +92,7 @@ class AgentServer(Requests):
         self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
         self._plans = PlanCache(self.inner.pack_below)
         self._tracked: dict[str, Tracked] = {}
+        self._orphans: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._levels: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()
         self._restore_bytes: Counter[str] = Counter()
@@ -284,6 +286,9 @@ class AgentServer(Requests):
             self._clients.pop(client.cid, None)
             reservations, client.reservations = list(client.reservations.values()), {}
             pins, client.pins = list(client.pins.values()), {}
+        # Its parts of group versions fail here (nothing waits for it), once it is known gone: a
+        # part hashed whole is kept for the restarted group to adopt (Requests._orphan).
+        client.calls.close(trainer_left(client.pid))
         self._give_back([r for regions in reservations for r in regions] + pins)
         if reservations:
             log.info("client pid %d left %d unpublished reservation(s); their regions went back",

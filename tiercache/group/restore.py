@@ -6,6 +6,8 @@ each exchange is a phase of the group's collective layer (``restore/<n>/<phase>`
 1. ``resolve``: each rank resolves the ref; the group takes rank 0's answer (or the first rank's
    that has one: a rank whose node lost its disk knows no version). The verdict carries the few
    fields every rank needs (id, branch, parent, how many ranks saved it), never a rank's tables.
+   With node agents, ``adopt`` comes first: the group commits the newest version of the branch
+   its trainers left in node RAM when they died (:mod:`tiercache.group.orphans`).
 2. ``parts``: each rank reads its own part manifest (its node's disk first, then S3; a version
    saved by one process is read whole by every rank). Ranks that find none (their node was lost
    and there is no S3) get it from a rank whose node holds a peer copy (``offer``), through the
@@ -45,6 +47,7 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
+from tiercache.group.orphans import adopt_orphans
 from tiercache.group.status import Status
 from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
 from tiercache.manifest import Version
@@ -77,6 +80,8 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
     cache = view.cache
     tag = f"restore/{slot}"
     what = f"the group's restore of {ref!r}"
+    if view.agents:
+        adopt_orphans(view, ch, tag, ref)  # a version the trainers left in node RAM, committed now
     version = _part(view, ch, tag, what, resolve(view, ch, tag, what, ref))
     into = into if into is None else _local(into)
     try:

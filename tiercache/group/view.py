@@ -131,10 +131,12 @@ class GroupView:
         self._channel = self.collective.channel()  # the calling (training) thread's
         cfg = cache.config
         self.node_local = frozenset(n for n, t in cache.repo.durable.items() if t.node_local)
+        #: Whether the ranks save through node agents (every rank alike: it is agreed below).
+        self.agents = cfg.agent is not None
         name, domain = this_node(cfg)
         settings = {"chunk_bytes": cfg.chunk_bytes, "pack_below": cfg.pack_below, "hash": cfg.hash,
                     "[peers] copies": cfg.peers.copies, "durable tiers": sorted(cache.repo.durable),
-                    "node-local tiers": sorted(self.node_local)}
+                    "node-local tiers": sorted(self.node_local), "[agent]": cfg.agent is not None}
         verdict = self._channel.exchange("view", Status("ok", {"node": [name, domain], "settings": settings}),
                                          what="opening the group view", decide=self._agree)
         if not verdict.ok:
@@ -245,6 +247,25 @@ class GroupView:
             GroupSaveError: If a rank does not answer in time.
             GroupBrokenError: If the group broke earlier (a rank died): at once.
         """
+        return self.save_as(state, step=step, branch=branch, meta=meta, replicated=replicated, optimizer=optimizer)
+
+    def save_as(
+        self, state: Any, *, step: int, branch: str = "main", meta: Mapping[str, Any] | None = None,
+        replicated: Collection[str] = (), optimizer: Any = None, version: tuple[str, datetime] | None = None,
+        failed: BaseException | None = None,
+    ) -> SaveHandle:
+        """:meth:`save`, for a version that has an id already (adopted on restart: :mod:`tiercache.group.orphans`).
+
+        Args:
+            state: As :meth:`save`.
+            step: As :meth:`save`.
+            branch: As :meth:`save`.
+            meta: As :meth:`save`.
+            replicated: As :meth:`save`.
+            optimizer: As :meth:`save`.
+            version: The version's id and creation time (rank 0's count; ``None``: a new version).
+            failed: This rank could not get its state: the group fails the save, naming it.
+        """
         broken = self.collective.broken
         if broken is not None:
             raise broken
@@ -255,6 +276,8 @@ class GroupView:
         flat: Flat | None = None
         try:
             failpoint("group.save", f"save/{slot}")
+            if failed is not None:
+                raise failed
             if optimizer is not None:
                 raise InvalidArgumentError("save(group=..., optimizer=...): a multi-rank save copies its state "
                                            "before returning; leave optimizer out")
@@ -278,7 +301,8 @@ class GroupView:
                 self._channel.exchange(f"save/{slot}", Status.of(e), what=what, decide=self._begin).raise_failure()
                 raise
             if self.rank == 0:
-                payload["proposal"] = [new_version_id(), nxt.parent, nxt.seq, utcnow().isoformat(), meta]
+                vid, created = version if version is not None else (new_version_id(), utcnow())
+                payload["proposal"] = [vid, nxt.parent, nxt.seq, created.isoformat(), meta]
             verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what, decide=self._begin)
             verdict.raise_failure()
             rnd = self._stage(verdict.status.payload, flat, step, branch, tuple(replicated))
@@ -341,15 +365,13 @@ class GroupView:
         self.phases.submit(rnd)
 
     def _settled(self, rnd: Round, durable: Any) -> None:
-        """A version the group failed everywhere is no branch head in this process's view.
+        """A version the group made durable stays in node RAM when a node agent runs.
 
-        One the group made durable goes to node RAM when a node agent runs: this process staged
-        it in its own memory (the group commits from here), so the agent copies this rank's part
-        from the tiers below, and a restarted trainer restores it from node RAM.
+        The agent staged this rank's part and keeps it there for a restarted trainer (or, if
+        this process saved it itself after losing the agent, copies it there from the tiers
+        below). (One the group failed was taken off its branch before its level failed.)
         """
-        if durable.exception() is not None:
-            self.cache.catalog.retract(rnd.ref)
-        elif self.cache.agent is not None and rnd.published is not None:
+        if durable.exception() is None and self.cache.agent is not None and rnd.published is not None:
             part = rnd.published.result()
             self.cache.keep_in_ram(sorted({(c.id, c.nbytes) for c in part.chunks}), part.hash_algo)
 

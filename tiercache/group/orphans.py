@@ -1,0 +1,117 @@
+"""A restarted group adopts the newest version whose parts its node agents still hold (DESIGN.md section 7b).
+
+With node agents, each rank's part of a multi-rank version is in its node's RAM (and maybe
+written) as soon as ``save()`` returned; the group commits it later, through the trainers. If the
+trainers die in between (the common case: one rank dies and the job is restarted), each agent
+keeps the parts whose trainer died before the group's commit: its *orphans*
+(:meth:`tiercache.agent.requests.Requests._orphan`).
+
+When the restarted group first restores a branch, every rank asks its agent for its own orphans
+of that branch newer than its view of the branch's head, and the ranks agree, in one exchange
+(``<restore tag>/adopt``), on the newest version every rank has a part of. Each rank then reads
+its part back from node RAM (verifying every chunk) and the group saves it again as that
+version, with its id, step, metadata and creation time, on the branch's current head: the
+agent writes it (its chunks are mostly there already) and the group commits it, once. The
+restore goes on from there and reads the version back from node RAM. A rank whose part cannot be
+read fails the adoption on every rank (the save's own exchange), and the restore then reads the
+head the group had committed before, as it would without adoption.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from tiercache.errors import TierCacheError
+from tiercache.group.collective import Channel, Decision
+from tiercache.group.status import Status
+from tiercache.manifest import Version
+
+if TYPE_CHECKING:
+    from tiercache.group.view import GroupView
+
+log = logging.getLogger("tiercache.group.orphans")
+
+
+def adopt_orphans(view: GroupView, ch: Channel, tag: str, ref: str) -> str | None:
+    """Adopt the newest version of branch ``ref`` whose every part an agent still holds; return its id (a collective).
+
+    Every rank calls it (the group restore does, when the cache has an ``[agent]`` table).
+    Returns ``None`` if there is none, or the group failed to save it again (logged).
+    """
+    mine: dict[str, dict[str, Any]] = {}
+    try:
+        mine = _own_orphans(view, ref)
+        status = Status("ok", {vid: o["step"] for vid, o in mine.items()})
+    except Exception as e:  # this rank cannot say: nothing is adopted (no rank's part is lost by it)
+        log.warning("could not ask the node agent for parts to adopt: %s", e)
+        status = Status("ok", {})
+    verdict = ch.exchange(f"{tag}/adopt", status, what=f"adopting versions of {ref!r}", decide=_newest_common)
+    verdict.raise_failure()
+    vid = verdict.status.payload
+    if vid is None:
+        return None
+    orphan = mine.get(vid)
+    state, failed = None, None
+    try:
+        if orphan is None:  # the coordinator chose one this rank offered: it is here
+            raise TierCacheError(f"rank {view.rank} lost its part of version {vid} meanwhile")
+        state = _read_part(view, orphan)
+    except TierCacheError as e:
+        failed = e
+    step = int(orphan["step"]) if orphan is not None else 0
+    meta = orphan["meta"] if orphan is not None else {}
+    created = datetime.fromtimestamp(float(orphan["created_at"]), UTC) if orphan is not None else datetime.now(UTC)
+    try:
+        handle = view.save_as(state, step=step, branch=ref, meta=meta, version=(vid, created), failed=failed)
+        handle.wait("durable")
+    except TierCacheError as e:
+        log.warning("the group could not adopt version %s (step %d) that its trainers left in node RAM: %s",
+                    vid, step, e)
+        return None
+    log.info("adopted version %s (step %d): its trainers died before the group committed it", vid, step)
+    return vid
+
+
+def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
+    """This rank's parts of versions of ``branch`` its node's agent holds, newer than this rank's head."""
+    agent = view.cache.agent
+    if agent is None:
+        return {}
+    catalog = view.cache.catalog
+    head = catalog.ref("branch", branch)
+    head_step = -1
+    if head is not None:
+        try:
+            head_step = catalog.peek(head.version).step
+        except TierCacheError:
+            head_step = -1
+    got = agent.request("orphans", rank=view.rank)
+    return {str(o["v"]): o for o in got.get("orphans", ())
+            if o.get("branch") == branch and int(o["step"]) > head_step}
+
+
+def _newest_common(statuses: list[Status]) -> Decision:
+    """The coordinator's choice: the newest version every rank holds a part of (``None``: none)."""
+    common = set(statuses[0].payload)
+    for s in statuses[1:]:
+        common &= set(s.payload)
+    if not common:
+        return Decision(None)
+    return Decision(max(common, key=lambda vid: (statuses[0].payload[vid], vid)))
+
+
+def _read_part(view: GroupView, orphan: dict[str, Any]) -> Any:
+    """This rank's state of an orphaned part, read back from node RAM (every chunk verified)."""
+    cache = view.cache
+    part = Version.from_json(str(orphan["manifest"]).encode(), source="node agent")
+    agent = cache.agent
+    assert agent is not None
+    ids = sorted({c.id for c in part.chunks})
+    _, held = agent.holds([], ids)
+    cache.catalog.note_chunks("ram", [c for c, ok in held.items() if ok])
+    return cache.restore_version(part)
+
+
+__all__ = ["adopt_orphans"]
