@@ -12,7 +12,12 @@ Every save changes every tensor first, so no run is shortened by dedup. Rows per
   ``save``), then ``wait("local")``: each rank hashes and writes its share of the replica;
 - ``tiercache, not declared``: the same without ``replicated=`` (every rank hashes all of it);
 - ``tiercache DCP``: ``dcp.save`` through :class:`tiercache.integrations.dcp.TierCacheStorageWriter`;
-- ``DCP FileSystemWriter``: ``dcp.save`` to a directory (its default ``sync_files=True``).
+- ``DCP FileSystemWriter``: ``dcp.save`` to a directory (its default ``sync_files=True``);
+- with ``--agent``, ``tiercache, node agent``: the first row through one node agent for all ranks
+  (an ``[agent]`` table; the agent hashes and writes every rank's part, the ranks agree).
+
+For the tiercache rows the table also shows the stall: how long rank 0's ``save()`` call took (the
+copy into the arena and the group's first exchange), median of the runs.
 
 **Restore** (2 and 4 ranks, each rank a node of its own with its own disk directory, the S3 tier
 on the embedded SeaweedFS server behind a byte-counting relay, ``[peers] copies = 1``): a save to
@@ -33,6 +38,7 @@ Figures are the median of ``--repeat`` runs (restore rows: one run each, after a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -57,6 +63,7 @@ from tiercache.integrations.dcp import TierCacheStorageWriter
 
 OUT = Path(__file__).resolve().parent / "out" / "multirank.json"
 WRITERS = ("tiercache", "tiercache, not declared", "tiercache DCP", "DCP FileSystemWriter")
+AGENT = "tiercache, node agent"
 RESTORES = ("own disk", "lost node, from peers", "S3 alone")
 
 
@@ -88,18 +95,30 @@ def _save_rank(rank: int, world: int, port: int, args: argparse.Namespace, root:
     group = dist.group.WORLD if world > 1 else None
     cfg = {"disk": {"path": str(root / "tc")}, "ram": {"capacity": 3 * (args.mib << 20)},
            "policy": {"name": "write-through"}}
-    times: dict[str, list[float]] = {w: [] for w in WRITERS}
-    with tiercache.open(cfg) as cache:
+    times: dict[str, list[float]] = {w: [] for w in (*WRITERS, AGENT)}
+    stalls: dict[str, list[float]] = {w: [] for w in ("tiercache", AGENT)}
+
+    def saved(c: tiercache.TierCache, name: str, i: int, **kw: Any) -> None:
+        t0 = time.perf_counter()
+        handle = c.save(state, step=i, group=group, **kw)
+        stalls[name].append(time.perf_counter() - t0)
+        handle.wait("local")
+
+    with contextlib.ExitStack() as stack:
+        cache = stack.enter_context(tiercache.open(cfg))
+        agent_cache = stack.enter_context(tiercache.open(args.agent_config)) if args.agent_config else None
         shared = ["model"] if group is not None else []
         for i in range(args.repeat + 1):  # the first round warms up (arena, files, imports)
             runs = {
-                "tiercache": lambda i=i: cache.save(state, step=i, group=group, replicated=shared).wait("local"),
+                "tiercache": lambda i=i: saved(cache, "tiercache", i, replicated=shared),
                 "tiercache, not declared": lambda i=i: cache.save(state, step=i, group=group).wait("local"),
                 "tiercache DCP": lambda i=i: dcp.save(state, storage_writer=TierCacheStorageWriter(cache, step=i),
                                                       no_dist=world == 1),
                 "DCP FileSystemWriter": lambda i=i: dcp.save(state, checkpoint_id=str(root / f"fs{i}"),
                                                              no_dist=world == 1),
             }
+            if agent_cache is not None:
+                runs[AGENT] = lambda i=i: saved(agent_cache, AGENT, i, replicated=shared)
             for name, fn in runs.items():
                 for t in state["model"].values():  # new bytes for every save: none dedups against the last
                     t.add_(1.0)
@@ -107,7 +126,7 @@ def _save_rank(rank: int, world: int, port: int, args: argparse.Namespace, root:
                 if i:
                     times[name].append(took)
     if rank == 0:
-        out.put(times)
+        out.put({"times": {k: v for k, v in times.items() if v}, "stalls": {k: v for k, v in stalls.items() if v}})
     if world > 1:
         dist.destroy_process_group()
 
@@ -176,19 +195,32 @@ def _spawn(target: Callable[..., None], world: int, *args: Any) -> list[Any]:
     return [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
 
 
-def measure_saves(world: int, args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
-    """Run every writer ``args.repeat`` times on ``world`` ranks; return rank 0's seconds per run."""
+def measure_saves(world: int, args: argparse.Namespace, base: Path) -> dict[str, Any]:
+    """Run every writer ``args.repeat`` times on ``world`` ranks; rank 0's seconds per run (and ``save()`` stalls)."""
+    from bench.agent import _Agent, _with_agent
+
     root = base / f"w{world}"
     root.mkdir(parents=True)
-    out = multiprocessing.get_context("spawn").Queue()
-    procs = _spawn(_save_rank, world, args, root, out)
-    for p in procs:
-        p.start()
-    times = out.get()
-    for p in procs:
-        p.join()
+    agent = None
+    args.agent_config = None
+    if args.agent:
+        sock = Path(tempfile.mkdtemp(prefix="tcb-"))  # a short path: socket names are limited to 107 bytes
+        args.agent_config = _with_agent({"disk": {"path": str(root / "tca")}, "policy": {"name": "write-through"},
+                                         "ram": {"capacity": 3 * world * (args.mib << 20)}}, sock)
+        agent = _Agent(args.agent_config, root / "agent.log")
+    try:
+        out = multiprocessing.get_context("spawn").Queue()
+        procs = _spawn(_save_rank, world, args, root, out)
+        for p in procs:
+            p.start()
+        got = out.get()
+        for p in procs:
+            p.join()
+    finally:
+        if agent is not None:
+            agent.stop()
     shutil.rmtree(root, ignore_errors=True)
-    return times
+    return got  # type: ignore[no-any-return]
 
 
 def measure_restores(world: int, args: argparse.Namespace, base: Path, server: Any) -> dict[str, Any]:
@@ -248,6 +280,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--restore-worlds", default="2,4")
     parser.add_argument("--dir", default=None, help="where the disk tiers and DCP directories go")
+    parser.add_argument("--agent", action="store_true", help="also save through one node agent for all ranks")
     args = parser.parse_args()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     base = Path(tempfile.mkdtemp(prefix="tc-multirank-", dir=args.dir))
@@ -256,10 +289,13 @@ def main() -> None:
                                "restores": []}
     try:
         for world in (int(w) for w in args.worlds.split(",") if w):
-            for name, runs in measure_saves(world, args, base).items():
+            got = measure_saves(world, args, base)
+            for name, runs in got["times"].items():
                 med = statistics.median(runs)
+                stall = got["stalls"].get(name)
                 results["rows"].append({"world": world, "writer": name, "runs_s": runs, "median_s": med,
-                                        "gb_per_s": nbytes / med / 1e9})
+                                        "gb_per_s": nbytes / med / 1e9,
+                                        "stall_s": statistics.median(stall) if stall else None})
         worlds = [int(w) for w in args.restore_worlds.split(",") if w]
         if worlds:
             from tiercache.testing import LocalS3
@@ -288,13 +324,15 @@ def _print_saves(console: Console, results: dict[str, Any], args: argparse.Names
     single = {r["writer"]: r["gb_per_s"] for r in rows if r["world"] == 1}
     fs = {r["world"]: r["gb_per_s"] for r in rows if r["writer"] == "DCP FileSystemWriter"}
     table = Table(title=f"multi-rank save of a {args.mib} MiB DDP model (disk tier, fsync), median of {args.repeat}")
-    for col in ("ranks", "writer", "seconds", "aggregate GB/s", "vs 1 rank", "vs DCP FileSystemWriter"):
+    for col in ("ranks", "writer", "seconds", "aggregate GB/s", "vs 1 rank", "vs DCP FileSystemWriter",
+                "save() stall s"):
         table.add_column(col, justify="left" if col == "writer" else "right")
     for r in rows:
         base_1 = single.get(r["writer"])
         table.add_row(str(r["world"]), r["writer"], f"{r['median_s']:.3f}", f"{r['gb_per_s']:.2f}",
                       f"{r['gb_per_s'] / base_1:.2f}x" if base_1 else "-",
-                      f"{r['gb_per_s'] / fs[r['world']]:.2f}x" if r["world"] in fs else "-")
+                      f"{r['gb_per_s'] / fs[r['world']]:.2f}x" if r["world"] in fs else "-",
+                      f"{r['stall_s']:.3f}" if r.get("stall_s") is not None else "-")
     console.print(table)
 
 

@@ -136,6 +136,10 @@ class Engine:
             name: TierWriter(self, name, tier, threads=tier.write_threads or config.io_threads, nice=nice)
             for name, tier in repo.durable.items()
         }
+        # Other ranks' parts of multi-rank versions (a node agent writes several) get writers of
+        # their own, as their processes would have: one rank's part waiting for the group (its
+        # owners) never holds up another's.
+        self._part_writers: dict[tuple[str, int], TierWriter] = {}
         if config.ram is not None or not repo.durable:
             self.ramcache.ensure()
 
@@ -277,6 +281,20 @@ class Engine:
         self.jobs.add(job)
         self._lane(job.committer.rank if job.committer is not None else 0).submit(self._after_stage, job)
         return job.copied
+
+    def _writer(self, name: str, job: Job) -> TierWriter:
+        """The writer of ``job`` to tier ``name``: the tier's, or for rank r > 0's part, the tier's writer for r."""
+        rank = job.committer.rank if job.committer is not None else 0
+        if rank == 0:
+            return self._writers[name]
+        with self._lanes_lock:
+            writer = self._part_writers.get((name, rank))
+            if writer is None:
+                tier = self.repo.durable[name]
+                writer = self._part_writers[(name, rank)] = TierWriter(
+                    self, name, tier, threads=tier.write_threads or self.config.io_threads,
+                    nice=self.config.background_nice)
+            return writer
 
     def _lane(self, rank: int) -> ThreadPoolExecutor:
         """The hashing thread of ``rank``'s versions (made on first use)."""
@@ -442,7 +460,7 @@ class Engine:
             self._fail_staging(job, e)
             return
         for name in targets:
-            self._writers[name].submit(job)
+            self._writer(name, job).submit(job)
         try:
             self.hasher.run(job)
         except BaseException as e:
@@ -810,7 +828,9 @@ class Engine:
         self.wait_settled()
         self._closed = True
         self.catchup.close()
-        for writer in self._writers.values():
+        with self._lanes_lock:
+            part_writers = list(self._part_writers.values())
+        for writer in [*self._writers.values(), *part_writers]:
             writer.close()
         self.finisher.shutdown()
         with self._lanes_lock:
