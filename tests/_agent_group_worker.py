@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from _multirank_worker import _error, _levels, _record_chunk_puts, _restore, node_state
+from _multirank_worker import _error, _levels, _record_chunk_puts, _restore, _restored_equal, node_state
 
 import tiercache
 from tiercache import failpoints
@@ -64,7 +65,15 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
     # Chunks of "emb" (the same on every rank) this rank's agent hashed itself, per version.
     out["hashed_by"] = [sorted(set(r.hashed_by().values())) if r is not None else None for r in rounds]
     out["through_agent"] = _through_agent(cache)
-    out["trainer_chunk_puts"] = len(puts)
+    own = set()
+    for h in handles:
+        part = cache.catalog.part(cache.catalog.peek(h.version), rank)
+        assert part is not None
+        own |= {c.id for c in part.chunks}
+    # What this trainer wrote itself: peer copies of the other node's parts only (to its disk).
+    out["trainer_puts_s3"] = sum(p.startswith("s3:") for p in puts)
+    out["trainer_puts_own"] = sum(p.rsplit("/", 1)[-1] in own for p in puts)
+    out["trainer_puts_disk"] = sum(p.startswith("disk:") for p in puts)
     _restore(cache, "main", node_state(rank, 2), out, "restored")
     _restore(cache, handles[0].version, node_state(rank, 1), out, "v1")
     agent = cache.agent
@@ -124,6 +133,46 @@ def scenario_adopt(cache: tiercache.TierCache, rank: int, world: int, out: dict[
     out["head_again"] = cache.resolve("main")
 
 
+def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Save steps on a branch, noting each ack, until the whole job is SIGKILLed at a random moment."""
+    opts = json.loads((work / "run.json").read_text())
+    branch, steps, kill_after, delay = opts["branch"], opts["steps"], opts["kill_after"], opts["delay"]
+    lock = threading.Lock()
+    acks = (work / f"acks{rank}.txt").open("a")
+
+    def note(word: str, step: int, vid: str) -> None:
+        with lock:
+            acks.write(f"{word} {step} {vid}\n")
+            acks.flush()
+
+    def on_local(f: Any, step: int, vid: str) -> None:
+        if f.exception() is None:
+            note("local", step, vid)
+
+    for step in range(1, steps + 1):
+        handle = cache.save(node_state(rank, step), step=step, branch=branch, group=dist.group.WORLD)
+        note("saved", step, handle.version)
+        handle.future("local").add_done_callback(lambda f, s=step, v=handle.version: on_local(f, s, v))
+        if step == kill_after:
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    time.sleep(60)  # the timer kills this trainer before
+
+
+def scenario_chaos_restore(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                           work: Path) -> None:
+    """The restarted job restores the branch: which step, and whether it is bit-exact."""
+    branch = json.loads((work / "run.json").read_text())["branch"]
+    try:
+        got = cache.restore(branch, group=dist.group.WORLD)
+    except tiercache.VersionNotFoundError as e:  # nothing of the branch survived (none was acknowledged local)
+        out["step"], out["vid"], out["equal"], out["error"] = 0, None, True, str(e)
+        return
+    out["step"] = got["step"]
+    out["vid"] = cache.resolve(branch)
+    out["equal"] = _restored_equal(got, node_state(rank, got["step"]))
+
+
 SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
-             "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt}
+             "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
+             "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore}
