@@ -133,6 +133,13 @@ def scenario_adopt(cache: tiercache.TierCache, rank: int, world: int, out: dict[
     out["head_again"] = cache.resolve("main")
 
 
+def scenario_restart_smaller(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """A restart with fewer ranks than saved: nothing is adopted (some ranks' parts are no version)."""
+    out["restore_error"] = _error(lambda: cache.restore("main", group=dist.group.WORLD))
+    out["head"] = cache.resolve("main")
+
+
 def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Save steps on a branch, noting each ack, until the whole job is SIGKILLed at a random moment."""
     opts = json.loads((work / "run.json").read_text())
@@ -175,4 +182,5 @@ def scenario_chaos_restore(cache: tiercache.TierCache, rank: int, world: int, ou
 SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
-             "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore}
+             "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore,
+             "restart_smaller": scenario_restart_smaller}

@@ -595,6 +595,10 @@ def test_a_restarted_group_adopts_the_version_its_dead_trainers_left_in_node_ram
     assert all(d["v1"] == v1 and d["v2"] == v2 and not d["v2_committed"] and d["v2_part_chunks"] > 0 for d in died)
     with tiercache.open(without_agent(cfg)) as cache:
         assert cache.resolve("main") == v1  # what the group had committed when it died
+    # Restarted with one rank, the job adopts nothing: one rank's part is no version.
+    assert run_ranks_agent("restart_smaller", tmp_path / "smaller", cfg, world=1) == [0]
+    smaller = rank_out(tmp_path / "smaller", 0)
+    assert smaller["head"] == v1 and smaller["restore_error"][0] == "InvalidArgumentError", smaller
     assert run_ranks_agent("adopt", tmp_path / "restart", cfg) == [0, 0]
     for r in range(2):
         out = rank_out(tmp_path / "restart", r)

@@ -83,12 +83,14 @@ class TrainerCommitter:
         calls: The questions channel to the trainer that published the part.
         version: The part's id in the agent (the group's version id and the rank).
         rank: The rank whose part this is.
+        world: The group's size.
     """
 
-    def __init__(self, calls: Calls, version: str, rank: int) -> None:
+    def __init__(self, calls: Calls, version: str, rank: int, world: int) -> None:
         self._calls = calls
         self._version = version
         self.rank = rank
+        self.world = world
 
     def _ask(self, call: str, **fields: Any) -> Future[Any]:
         return self._calls.ask(v=self._version, call=call, **fields)

@@ -21,8 +21,8 @@ map        -> ``arena`` {``size``, ``path``}, with the arena's descriptor (``fds
 structure  ``sid``, ``metas`` [[path, dtype, shape, nbytes]...], ``chunk_bytes`` -> {} (cached)
 reserve    ``sid`` -> ``rid``, ``regions`` [[offset, nbytes]...] | ``skip``: reason
 cancel     ``rid`` -> {} (a copy that failed: the regions go back)
-publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s``, ``part``
-           (the rank, for a rank's part of a group version) -> {}
+publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s``, and for a
+           rank's part of a group version ``part`` (the rank) and ``world`` (the group's size) -> {}
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
 orphans    ``rank`` -> ``orphans``: parts whose trainer died before its group committed them
 snapshot   -> ``versions`` (manifests in node RAM or in flight), ``moves``, ``refs``, ``pending``

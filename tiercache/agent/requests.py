@@ -248,15 +248,16 @@ class Requests:
             self.cache.catalog.note_move(record, base, msg.get("why") or "save")
             handle = self.engine.adopt(staged, layout, regions)
         else:  # the group moves the branch, through the trainers
-            committer = TrainerCommitter(client.calls, staged.version_id, int(part))
+            committer = TrainerCommitter(client.calls, staged.version_id, int(part), int(msg.get("world", 0)))
             with self._lock:
                 self._orphans.pop(staged.version_id, None)  # saved again: adopted by the restarted group
             handle = self.engine.adopt(staged, layout, regions, committer)
         tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,
                           part=None if part is None else int(part))
         if part is not None:
-            tracked.adopt = {"v": staged.version_id.rsplit(".", 1)[0], "rank": int(part), "branch": staged.branch,
-                             "step": staged.step, "created_at": staged.created_at, "meta": staged.meta}
+            tracked.adopt = {"v": staged.version_id.rsplit(".", 1)[0], "rank": int(part), "world": int(msg["world"]),
+                             "branch": staged.branch, "step": staged.step, "created_at": staged.created_at,
+                             "meta": staged.meta}
         with self._lock:
             self._tracked[staged.version_id] = tracked
         self._follow(tracked, float(msg.get("wait_s", 0.0)), staged.created_at)

@@ -240,7 +240,7 @@ class AgentSaver:
             raise
         publish = {"op_sid": sid, "rid": rid, "base": base, "why": why}
         if committer is not None:
-            publish["part"] = committer.rank
+            publish["part"], publish["world"] = committer.rank, committer.world
         if pending is None:
             self._publish(job, publish, time.perf_counter() - t0)
         else:
@@ -314,7 +314,7 @@ class AgentSaver:
 
     def _publish(self, job: _Job, publish: dict[str, Any], wait_s: float) -> None:
         job.copied = True
-        extra = {"part": publish["part"]} if "part" in publish else {}
+        extra = {k: publish[k] for k in ("part", "world") if k in publish}
         try:
             self.link.request("publish", sid=publish["op_sid"], rid=publish["rid"],
                               version=staged_to_wire(job.staged), base=publish["base"], why=publish["why"],

@@ -75,7 +75,11 @@ def adopt_orphans(view: GroupView, ch: Channel, tag: str, ref: str) -> str | Non
 
 
 def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
-    """This rank's parts of versions of ``branch`` its node's agent holds, newer than this rank's head."""
+    """This rank's parts of versions of ``branch`` its node's agent holds, newer than this rank's head.
+
+    Only parts of versions saved by a group of this size: a restart with another world size must
+    never commit some ranks' parts as a whole version.
+    """
     agent = view.cache.agent
     if agent is None:
         return {}
@@ -89,7 +93,7 @@ def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
             head_step = -1
     got = agent.request("orphans", rank=view.rank)
     return {str(o["v"]): o for o in got.get("orphans", ())
-            if o.get("branch") == branch and int(o["step"]) > head_step}
+            if o.get("branch") == branch and o.get("world") == view.world_size and int(o["step"]) > head_step}
 
 
 def _newest_common(statuses: list[Status]) -> Decision:

@@ -116,6 +116,11 @@ class Round:
         """This rank (see :attr:`tiercache.pipeline.job.Committer.rank`)."""
         return self.view.rank
 
+    @property
+    def world(self) -> int:
+        """The group's size (see :attr:`tiercache.pipeline.job.Committer.world`)."""
+        return self.view.world_size
+
     def commit(self, tier: str, manifest: Version) -> Future[None]:
         """See :meth:`tiercache.pipeline.job.Committer.commit`: write this rank's part; the group's verdict.
 

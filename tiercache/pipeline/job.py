@@ -45,9 +45,11 @@ class Committer(Protocol):
 
     Attributes:
         rank: Which part of the group's version this is (the process's rank in the group).
+        world: How many parts the group's version has (the group's size).
     """
 
     rank: int
+    world: int
 
     def owned(self, tier: str) -> Collection[str]:
         """Ids of the version's chunks this process writes to ``tier`` (the others write the rest)."""
