@@ -196,7 +196,7 @@ def _alive(pid: int) -> bool:
 
 
 def _toml(cfg: dict[str, Any]) -> str:
-    lines = [f"pack_below = {json.dumps(cfg['pack_below'])}"]
+    lines = [f"{k} = {json.dumps(cfg[k])}" for k in ("pack_below", "chunk_bytes") if k in cfg]
     for table in ("ram", "disk", "policy", "agent"):
         lines.append(f"[{table}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in cfg[table].items()]
@@ -393,6 +393,7 @@ def test_the_agent_serves_prometheus_metrics(tmp_path: Path, sock_dir: Path, shm
     assert samples[("tiercache_agent_tier_versions", (("tier", "ram"),))] == 2
     assert samples[("tiercache_agent_tier_bytes", (("tier", "disk"),))] > 0
     assert samples[("tiercache_agent_queue_depth", (("tier", "disk"),))] == 0
+    assert samples[("tiercache_agent_group_parts", (("state", "orphaned"),))] == 0  # no group saved here
     assert samples[("tiercache_agent_restores_total", (("source", "ram"),))] == 1
     assert samples[("tiercache_agent_lag_steps", (("branch", "main"), ("level", "local")))] == 0
     assert samples[("tiercache_agent_lost_versions_total", ())] == 0
@@ -536,6 +537,12 @@ def test_a_rank_that_dies_before_the_commit_fails_the_version_and_the_restart_ad
     assert (stats["tracked"], stats["in_flight"]) == (0, 0), stats
     assert stats["levels"].get("durable:failed") == 2 and not stats["levels"].get("durable:ok"), stats["levels"]
     assert stats["lost_versions"] == 0  # a part the group failed is no loss of the agent's
+    # Both parts are kept for the restart: one's trainer died, the other's group broke.
+    assert stats["parts"] == {"in_flight": 0, "orphaned": 2}, stats["parts"]
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    status = CliRunner().invoke(app, ["--config", str(spec), "agent", "status"])
+    assert "group parts: 0 in flight, 2 orphaned" in status.output, status.output
     vid = rank_out(tmp_path / "die", 0)["v"]
     with tiercache.open(without_agent(cfg)) as cache:
         assert cache.versions() == []  # the group committed nothing

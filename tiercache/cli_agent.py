@@ -112,6 +112,10 @@ def describe(data: dict[str, Any]) -> list[str]:
         f"clients {len(data.get('clients', []))}, versions in flight {data.get('in_flight', 0)}"
         + "".join(f", {n} queued for {t}" for t, n in sorted(data.get("queues", {}).items())),
     ]
+    parts = data.get("parts", {})
+    if parts.get("in_flight") or parts.get("orphaned"):
+        lines.append(f"group parts: {parts.get('in_flight', 0)} in flight, {parts.get('orphaned', 0)} orphaned "
+                     "(their trainers died before the group's commit; a restarted job adopts them)")
     levels = data.get("levels", {})
     if levels:
         lines.append("levels " + ", ".join(f"{k} {v}" for k, v in sorted(levels.items())))

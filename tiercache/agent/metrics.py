@@ -15,6 +15,9 @@ metric                                               what
 ``tiercache_agent_versions_total{level, outcome}``    versions that reached (``ok``) or missed a level
 ``tiercache_agent_versions_in_flight``                versions the agent is still writing
 ``tiercache_agent_queue_depth{tier}``                 of them, those still to be written to a tier
+``tiercache_agent_group_parts{state}``                ranks' parts of group versions: ``in_flight``, and
+                                                     ``orphaned`` (their trainers died before the
+                                                     group's commit: a restarted job adopts them)
 ``tiercache_agent_lag_seconds{branch, level}``        training time a failure now would lose, per level
 ``tiercache_agent_lag_steps{branch, level}``          the same in steps
 ``tiercache_agent_lost_versions_total``               versions that reached no durable tier
@@ -81,6 +84,10 @@ def _families(server: AgentServer) -> Iterator[Any]:
     for tier in cache.repo.durable:
         queue.add_metric([tier], st["queues"].get(tier, 0))
     yield queue
+    parts = GaugeMetricFamily("tiercache_agent_group_parts", "Ranks' parts of group versions", labels=["state"])
+    for state, n in sorted(st["parts"].items()):
+        parts.add_metric([state], n)
+    yield parts
     lag_s = GaugeMetricFamily("tiercache_agent_lag_seconds", "Durability lag in seconds", labels=["branch", "level"])
     lag_n = GaugeMetricFamily("tiercache_agent_lag_steps", "Durability lag in steps", labels=["branch", "level"])
     for branch, per_level in sorted(st["lag"].items()):

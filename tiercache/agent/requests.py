@@ -503,6 +503,8 @@ class Requests:
             clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins)}
                        for c in self._clients.values()]
             tracked = len(self._tracked)
+            parts = {"in_flight": sum(t.part is not None for t in self._tracked.values()),
+                     "orphaned": len(self._orphans)}
         queues: Counter[str] = Counter()
         for job in engine.jobs.snapshot():
             for name in job.pending:
@@ -515,7 +517,7 @@ class Requests:
             "arena": {"path": str(self.shared.path) if self.shared else None,
                       "capacity": arena.capacity if arena is not None else None,
                       "used_bytes": arena.used_bytes if arena is not None else 0},
-            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked,
+            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
