@@ -80,6 +80,7 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
     assert agent is not None
     stats = agent.request("stats")
     out["agent_levels"] = stats["levels"]
+    out["agent_lag"] = stats["lag"]
     out["agent_tracked"] = stats["tracked"]
 
 

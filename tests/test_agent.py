@@ -491,6 +491,9 @@ def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, a
         assert set(out["restored_report"]) == {"ram"} and out["restored_report"]["ram"] >= want
         # Two parts per agent and version, every tier reached (levels counted by the agent).
         assert out["agent_levels"]["local:ok"] >= 4 and out["agent_levels"]["remote:ok"] >= 4
+        # The agent's durability lag follows the group's versions: nothing saved is behind.
+        lag = out["agent_lag"]["main"]
+        assert lag["local"]["steps"] == lag["remote"]["steps"] == 0, lag
     # The group's versions are committed on each node's disk, and whole on S3: a process with no
     # agent and no group reads every rank's part there.
     vids = [outs[0]["levels"][0]["durable"], outs[0]["levels"][1]["durable"]]

@@ -127,6 +127,8 @@ class Requests:
     _tracked: dict[str, Tracked]
     #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
     _orphans: OrderedDict[str, dict[str, Any]]
+    #: Recent group versions whose first part was noted for the durability lag.
+    _group_versions: OrderedDict[str, None]
     _levels: Counter[str]
     _restores: Counter[str]
     _restore_bytes: Counter[str]
@@ -275,8 +277,20 @@ class Requests:
             except TierCacheError:
                 manifest = None
             self._send_published(t, manifest)
-        if self._recorder is not None and t.part is None:  # a part's lag is its group's (the trainers')
-            self._recorder.note_save(t.handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
+        if self._recorder is not None:
+            handle: SaveHandle | None = t.handle
+            if t.adopt is not None:
+                # A part's levels are its group's (they follow the group's verdicts): the first
+                # part of a version here stands for the version in the durability lag.
+                vid = str(t.adopt["v"])
+                with self._lock:
+                    first = vid not in self._group_versions
+                    self._group_versions[vid] = None
+                    while len(self._group_versions) > _KEEP_ORPHANS:
+                        self._group_versions.popitem(last=False)
+                handle = SaveHandle(vid, {lvl: t.handle.future(lvl) for lvl in LEVELS}) if first else None  # type: ignore[arg-type]
+            if handle is not None:
+                self._recorder.note_save(handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
         for lvl in LEVELS:
             t.handle.future(lvl).add_done_callback(lambda f, lvl=lvl: self._level(t, lvl, f))  # type: ignore[misc]
 

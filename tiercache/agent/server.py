@@ -93,6 +93,7 @@ class AgentServer(Requests):
         self._plans = PlanCache(self.inner.pack_below)
         self._tracked: dict[str, Tracked] = {}
         self._orphans: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._group_versions: OrderedDict[str, None] = OrderedDict()
         self._levels: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()
         self._restore_bytes: Counter[str] = Counter()
