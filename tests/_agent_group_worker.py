@@ -134,6 +134,17 @@ def scenario_adopt(cache: tiercache.TierCache, rank: int, world: int, out: dict[
     out["head_again"] = cache.resolve("main")
 
 
+def scenario_adopt_fails_once(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                              work: Path) -> None:
+    """The last rank cannot read its part back the first time: nobody adopts; the next restore does."""
+    if rank == world - 1:
+        failpoints.configure("group.adopt=raise@1")
+    _restore(cache, "main", node_state(rank, 1), out, "first")
+    out["first_head"] = cache.resolve("main")
+    _restore(cache, "main", node_state(rank, 2), out, "second")
+    out["second_head"] = cache.resolve("main")
+
+
 def scenario_restart_smaller(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                              work: Path) -> None:
     """A restart with fewer ranks than saved: nothing is adopted (some ranks' parts are no version)."""
@@ -184,4 +195,4 @@ SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
              "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore,
-             "restart_smaller": scenario_restart_smaller}
+             "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once}

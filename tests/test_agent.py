@@ -609,6 +609,13 @@ def test_a_restarted_group_adopts_the_version_its_dead_trainers_left_in_node_ram
     assert run_ranks_agent("restart_smaller", tmp_path / "smaller", cfg, world=1) == [0]
     smaller = rank_out(tmp_path / "smaller", 0)
     assert smaller["head"] == v1 and smaller["restore_error"][0] == "InvalidArgumentError", smaller
+    # Rank 1 cannot read its part back the first time: no rank adopts (every rank restores the
+    # committed head, bit-exact), and the parts stay for the next try.
+    assert run_ranks_agent("adopt_fails_once", tmp_path / "fails", cfg) == [0, 0]
+    for r in range(2):
+        out = rank_out(tmp_path / "fails", r)
+        assert (out["first_head"], out["first_equal"]) == (v1, True), out
+        assert (out["second_head"], out["second_equal"]) == (v2, True), out
     assert run_ranks_agent("adopt", tmp_path / "restart", cfg) == [0, 0]
     for r in range(2):
         out = rank_out(tmp_path / "restart", r)

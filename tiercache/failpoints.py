@@ -60,6 +60,7 @@ FAILPOINTS: tuple[str, ...] = (
     "group.commit",  # rank 0 (shared tier) or a node's leader (its disk) commits the version
     "group.peers",  # this rank makes its share of the peer copies
     "group.restore",  # restore(group=) resolves the ref (detail: "restore/<n>")
+    "group.adopt",  # a restarted group reads back the part of a version it adopts (detail: "restore/<n>/adopt")
     "group.fill",  # a group restore reads its chunks (its own node's, a peer's, S3's)
 )
 

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import TierCacheError
+from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.status import Status
 from tiercache.manifest import Version
@@ -55,10 +56,11 @@ def adopt_orphans(view: GroupView, ch: Channel, tag: str, ref: str) -> str | Non
     orphan = mine.get(vid)
     state, failed = None, None
     try:
+        failpoint("group.adopt", f"{tag}/adopt")
         if orphan is None:  # the coordinator chose one this rank offered: it is here
             raise TierCacheError(f"rank {view.rank} lost its part of version {vid} meanwhile")
         state = _read_part(view, orphan)
-    except TierCacheError as e:
+    except Exception as e:  # whatever it is, the group's save below must hear it (no rank waits in vain)
         failed = e
     step = int(orphan["step"]) if orphan is not None else 0
     meta = orphan["meta"] if orphan is not None else {}
