@@ -145,6 +145,16 @@ def scenario_adopt_fails_once(cache: tiercache.TierCache, rank: int, world: int,
     out["second_head"] = cache.resolve("main")
 
 
+def scenario_adopt_fault(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                          work: Path) -> None:
+    """The last rank dies or stalls past the group's timeout while it reads its part back."""
+    fault = json.loads((work / "run.json").read_text())["fault"]
+    if rank == world - 1:
+        failpoints.configure(f"group.adopt={fault}@1")
+    out["error"] = _error(lambda: _restore(cache, "main", node_state(rank, 1), out, "restored"))
+    out["head"] = cache.resolve("main")
+
+
 def scenario_restart_smaller(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                              work: Path) -> None:
     """A restart with fewer ranks than saved: nothing is adopted (some ranks' parts are no version)."""
@@ -195,4 +205,5 @@ SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
              "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore,
-             "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once}
+             "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once,
+             "adopt_fault": scenario_adopt_fault}

@@ -689,3 +689,34 @@ def test_a_group_through_agents_killed_at_random_moments_loses_nothing_saved(
     if not slow:
         return
     assert adopted > 0  # over 30 trials some restart adopted a version the group had not committed
+
+
+@pytest.mark.parametrize("fault", ["kill", "sleep:10"])
+def test_a_rank_that_dies_or_stalls_while_adopting_fails_the_restore_alike(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, fault: str
+) -> None:
+    """The restarted group's adoption: one rank dies (or stalls past the timeout) reading its part back."""
+    from test_multirank import rank_out
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agents(cfg)
+    codes = run_ranks_agent("orphan", tmp_path / "die", cfg, opts={"broken": True})
+    assert codes == [-signal.SIGKILL] * 2
+    v1, v2 = rank_out(tmp_path / "die", 0)["v1"], rank_out(tmp_path / "die", 0)["v2"]
+    codes = run_ranks_agent("adopt_fault", tmp_path / "fault", cfg,
+                            opts={"fault": fault, "timeout": 3, "broken": fault == "kill"})
+    outs = [rank_out(tmp_path / "fault", r) for r in range(2) if (tmp_path / "fault" / f"rank{r}.json").exists()]
+    if fault == "kill":
+        assert codes == [0, -signal.SIGKILL]
+        kind, message = outs[0]["error"]  # rank 0 learns it in that restore, the rank named
+        assert kind in ("GroupBrokenError", "GroupSaveError") and "rank 1" in message, outs[0]
+        assert outs[0]["head"] == v1  # nothing was adopted
+    else:  # the group timed out on the stalled rank (10 s against 3 s, so the restore's next
+        # exchange times out too): both ranks fail the restore alike, naming it
+        assert codes == [0, 0]
+        assert outs[0]["error"] == outs[1]["error"] and outs[0]["error"][0] == "GroupSaveError", outs
+        assert "rank 1 did not answer within 3s" in outs[0]["error"][1]
+        assert outs[0]["head"] == outs[1]["head"] == v1  # nothing was adopted
+    # Nothing was lost: the next restart adopts the version.
+    assert run_ranks_agent("adopt", tmp_path / "restart", cfg) == [0, 0]
+    assert all(rank_out(tmp_path / "restart", r)["head"] == v2 for r in range(2))
