@@ -362,10 +362,11 @@ class Requests:
         # a restarted trainer asking right away must find them.
         with self._lock:
             settling = [t for t in self._tracked.values() if t.part is not None and t.owner not in self._clients]
+        deadline = time.monotonic() + _ORPHAN_WAIT_S  # for all of them together
         for t in settling:
             err: BaseException | None = None
             with contextlib.suppress(Exception):
-                err = t.handle.future("durable").exception(_ORPHAN_WAIT_S)
+                err = t.handle.future("durable").exception(max(0.0, deadline - time.monotonic()))
             self._orphan(t, err)
         with self._lock:
             return {"orphans": [o for o in self._orphans.values() if rank is None or o["rank"] == int(rank)]}

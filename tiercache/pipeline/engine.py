@@ -70,6 +70,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.pipeline.engine")
 
 
+def _lane(job: Job) -> int:
+    """The lane (hashing thread and writers) of ``job``: its rank's, for a part of a multi-rank version."""
+    return job.committer.rank if job.committer is not None else 0
+
+
 class Engine:
     """Runs the save pipeline for one cache.
 
@@ -120,11 +125,12 @@ class Engine:
         #: Names each staged chunk and publishes the manifest (on a ``tiercache-hash`` thread).
         self.hasher = Hasher(config, repo, self.ramcache, self.jobs, wait_for_copy=self._stager.saturates)
         nice = config.background_nice
-        # One hashing thread per rank whose versions this engine hashes: a process's own versions
-        # (and its part of each multi-rank version) go through one, in save order. A node agent
-        # hashes the parts of several ranks of one version side by side, as their own processes
-        # would: one rank's trade of ids with the others (tiercache.group.hashing) waits for
-        # another rank's part, which must not be queued behind it.
+        # One lane per rank whose versions this engine writes: a hashing thread and a writer per
+        # tier. A process's own versions (and its part of each multi-rank version) go through
+        # lane 0, in save order. A node agent hashes and writes the parts of several ranks of one
+        # version side by side, as their own processes would: one rank's trade of ids with the
+        # others (tiercache.group.hashing), or its wait for the group's owners, waits for another
+        # rank's part, which must not be queued behind it.
         self._hash_lanes: dict[int, ThreadPoolExecutor] = {}
         self._lanes_lock = threading.Lock()
         # Names chunks written before their hash (see TierWriter): these tasks wait for hashes,
@@ -132,14 +138,10 @@ class Engine:
         self.finisher = ThreadPoolExecutor(
             2, thread_name_prefix="tiercache-name", initializer=lower_thread_priority, initargs=(nice,)
         )
-        self._writers = {
-            name: TierWriter(self, name, tier, threads=tier.write_threads or config.io_threads, nice=nice)
-            for name, tier in repo.durable.items()
-        }
-        # Other ranks' parts of multi-rank versions (a node agent writes several) get writers of
-        # their own, as their processes would have: one rank's part waiting for the group (its
-        # owners) never holds up another's.
-        self._part_writers: dict[tuple[str, int], TierWriter] = {}
+        #: Each tier's writer of each lane (lane 0's made now, the others on first use).
+        self._writers: dict[tuple[str, int], TierWriter] = {}
+        for name in repo.durable:
+            self._writer(name, 0)
         if config.ram is not None or not repo.durable:
             self.ramcache.ensure()
 
@@ -279,25 +281,22 @@ class Engine:
             job.futures[lvl].set_exception(err)
         self.repo.leases.open(job.version_id, job.parent)
         self.jobs.add(job)
-        self._lane(job.committer.rank if job.committer is not None else 0).submit(self._after_stage, job)
+        self._hasher_of(_lane(job)).submit(self._after_stage, job)
         return job.copied
 
-    def _writer(self, name: str, job: Job) -> TierWriter:
-        """The writer of ``job`` to tier ``name``: the tier's, or for rank r > 0's part, the tier's writer for r."""
-        rank = job.committer.rank if job.committer is not None else 0
-        if rank == 0:
-            return self._writers[name]
+    def _writer(self, name: str, lane: int) -> TierWriter:
+        """Tier ``name``'s writer of ``lane`` (made on first use)."""
         with self._lanes_lock:
-            writer = self._part_writers.get((name, rank))
+            writer = self._writers.get((name, lane))
             if writer is None:
                 tier = self.repo.durable[name]
-                writer = self._part_writers[(name, rank)] = TierWriter(
+                writer = self._writers[(name, lane)] = TierWriter(
                     self, name, tier, threads=tier.write_threads or self.config.io_threads,
                     nice=self.config.background_nice)
             return writer
 
-    def _lane(self, rank: int) -> ThreadPoolExecutor:
-        """The hashing thread of ``rank``'s versions (made on first use)."""
+    def _hasher_of(self, rank: int) -> ThreadPoolExecutor:
+        """The hashing thread of ``rank``'s lane (made on first use)."""
         with self._lanes_lock:
             lane = self._hash_lanes.get(rank)
             if lane is None:
@@ -460,7 +459,7 @@ class Engine:
             self._fail_staging(job, e)
             return
         for name in targets:
-            self._writer(name, job).submit(job)
+            self._writer(name, _lane(job)).submit(job)
         try:
             self.hasher.run(job)
         except BaseException as e:
@@ -599,7 +598,7 @@ class Engine:
         if fallback is not None:
             log.warning("version %s reached no durable tier; writing it to %s after all (skipped there: %s)",
                         job.version_id, fallback, why)
-            threading.Thread(target=self._writers[fallback].write_or_fail, args=(job,),
+            threading.Thread(target=self._writer(fallback, 0).write_or_fail, args=(job,),
                              name=f"tiercache-fallback-{fallback}", daemon=True).start()
             return
         waits = self.catchup.to_wait(job, durable, skipped, failed)
@@ -829,8 +828,8 @@ class Engine:
         self._closed = True
         self.catchup.close()
         with self._lanes_lock:
-            part_writers = list(self._part_writers.values())
-        for writer in [*self._writers.values(), *part_writers]:
+            writers = list(self._writers.values())
+        for writer in writers:
             writer.close()
         self.finisher.shutdown()
         with self._lanes_lock:
