@@ -70,7 +70,7 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
         part = cache.catalog.part(cache.catalog.peek(h.version), rank)
         assert part is not None
         own |= {c.id for c in part.chunks}
-    # What this trainer wrote itself: peer copies of the other node's parts only (to its disk).
+    # What this trainer wrote itself: nothing (the agents hash, write and copy to peers).
     out["trainer_puts_s3"] = sum(p.startswith("s3:") for p in puts)
     out["trainer_puts_own"] = sum(p.rsplit("/", 1)[-1] in own for p in puts)
     out["trainer_puts_disk"] = sum(p.startswith("disk:") for p in puts)
@@ -80,8 +80,18 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
     assert agent is not None
     stats = agent.request("stats")
     out["agent_levels"] = stats["levels"]
+    out["agent_peer_bytes"] = stats["peer_bytes"]
     out["agent_lag"] = stats["lag"]
     out["agent_tracked"] = stats["tracked"]
+
+
+def scenario_peer_copies(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                         work: Path) -> None:
+    """Save two versions over the group with peer copies; the second after whatever befell the first's."""
+    out["levels"], out["agent_lost"] = [], []
+    for step in (1, 2):
+        out["levels"].append(_levels(cache.save(node_state(rank, step), step=step, group=dist.group.WORLD)))
+        out["agent_lost"].append(cache.agent is None)
 
 
 def scenario_dies_at_write(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
@@ -206,4 +216,4 @@ SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
              "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore,
              "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once,
-             "adopt_fault": scenario_adopt_fault}
+             "adopt_fault": scenario_adopt_fault, "peer_copies": scenario_peer_copies}

@@ -447,14 +447,18 @@ def test_a_restarted_group_restores_from_node_ram(tmp_path: Path, sock_dir: Path
 
 
 def _node_agents(tmp_path: Path, agents: Any, base: dict[str, Any], nodes: list[str], ranks_per_node: int,
-                 env: dict[str, str] | None = None) -> tuple[list[Any], list[dict[str, str]]]:
-    """One agent per simulated node (its own disk, socket and arena); each rank's variables."""
+                 faults: dict[str, str] | None = None) -> tuple[list[Any], list[dict[str, str]]]:
+    """One agent per simulated node (its own disk, socket and arena); each rank's variables.
+
+    ``faults``: failpoints (``TIERCACHE_FAILPOINTS``) of a node's agent, by node.
+    """
     started, per_rank = [], []
     for name in nodes:
         sock = short_dir()
         cfg = {**base, "node": name, "disk": {"path": str(tmp_path / f"disk-{name}")},
                "agent": {**base["agent"], "socket": str(sock / "a.sock")}}
-        started.append(agents(cfg, env=env))
+        fault = (faults or {}).get(name)
+        started.append(agents(cfg, env=None if fault is None else {"TIERCACHE_FAILPOINTS": fault}))
         per_rank += [{"TIERCACHE_NODE": name, "TIERCACHE_DISK__PATH": cfg["disk"]["path"],
                       "TIERCACHE_AGENT__SOCKET": cfg["agent"]["socket"]}] * ranks_per_node
     return started, per_rank
@@ -475,17 +479,17 @@ def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, a
         vid = outs[0]["levels"][v]["durable"]
         for out in outs:
             levels = out["levels"][v]
-            # Each node's part is also on the other node's disk (the trainers send the peer copies).
+            # Each node's part is also on the other node's disk (the agents sent the peer copies).
             assert levels["local"] == levels["replicated"] == levels["remote"] == levels["durable"] == vid
     for r, out in enumerate(outs):
         # The ranks split the hashing of the replicated "emb" (each agent hashes its ranks' shares
         # side by side) and traded ids: every version's shared chunks were hashed by several ranks.
         assert all(len(ranks) > 1 for ranks in out["hashed_by"]), out["hashed_by"]
         assert out["through_agent"], f"rank {r} saved in its own process"
-        # The trainer wrote none of its own part's chunks, nothing to S3: only the peer copies it
-        # received of the other node's part went to its disk (the trainers still move those).
-        assert out["trainer_puts_own"] == out["trainer_puts_s3"] == 0, f"rank {r}'s trainer wrote its part"
-        assert out["trainer_puts_disk"] > 0
+        # The trainer wrote no chunk at all: not its part's, not to S3, and not the peer copies of
+        # the other node's part either (its agent received those from the other node's agent).
+        assert out["trainer_puts_own"] == out["trainer_puts_s3"] == out["trainer_puts_disk"] == 0, out
+        assert out["agent_peer_bytes"]["sent"] > 0 and out["agent_peer_bytes"]["received"] > 0, out
         assert out["restored_equal"] and out["v1_equal"], f"rank {r} restored other bytes"
         want = sum(t.nbytes for t in node_state(r, 2).values() if hasattr(t, "nbytes"))
         assert set(out["restored_report"]) == {"ram"} and out["restored_report"]["ram"] >= want
@@ -504,6 +508,45 @@ def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, a
     with tiercache.open({"s3": base["s3"], "chunk_bytes": base["chunk_bytes"]}) as cache:
         parts = cache.restore("main")
     assert len(parts) == 4
+    for r, part in enumerate(parts):
+        want = node_state(r, 2)
+        assert all(torch.equal(part[k], want[k]) for k in ("shard", "emb", "rng")) and part["step"] == 2
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_an_agent_that_fails_or_dies_sending_peer_copies_fails_replicated_alike(
+    tmp_path: Path, shm_dir: Path, agents: Any, fault: str
+) -> None:
+    """Node b's agent cannot read a chunk it sends (or dies sending it): both ranks fail ``replicated`` alike.
+
+    ``local`` and ``durable`` are not affected; the next version's copies go through again (for
+    a dead agent: between the trainers, the rank that lost it saving in process).
+    """
+    from _multirank_worker import node_state
+    from test_multirank import rank_out, run_ranks
+
+    base = {**agent_config(tmp_path, tmp_path, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB",
+            "peers": {"copies": 1}}
+    _, env = _node_agents(tmp_path, agents, base, ["a", "b"], 1, faults={"b": f"peers.send={fault}@2"})
+    assert run_ranks("_agent_group_worker:peer_copies", 2, tmp_path / "run", base, env=env) == [0, 0]
+    outs = [rank_out(tmp_path / "run", r) for r in range(2)]
+    first, second = [o["levels"][0] for o in outs], [o["levels"][1] for o in outs]
+    vid1, vid2 = first[0]["durable"], second[0]["durable"]
+    assert all(lv["local"] == lv["durable"] == vid1 for lv in first), first
+    assert first[0]["replicated"] == first[1]["replicated"], first  # one outcome, the rank named
+    kind, message = first[0]["replicated"]
+    assert kind == "GroupSaveError" and f"version {vid1} on peers" in message and "rank 1" in message, message
+    if fault == "raise":  # the receiver was told at once that the chunk will not come
+        assert "rank 1 could not read" in message, message
+        assert [o["agent_lost"] for o in outs] == [[False, False]] * 2
+    else:  # the receiving agent saw the connection close: it did not wait for the timeout
+        assert "rank 1's node agent stopped before it sent" in message, message
+        assert outs[0]["agent_lost"] == [False, False] and outs[1]["agent_lost"] == [True, True]
+    assert all(lv["local"] == lv["replicated"] == lv["durable"] == vid2 for lv in second), second
+    # Node a's disk alone restores node b's part of the second version: the peer copy is whole.
+    cfg = without_agent({**base, "node": "a", "disk": {"path": str(tmp_path / "disk-a")}})
+    with tiercache.open(cfg) as cache:
+        parts = cache.restore(vid2)
     for r, part in enumerate(parts):
         want = node_state(r, 2)
         assert all(torch.equal(part[k], want[k]) for k in ("shard", "emb", "rng")) and part["step"] == 2

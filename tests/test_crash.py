@@ -177,7 +177,7 @@ def s3_env(s3_server: Any) -> dict[str, str]:
 
 
 def test_random_kills_disk(server: ForkServer, tmp_path: Path, slow: bool) -> None:
-    n = 600 if slow else 80
+    n = 600 if slow else 40
     tally = _random_kills(server, tmp_path, None, n, seed=1)
     assert tally.trials == n
     assert tally.kills >= n * 0.9

@@ -333,6 +333,9 @@ class AgentConfig(_Model):
         request_timeout: Seconds without a word from the agent after which a request counts as
             lost: the process saves in process from then on (an agent waiting for room in its
             arena says so every second).
+        peer_host: The address this node's agent takes peer copies (``[peers]``) from other
+            nodes' agents on, a free port of it; ``None``: the address this node reaches the
+            job's store from (torchrun's rendezvous, ``MASTER_ADDR``).
     """
 
     socket: Path | None = None
@@ -342,6 +345,7 @@ class AgentConfig(_Model):
     idle_exit: Duration = 600.0
     connect_timeout: float = Field(default=20.0, gt=0)
     request_timeout: float = Field(default=30.0, gt=0)
+    peer_host: str | None = None
 
     @field_validator("metrics")
     @classmethod

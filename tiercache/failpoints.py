@@ -59,6 +59,7 @@ FAILPOINTS: tuple[str, ...] = (
     "group.write",  # this rank's chunks and part are on a tier; it tells the group
     "group.commit",  # rank 0 (shared tier) or a node's leader (its disk) commits the version
     "group.peers",  # this rank makes its share of the peer copies
+    "peers.send",  # a node reads a chunk of its peer copies to send it (with [agent]: its agent; detail: the id)
     "group.restore",  # restore(group=) resolves the ref (detail: "restore/<n>")
     "group.adopt",  # a restarted group reads back the part of a version it adopts (detail: "restore/<n>/adopt")
     "group.fill",  # a group restore reads its chunks (its own node's, a peer's, S3's)

@@ -25,6 +25,8 @@ metric                                               what
 ``tiercache_agent_restores_total{source}``            restores trainers reported, by where bytes came from
 ``tiercache_agent_restore_bytes_total{source}``       their bytes, by source
 ``tiercache_agent_ram_served_bytes_total``            bytes of node RAM lent to readers
+``tiercache_agent_peer_bytes_total{direction}``       bytes of peer copies (``[peers]``) ``sent`` to and
+                                                     ``received`` from other nodes' agents
 ``tiercache_agent_throughput_bytes_per_second{tier,   observed speed per tier and direction
 direction}``
 ==================================================== ============================================
@@ -110,6 +112,11 @@ def _families(server: AgentServer) -> Iterator[Any]:
     yield from (restores, restore_bytes)
     yield CounterMetricFamily("tiercache_agent_ram_served_bytes", "Bytes of node RAM lent to readers",
                               value=st["served_bytes"].get("ram", 0))
+    peer = CounterMetricFamily("tiercache_agent_peer_bytes", "Bytes of peer copies, by direction",
+                               labels=["direction"])
+    for direction, n in sorted(st["peer_bytes"].items()):
+        peer.add_metric([direction], n)
+    yield peer
     speed = GaugeMetricFamily("tiercache_agent_throughput_bytes_per_second", "Observed throughput",
                               labels=["tier", "direction"])
     for tier, per_dir in sorted(st["meter"]["tiers"].items()):

@@ -24,6 +24,7 @@ from tiercache.agent.arena import SharedArena
 from tiercache.agent.client import LAYOUT_FIELDS
 from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.naming import AgentPlace
+from tiercache.agent.peering import PeerPort
 from tiercache.agent.protocol import (
     PROTOCOL_VERSION,
     Connection,
@@ -42,6 +43,8 @@ from tiercache.errors import (
     TierCacheError,
 )
 from tiercache.format import TensorMeta
+from tiercache.group.copies import PeerFiles
+from tiercache.group.transfer import Slot
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout
 from tiercache.manifest import RefRecord, Version
@@ -135,6 +138,8 @@ class Requests:
     _served: Counter[str]
     _errors: Counter[str]
     _recorder: StatusRecorder | None
+    #: Where this agent takes and sends the peer copies of its ranks' group versions.
+    _peers: PeerPort
 
     @property
     def engine(self) -> Engine:
@@ -496,6 +501,19 @@ class Requests:
         client.calls.answer(int(msg["n"]), msg.get("result"), msg.get("error"))
         return {}
 
+    def _peer_port(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"endpoint": list(self._peers.endpoint(str(msg["host"])))}
+
+    def _peer_copy(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        """One rank's moves of a version's peer copies, agent to agent (:mod:`tiercache.agent.peering`)."""
+        assert self.cache is not None
+        files = PeerFiles(self.cache, str(msg["tier"]), str(msg["vid"]))
+        self._peers.copy(token=str(msg["token"]), rank=int(msg["rank"]),
+                         slots=[Slot.from_json(s) for s in msg["slots"]],
+                         endpoints={int(r): (str(h), int(p)) for r, (h, p) in dict(msg["endpoints"]).items()},
+                         files=files, timeout=float(msg["within"]), threads=self.cache.config.io_threads)
+        return {}
+
     def _restored(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         for source, n in dict(msg.get("nbytes", {})).items():
             self._restores[str(source)] += 1
@@ -535,6 +553,7 @@ class Requests:
             "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
+            "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
             "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
             "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
         }
@@ -590,6 +609,8 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "restored": (Requests._restored, False),
     "answer": (Requests._answer_call, False),
     "orphans": (Requests._orphans_request, True),
+    "peer_port": (Requests._peer_port, False),
+    "peer_copy": (Requests._peer_copy, True),
     "stats": (Requests._stats, False),
     "stop": (Requests._stop_request, True),
 }

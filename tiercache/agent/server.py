@@ -36,6 +36,7 @@ from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
 from tiercache.agent.committer import trainer_left
 from tiercache.agent.lifecycle import check_environment
+from tiercache.agent.peering import PeerPort
 from tiercache.agent.protocol import (
     Connection,
     ProtocolError,
@@ -105,6 +106,7 @@ class AgentServer(Requests):
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._recorder: StatusRecorder | None = None
+        self._peers = PeerPort()
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_server: Any = None
 
@@ -211,6 +213,7 @@ class AgentServer(Requests):
                 self._listener.close()
             with contextlib.suppress(FileNotFoundError):
                 self.place.socket.unlink()
+        self._peers.close()
         with self._lock:
             clients = list(self._clients.values())
         for c in clients:

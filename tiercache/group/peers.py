@@ -11,7 +11,10 @@ rank (Gemini; NVIDIA's local checkpointing), in two phases of the group's collec
    rank gets only its own moves.
 2. The chunks travel point to point over a private gloo group; a receiver verifies each against
    its id (a part manifest: that it is the part it should be) and writes it to its node's disk
-   with the same durable write as any chunk, then syncs the names.
+   with the same durable write as any chunk, then syncs the names
+   (:class:`~tiercache.group.copies.PeerFiles`). With ``[agent]``, where every rank's agent
+   said where it takes copies (in the plan phase), the agents move, verify and write them
+   instead, agent to agent over TCP (:mod:`tiercache.agent.peering`): the trainers only agree.
 3. ``<v>/peers``: ``replicated`` resolves on every rank once every move landed, or fails on every
    rank with the same error. A rank that dies mid-copy fails ``replicated`` (and breaks the
    group: see :mod:`tiercache.group.collective`); ``local`` and ``remote`` are not affected.
@@ -22,23 +25,21 @@ Chunks a peer node holds already (a DDP replica holds every replicated chunk) ar
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache import codecs
-from tiercache.errors import GroupSaveError, IntegrityError
+from tiercache.errors import AgentUnavailableError, GroupSaveError, IntegrityError, TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
+from tiercache.group.copies import PART, PeerFiles
 from tiercache.group.round import Round
 from tiercache.group.status import Status
 from tiercache.group.topology import Topology
 from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
-from tiercache.manifest import Version
-from tiercache.names import chunk_key, part_key
-from tiercache.restore import byte_view
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -46,9 +47,6 @@ if TYPE_CHECKING:
     from tiercache.group.view import GroupView
 
 log = logging.getLogger("tiercache.group.peers")
-
-#: How a part manifest is named in a move (a chunk is named by its id).
-_PART = "part:"
 
 
 def copy_moves(
@@ -91,7 +89,7 @@ def copy_moves(
                     dsts.append(receivers[turn % len(receivers)])
                 turn += 1
             for rank in topology.ranks(node) if part_bytes else ():
-                name = f"{_PART}{rank}"
+                name = f"{PART}{rank}"
                 nbytes[name] = part_bytes[rank]
                 moves.setdefault((name, rank), []).append(receivers[turn % len(receivers)])
                 turn += 1
@@ -106,14 +104,18 @@ class Replicator:
         group: A private gloo group of the process group, used only by the replicator's thread.
         peers: Per node, the nodes that hold a copy of its part.
         tier: The node-local durable tier the copies go to (the node's disk).
+        timeout: Seconds a rank's moves may take.
+        agent_host: Where this node's agent takes other agents' copies (with ``[agent]``).
     """
 
     def __init__(self, view: GroupView, group: dist.ProcessGroup, peers: Sequence[tuple[int, ...]],
-                 tier: str) -> None:
+                 tier: str, *, timeout: float, agent_host: str | None = None) -> None:
         self.view = view
         self.group = group
         self.peers = list(peers)
         self.tier = tier
+        self.timeout = timeout
+        self.agent_host = agent_host
 
     def run(self, rnd: Round, ch: Channel) -> None:
         """Make the peer copies of ``rnd`` once the group settled its ``local`` level."""
@@ -126,14 +128,18 @@ class Replicator:
         what = f"version {rnd.vid} on peers"
         try:
             failpoint("group.peers", f"{rnd.vid}/peers")
-            mine = Status()
+            mine = Status("ok", {"agent": self._agent_endpoint()})
         except Exception as e:
             mine = Status.of(e)
-        plan = ch.exchange(f"{rnd.vid}/peers/plan", mine, what=what, decide=lambda _: self._plan(rnd))
+        plan = ch.exchange(f"{rnd.vid}/peers/plan", mine, what=what, decide=lambda st: self._plan(rnd, st))
         status = Status()
         if plan.ok:
             try:
-                self._copy(rnd, [Slot.from_json(s) for s in plan.mine])
+                share = plan.mine
+                if share["via"] is None:
+                    self._copy(rnd, [Slot.from_json(s) for s in share["slots"]])
+                else:
+                    self._through_agent(rnd, share["slots"], share["via"])
             except Exception as e:  # a peer that died shows here on some ranks only: the exchange tells all
                 status = Status.of(e)
         else:
@@ -144,52 +150,49 @@ class Replicator:
         else:
             result.set_exception(verdict.status.error_object(wrap=True))
 
-    def _plan(self, rnd: Round) -> Decision:
+    def _agent_endpoint(self) -> list[Any] | None:
+        """Where this node's agent takes peer copies, or ``None`` if this rank saves without one."""
+        link = self.view.cache.agent
+        if link is None or self.agent_host is None:
+            return None
+        try:
+            return list(link.request("peer_port", host=self.agent_host)["endpoint"])
+        except TierCacheError as e:  # an agent that is lost or cannot listen: the trainers copy
+            log.warning("the peer copies go between the trainers: %s", e)
+            return None
+
+    def _plan(self, rnd: Round, statuses: list[Status]) -> Decision:
+        """Each rank's moves; through the agents (a token and the endpoints it needs) if every rank has one."""
         view = self.view
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
         slots = schedule(moves, view.cache.config.peers.batch_bytes)
-        return Decision(None, shares(slots, view.world_size))
+        per = shares(slots, view.world_size)
+        endpoints = [s.payload["agent"] for s in statuses]
+        if not all(endpoints):
+            return Decision(None, [{"slots": mine, "via": None} for mine in per])
+        token = secrets.token_hex(16)
+        out = []
+        for rank, mine in enumerate(per):
+            others = {r for s in mine for r in (s[4], *s[5])} - {rank}  # each slot: [tag, batch, chunk, n, src, dsts]
+            out.append({"slots": mine, "via": {"token": token, "endpoints": {str(r): endpoints[r] for r in others}}})
+        return Decision(None, out)
+
+    def _through_agent(self, rnd: Round, slots: list[Any], via: dict[str, Any]) -> None:
+        """This rank's moves, made by its node's agent (:mod:`tiercache.agent.peering`)."""
+        link = self.view.cache.agent
+        if link is None:
+            raise AgentUnavailableError(f"rank {self.view.rank} lost its node agent before the peer copies of "
+                                        f"version {rnd.vid}")
+        link.request("peer_copy", vid=rnd.vid, rank=self.view.rank, tier=self.tier, slots=slots,
+                     token=via["token"], endpoints=via["endpoints"], within=self.timeout)
 
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
-        view = self.view
-        cache = view.cache
-        repo = cache.repo
-        disk = repo.durable[self.tier]
-        algo = cache.config.hash
-        written: list[str] = []
-        parts: list[tuple[str, bytes]] = []  # written once the chunks they name are durable
+        """This rank's moves over gloo, from and to its node's disk (:class:`PeerFiles`)."""
+        cache = self.view.cache
+        files = PeerFiles(cache, self.tier, rnd.vid)
+        disk = files.disk
         writes: list[Future[None]] = []
         failed: list[BaseException] = []
-
-        def read(m: Move) -> torch.Tensor:
-            if m.chunk.startswith(_PART):
-                data = disk.get(part_key(rnd.vid, int(m.chunk[len(_PART):])))
-                if data is None or len(data) != m.nbytes:
-                    raise IntegrityError(f"{m.chunk} of version {rnd.vid} is not on this node's disk as written")
-                return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            buf = torch.empty(m.nbytes, dtype=torch.uint8)
-            cache.reader.read_chunk(m.chunk, m.nbytes, algo, [(byte_view(buf), 0, m.nbytes)])
-            return buf
-
-        def store(m: Move, data: torch.Tensor) -> None:
-            raw = byte_view(data)
-            if m.chunk.startswith(_PART):
-                rank = int(m.chunk[len(_PART):])
-                where = f"rank {rank}'s part of version {rnd.vid} from rank {m.src}"
-                part = Version.from_json(bytes(raw), source=where)
-                if part.id != rnd.vid or part.rank != rank:
-                    raise IntegrityError(f"{m.chunk} from rank {m.src} is not rank {rank}'s part of version {rnd.vid}")
-                parts.append((part_key(rnd.vid, rank), bytes(raw)))
-                return
-            if codecs.content_id(raw, algo) != m.chunk:
-                raise IntegrityError(f"chunk {m.chunk} from rank {m.src} does not match its id")
-            obj = bytearray(codecs.HEADER_BYTES + m.nbytes)
-            codecs.write_header(memoryview(obj)[: codecs.HEADER_BYTES],
-                                codecs.ChunkHeader(m.chunk, m.nbytes, m.nbytes, codecs.RAW, 1, algo))
-            obj[codecs.HEADER_BYTES :] = raw
-            disk.put(chunk_key(m.chunk), obj, sync_name=False)
-            written.append(m.chunk)
-
         threads = disk.write_threads or cache.config.io_threads
         with ThreadPoolExecutor(threads, thread_name_prefix="tiercache-peer-write") as pool:
 
@@ -197,17 +200,14 @@ class Replicator:
                 if data is None:
                     failed.append(IntegrityError(f"rank {m.src} could not read {m.chunk} to copy it"))
                     return
-                writes.append(pool.submit(store, m, data))
+                writes.append(pool.submit(files.land, m, data))
 
-            run_moves(self.group, view.rank, slots, read=read, land=land, threads=cache.config.io_threads)
+            run_moves(self.group, self.view.rank, slots, read=files.read, land=land, threads=cache.config.io_threads)
             for w in writes:
                 w.result()
         if failed:
             raise failed[0]
-        repo.stored(self.tier, written)
-        repo.sync_chunks(self.tier, written)
-        for key, data in parts:
-            disk.put(key, data)
+        files.finish()
 
 
 __all__ = ["Replicator", "copy_moves"]

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from tiercache.agent.peering import advertised_host
 from tiercache.config import this_node
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.failpoints import failpoint
@@ -127,7 +128,8 @@ class GroupView:
         ranks = dist.get_process_group_ranks(pg)
         self.rank = ranks.index(dist.get_rank())
         self.world_size = len(ranks)
-        self.collective = Collective(_group_store(pg), self.rank, self.world_size, timeout=timeout.total_seconds())
+        store = _group_store(pg)
+        self.collective = Collective(store, self.rank, self.world_size, timeout=timeout.total_seconds())
         self._channel = self.collective.channel()  # the calling (training) thread's
         cfg = cache.config
         self.node_local = frozenset(n for n, t in cache.repo.durable.items() if t.node_local)
@@ -163,7 +165,9 @@ class GroupView:
         self._transfers = self._gloo(ranks)
         replicator = None
         if self._no_peers is None:
-            replicator = Replicator(self, self._gloo(ranks), peers, min(self.node_local))
+            agent_host = None if cfg.agent is None else cfg.agent.peer_host or advertised_host(store)
+            replicator = Replicator(self, self._gloo(ranks), peers, min(self.node_local),
+                                    timeout=timeout.total_seconds(), agent_host=agent_host)
         self.phases = Phases(self, replicator)
         for tier in cache.repo.durable.values():  # a node sends the requests one process would
             if tier.pacer is not None:

@@ -1,0 +1,172 @@
+"""The agents' peer-copy transport (tiercache.agent.peering) between two ports in one process.
+
+Two caches stand for two nodes' disks; real sockets on loopback, real chunk files. The
+multi-process cases (agents that fail or die sending, the whole group) are in tests/test_agent.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercache
+from tiercache.agent.peering import PeerPort, advertised_host
+from tiercache.errors import IntegrityError, TierUnavailableError
+from tiercache.group.copies import PeerFiles
+from tiercache.group.transfer import Move, Slot, schedule
+from tiercache.names import chunk_key
+from tiercache.restore import byte_view
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
+    """Node 0's cache holding a version on its disk, node 1's empty one, and the version's id."""
+    cfg = {"chunk_bytes": "64KiB", "pack_below": "4KiB"}
+    a = tiercache.open({**cfg, "disk": {"path": str(tmp_path / "a")}})
+    b = tiercache.open({**cfg, "disk": {"path": str(tmp_path / "b")}})
+    state = {"w": torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)), "step": 1}
+    vid = a.save(state, step=1).wait("durable")
+    try:
+        yield a, b, vid
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.fixture
+def ports() -> Iterator[tuple[PeerPort, PeerPort]]:
+    pa, pb = PeerPort(), PeerPort()
+    yield pa, pb
+    pa.close()
+    pb.close()
+
+
+def _slots(cache: Any, vid: str) -> list[Slot]:
+    chunks = sorted({(c.id, c.nbytes) for c in cache.manifest(vid).chunks})
+    return schedule([Move(cid, n, 0, (1,)) for cid, n in chunks], 1 << 20)
+
+
+def _both(pa: PeerPort, pb: PeerPort, send: PeerFiles, land: PeerFiles, slots: list[Slot],
+          token: str = "t1", timeout: float = 20.0) -> list[BaseException | None]:
+    """Rank 0 (port a) sends, rank 1 (port b) receives; each side's error (or None)."""
+    endpoints = {0: pa.endpoint(HOST), 1: pb.endpoint(HOST)}
+    errors: list[BaseException | None] = [None, None]
+
+    def side(i: int, port: PeerPort, files: PeerFiles) -> None:
+        try:
+            port.copy(token=token, rank=i, slots=slots, endpoints=endpoints, files=files, timeout=timeout,
+                      threads=2)
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=side, args=(0, pa, send)), threading.Thread(target=side, args=(1, pb, land))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return errors
+
+
+def test_the_chunks_land_verified_on_the_other_nodes_disk(nodes: Any, ports: Any) -> None:
+    a, b, vid = nodes
+    slots = _slots(a, vid)
+    assert len(slots) > 1
+    errors = _both(*ports, PeerFiles(a, "disk", vid), PeerFiles(b, "disk", vid), slots)
+    assert errors == [None, None]
+    for s in slots:  # node 1 reads each from its own disk (verified against its id), the bytes of node 0's
+        got, want = (torch.empty(s.move.nbytes, dtype=torch.uint8) for _ in range(2))
+        for cache, buf in ((a, want), (b, got)):
+            n = s.move.nbytes
+            cache.reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
+        assert torch.equal(got, want)
+    assert all(b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is not None for s in slots)
+    sent = sum(s.move.nbytes for s in slots)
+    assert ports[0].bytes["sent"] == ports[1].bytes["received"] == sent
+
+
+class _Flipping(PeerFiles):
+    """A sender whose bytes get damaged on the way (a bad NIC, a bug): one bit of every chunk flipped."""
+
+    def read(self, m: Move) -> torch.Tensor:
+        data = super().read(m)
+        data[0] ^= 1
+        return data
+
+
+class _Failing(PeerFiles):
+    def read(self, m: Move) -> torch.Tensor:
+        raise IntegrityError(f"{m.chunk} is damaged on this node's tiers")
+
+
+@pytest.mark.parametrize(("sender", "want"), [
+    (_Flipping, "from rank 0 does not match its id"),  # bad input: checked against its id, never written
+    (_Failing, "rank 0 could not read"),  # the sender tells the receiver at once
+])
+def test_a_chunk_that_is_damaged_or_unreadable_fails_the_receiver_and_lands_nowhere(
+    nodes: Any, ports: Any, sender: Callable[..., PeerFiles], want: str
+) -> None:
+    a, b, vid = nodes
+    slots = _slots(a, vid)
+    errors = _both(*ports, sender(a, "disk", vid), PeerFiles(b, "disk", vid), slots)
+    assert isinstance(errors[1], IntegrityError) and want in str(errors[1]), errors
+    if sender is _Failing:
+        assert isinstance(errors[0], IntegrityError)
+    for s in slots:
+        assert b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is None
+
+
+def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_nothing(
+    nodes: Any, ports: Any
+) -> None:
+    a, b, vid = nodes
+    _, pb = ports
+    slots = _slots(a, vid)
+    host, port = pb.endpoint(HOST)
+    result: list[BaseException | None] = []
+
+    def receive() -> None:
+        try:
+            pb.copy(token="t2", rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)}, files=PeerFiles(b, "disk", vid),
+                    timeout=60.0, threads=1)
+            result.append(None)
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+
+    def frame(head: bytes) -> bytes:
+        return struct.pack(">I", len(head)) + head
+
+    # A stranger (another job's token) sends a "chunk": dropped, nothing is written.
+    m = slots[0].move
+    with socket.create_connection((host, port)) as s:
+        s.sendall(frame(b'{"t": "other", "src": 0}'))
+        s.sendall(frame(b'{"t": "other", "tag": %d, "dst": 1, "ok": true, "n": 4, "w": 0}' % slots[0].tag) + b"junk")
+    # Rank 0's agent connects, sends nothing, and dies: the receiver fails now, not after 60 s.
+    with socket.create_connection((host, port)) as s:
+        s.sendall(frame(b'{"t": "t2", "src": 0}'))
+    t.join(20)
+    assert not t.is_alive()
+    [err] = result
+    assert isinstance(err, TierUnavailableError) and "rank 0's node agent stopped before it sent" in str(err), err
+    assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
+
+
+def test_the_advertised_host_is_the_route_to_the_store() -> None:
+    class Store:
+        host = "127.0.0.1"
+
+    class Prefix:
+        underlying_store = Store()
+
+    assert advertised_host(Prefix()) == "127.0.0.1"  # type: ignore[arg-type]
