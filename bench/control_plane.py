@@ -376,7 +376,8 @@ class World:
         view.chunk_bytes = partial(GroupView.chunk_bytes, view)
         self.view = view
         # One peer copy per node's part, on another node (none with a single node).
-        self.replicator = Replicator(view, None, choose_peers(self.topo, 1), "disk") if self.topo.count > 1 else None  # type: ignore[arg-type]
+        self.replicator = (Replicator(view, None, choose_peers(self.topo, 1), "disk", timeout=600.0)  # type: ignore[arg-type]
+                           if self.topo.count > 1 else None)
         self.leaf_bytes = max(t.nbytes for t in part.manifest.tensors)
         self.row: dict[str, float] = {}
         self.seen: dict[str, Traffic] = {}
@@ -434,7 +435,7 @@ class World:
         if self.replicator is not None:  # as tiercache.group.peers.Replicator.run, without the copies
             plan = self.plan
             rnd = SimpleNamespace(plan=Plan(plan.nbytes, plan.sizes, plan.writers, plan.part_bytes))
-            self._same(f"{vid}/peers/plan", Status(), lambda _: self.replicator._plan(rnd),  # type: ignore[union-attr]
+            self._same(f"{vid}/peers/plan", Status(), lambda st: self.replicator._plan(rnd, st),  # type: ignore[union-attr]
                        names=("peers_plan",))
             self._same(f"{vid}/peers", Status(), names=("peers",))
         self._same(f"{vid}/s3", Status("ok", 0), commit_shared)

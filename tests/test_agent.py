@@ -513,11 +513,11 @@ def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, a
         assert all(torch.equal(part[k], want[k]) for k in ("shard", "emb", "rng")) and part["step"] == 2
 
 
-@pytest.mark.parametrize("fault", ["raise", "kill"])
+@pytest.mark.parametrize("fault", ["raise", "kill", "sleep:8"])
 def test_an_agent_that_fails_or_dies_sending_peer_copies_fails_replicated_alike(
     tmp_path: Path, shm_dir: Path, agents: Any, fault: str
 ) -> None:
-    """Node b's agent cannot read a chunk it sends (or dies sending it): both ranks fail ``replicated`` alike.
+    """Node b's agent cannot read a chunk it sends (dies, stalls past the timeout): ``replicated`` fails alike.
 
     ``local`` and ``durable`` are not affected; the next version's copies go through again (for
     a dead agent: between the trainers, the rank that lost it saving in process).
@@ -528,7 +528,9 @@ def test_an_agent_that_fails_or_dies_sending_peer_copies_fails_replicated_alike(
     base = {**agent_config(tmp_path, tmp_path, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB",
             "peers": {"copies": 1}}
     _, env = _node_agents(tmp_path, agents, base, ["a", "b"], 1, faults={"b": f"peers.send={fault}@2"})
-    assert run_ranks("_agent_group_worker:peer_copies", 2, tmp_path / "run", base, env=env) == [0, 0]
+    timeout = 5 if fault.startswith("sleep") else 20
+    assert run_ranks("_agent_group_worker:peer_copies", 2, tmp_path / "run", base, env=env,
+                     opts={"timeout": timeout}) == [0, 0]
     outs = [rank_out(tmp_path / "run", r) for r in range(2)]
     first, second = [o["levels"][0] for o in outs], [o["levels"][1] for o in outs]
     vid1, vid2 = first[0]["durable"], second[0]["durable"]
@@ -539,9 +541,12 @@ def test_an_agent_that_fails_or_dies_sending_peer_copies_fails_replicated_alike(
     if fault == "raise":  # the receiver was told at once that the chunk will not come
         assert "rank 1 could not read" in message, message
         assert [o["agent_lost"] for o in outs] == [[False, False]] * 2
-    else:  # the receiving agent saw the connection close: it did not wait for the timeout
+    elif fault == "kill":  # the receiving agent saw the connection close: it did not wait for the timeout
         assert "rank 1's node agent stopped before it sent" in message, message
         assert outs[0]["agent_lost"] == [False, False] and outs[1]["agent_lost"] == [True, True]
+    else:  # the receiving agent gave up at the group's timeout (8 s against 5 s), the sender after its sleep
+        assert f"did not come from rank 1's node agent within {timeout}s" in message, message
+        assert [o["agent_lost"] for o in outs] == [[False, False]] * 2
     assert all(lv["local"] == lv["replicated"] == lv["durable"] == vid2 for lv in second), second
     # Node a's disk alone restores node b's part of the second version: the peer copy is whole.
     cfg = without_agent({**base, "node": "a", "disk": {"path": str(tmp_path / "disk-a")}})

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from tiercache import failpoints
 from tiercache.errors import GroupBrokenError, GroupSaveError, InvalidArgumentError
 from tiercache.group.collective import Collective, Decision, Verdict
 from tiercache.group.status import OK, Status
@@ -72,6 +73,31 @@ def test_a_rank_error_fails_the_phase_on_every_rank_with_its_type_and_name(store
         ("InvalidArgumentError", "the save of step 3 failed: rank 1: InvalidArgumentError: meta must be JSON-able")}
     # A failed phase leaves the group usable: the next one goes through.
     assert all(v.ok for v in run(ranks, lambda c: c.channel().exchange("v2/begin", OK, what="v2")))
+
+
+def test_a_rank_that_dies_right_after_posting_its_status_does_not_hang_the_coordinator(store: dist.TCPStore) -> None:
+    """Its status is in the store, but it never told the coordinator so: the coordinator decides all the same.
+
+    (It used to wait for that word forever: a chaos run's rank, killed on another of its threads
+    right there, left rank 0 looping past its timeout.)
+    """
+    ranks = group(store, 2, dead_after=30.0)
+
+    def die_after_posting(tag: str, rank: int) -> None:
+        if rank == 1:
+            raise SystemExit("rank 1 dies here")
+
+    def body(c: Collective) -> Verdict | str:
+        try:
+            return c.channel().exchange("v1/parts", Status("ok", c.rank), what="version v1 at parts",
+                                        decide=lambda st: Decision(sum(s.payload for s in st)))
+        except SystemExit as e:
+            return str(e)
+
+    with failpoints.hooked("group.posted", die_after_posting):
+        out = run(ranks, body)
+    assert out[1] == "rank 1 dies here"
+    assert isinstance(out[0], Verdict) and out[0].ok and out[0].status.payload == 1  # both statuses counted
 
 
 def test_a_rank_that_does_not_answer_is_named_and_learns_the_outcome_when_it_comes(store: dist.TCPStore) -> None:

@@ -52,6 +52,7 @@ FAILPOINTS: tuple[str, ...] = (
     "catalog.after_ref_write",  # the ref moved; the level is not yet reported
     "gc.after_manifest_delete",  # GC removed a manifest, its chunks not yet
     # The phases of a multi-rank version on one rank (detail: the phase's tag, e.g. "<vid>/disk"):
+    "group.posted",  # a rank's status of a phase is in the store, the coordinator not yet told (detail: tag, rank)
     "group.save",  # save(group=) checks its call, before the first exchange (detail: "save/<n>")
     "group.stage",  # the group agreed on the version; this rank copies its part into the arena
     "group.trade",  # the hasher trades the ids of chunks the ranks hold alike

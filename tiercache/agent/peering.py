@@ -95,9 +95,16 @@ class _Sender:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
 
+    def open(self, dst: int) -> None:
+        """Connect and say hello (before the first chunk is read: a sender that dies reading it is seen)."""
+        self._frame(dst, self.hello)
+
     def send(self, token: str, tag: int, dst: int, data: memoryview | None, wait: float) -> None:
         head = json.dumps({"t": token, "tag": tag, "dst": dst, "ok": data is not None,
                            "n": 0 if data is None else len(data), "w": wait}).encode()
+        self._frame(dst, head, data)
+
+    def _frame(self, dst: int, head: bytes, data: memoryview | None = None) -> None:
         with self._lock:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -105,7 +112,8 @@ class _Sender:
             try:
                 if self._sock is None:
                     self._sock = socket.create_connection(self.endpoint, timeout=left)
-                    self._sock.sendall(_LENGTH.pack(len(self.hello)) + self.hello)
+                    if head is not self.hello:
+                        self._sock.sendall(_LENGTH.pack(len(self.hello)) + self.hello)
                 self._sock.settimeout(left)
                 self._sock.sendall(_LENGTH.pack(len(head)) + head)
                 if data is not None:
@@ -211,12 +219,18 @@ class PeerPort:
               files: PeerFiles, deadline: float, threads: int) -> BaseException | None:
         """Send ``slots``; the first error of reading a chunk (its receivers were told), if any."""
         senders: dict[tuple[str, int], _Sender] = {}
-        for s in slots:
-            for d in s.move.dsts:
-                ep = endpoints[d]
-                if ep not in senders:
-                    senders[ep] = _Sender(ep, deadline, token, rank)
         failed: list[BaseException] = []
+        try:
+            for s in slots:
+                for d in s.move.dsts:
+                    ep = endpoints[d]
+                    if ep not in senders:
+                        senders[ep] = _Sender(ep, deadline, token, rank)
+                        senders[ep].open(d)
+        except BaseException:
+            for sender in senders.values():
+                sender.close()
+            raise
 
         def one(s: Slot) -> None:
             m = s.move

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import GroupBrokenError, GroupSaveError
+from tiercache.failpoints import failpoint
 from tiercache.group.status import Status, first_failure
 
 if TYPE_CHECKING:
@@ -309,6 +310,7 @@ class Channel:
         store = self._client()
         data = mine.encode()
         store.append(f"x/{tag}", _RECORD.pack(self.group.rank, len(data)) + data)
+        failpoint("group.posted", tag, self.group.rank)
         if int(store.add(f"x/{tag}/n", 1)) == self.group.world:
             store.set(f"x/{tag}/all", b"1")
 
@@ -383,8 +385,8 @@ class Channel:
                 return self._settle_broken(tag)
             statuses = self._records(tag)
             missing = [r for r, s in enumerate(statuses) if s is None]
-            if not missing:  # the last rank posted between the wait and the read
-                continue
+            if not missing:  # every rank posted: the last one between the wait and the read, or it
+                break  # died between its post and its "all" signal (waiting on would never end)
             dead = self._gone(missing)
             if dead:
                 failure = self._dead(what, dead)

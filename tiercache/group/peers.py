@@ -167,7 +167,7 @@ class Replicator:
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
         slots = schedule(moves, view.cache.config.peers.batch_bytes)
         per = shares(slots, view.world_size)
-        endpoints = [s.payload["agent"] for s in statuses]
+        endpoints = [(s.payload or {}).get("agent") for s in statuses]
         if not all(endpoints):
             return Decision(None, [{"slots": mine, "via": None} for mine in per])
         token = secrets.token_hex(16)
