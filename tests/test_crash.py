@@ -177,7 +177,7 @@ def s3_env(s3_server: Any) -> dict[str, str]:
 
 
 def test_random_kills_disk(server: ForkServer, tmp_path: Path, slow: bool) -> None:
-    n = 600 if slow else 40
+    n = 600 if slow else 20
     tally = _random_kills(server, tmp_path, None, n, seed=1)
     assert tally.trials == n
     assert tally.kills >= n * 0.9
@@ -188,7 +188,7 @@ def test_random_kills_disk(server: ForkServer, tmp_path: Path, slow: bool) -> No
 def test_random_kills_disk_and_s3(
     server: ForkServer, tmp_path: Path, s3_config: S3Config, s3_env: dict[str, str], slow: bool
 ) -> None:
-    n = 400 if slow else 20
+    n = 400 if slow else 10
     tally = _random_kills(server, tmp_path, _s3_spec(s3_config), n, seed=2, env=s3_env)
     assert tally.trials == n
     assert tally.kills >= n * 0.9
