@@ -118,9 +118,22 @@ def test_a_killed_trainers_versions_restore_from_node_ram_and_reach_disk(
         assert cache.agent is not None  # what a group restore asks each node's agent
         assert cache.agent.holds([staged[3], "01NOSUCHVERSION00000000000"], []) == (
             {staged[3]: True, "01NOSUCHVERSION00000000000": False}, {})
+        link = cache.agent
+        asked: list[str] = []
+        request = link.request
+
+        def counting(op: str, **fields: Any) -> dict[str, Any]:
+            asked.append(op)
+            return request(op, **fields)
+
+        link.request = counting  # type: ignore[method-assign]
         got = cache.restore("main")
+        link.request = request  # type: ignore[method-assign]
         _assert_state(got, 3)
         assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"ram"}
+        # The version's chunks were pinned in one round trip, not one per chunk, and all went back.
+        assert asked.count("pins") == 1 and "pin" not in asked, asked
+        assert [c["pins"] for c in link.request("stats")["clients"]] == [0], link.request("stats")["clients"]
         for step, vid in staged.items():
             _assert_state(cache.restore(vid, resume=False), step)
         # The agent finishes them; this process sees their levels change.

@@ -18,6 +18,7 @@ tensors passed as ``into`` may hold part of the chunk.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -252,9 +253,12 @@ class Reader:
         self._threads = threads
         self._local = threading.local()
         # A chunk lent from RAM is copied out by its reading thread while a verifier thread hashes
-        # it (the two stream the same bytes at once); each pair keeps two cores busy and waits on
-        # nothing, so more pairs than half the cores only fight over cores and memory bandwidth.
-        pairs = max(1, len(os.sched_getaffinity(0)) // 2)
+        # it (the two stream the same bytes at once); each pair keeps two cores busy, so more
+        # pairs than half the cores fight over cores and memory bandwidth. But at least two: one
+        # copying thread alone does not saturate memory bandwidth (on 2 cores, restoring the bench's
+        # 2 GB from RAM took 1.26x a memcpy with one pair, 1.11x with two; docs/benchmarks.md,
+        # "The node agent").
+        pairs = max(2, len(os.sched_getaffinity(0)) // 2)
         self._lent = threading.BoundedSemaphore(pairs)
         self._verifiers = ThreadPoolExecutor(pairs, thread_name_prefix="tiercache-verify")
 
@@ -307,13 +311,18 @@ class Reader:
             if progress is not None:
                 progress(c.nbytes)
 
-        if len(indices) <= 1:
-            for i in indices:
-                one(i)
-            return read
-        with ThreadPoolExecutor(min(self._threads, len(indices)), thread_name_prefix="tiercache-read") as pool:
-            for f in [pool.submit(one, i) for i in indices]:
-                f.result()
+        with contextlib.ExitStack() as ahead:
+            keys = [chunk_key(version.chunks[i].id) for i in indices]
+            for tier in self._tiers().values():
+                if tier.lends:
+                    ahead.enter_context(tier.lend_ahead(keys))
+            if len(indices) <= 1:
+                for i in indices:
+                    one(i)
+                return read
+            with ThreadPoolExecutor(min(self._threads, len(indices)), thread_name_prefix="tiercache-read") as pool:
+                for f in [pool.submit(one, i) for i in indices]:
+                    f.result()
         return read
 
     def read_chunk(self, chunk_id: str, nbytes: int, algo: str, targets: list[tuple[memoryview, int, int]]) -> str:

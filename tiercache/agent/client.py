@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -424,12 +424,53 @@ class AgentRamTier(Tier):
     def __init__(self, link: AgentLink) -> None:
         self.link = link
         self.capacity = int(link.arena["size"]) if link.arena else None
+        self._lock = threading.Lock()
+        #: What the agent answered to pins asked ahead (:meth:`lend_ahead`), per key, not yet borrowed.
+        self._ahead: dict[str, list[dict[str, Any]]] = {}
+
+    @contextlib.contextmanager
+    def lend_ahead(self, keys: Sequence[str]) -> Iterator[None]:
+        """Pin the chunks at ``keys`` in one round trip; ``borrow`` then takes them without one.
+
+        What the block did not borrow is unpinned at its end.
+        """
+        wanted = [k for k in dict.fromkeys(keys) if k.startswith(CHUNKS)]
+        got: dict[str, dict[str, Any]] = {}
+        if wanted:
+            try:
+                got = dict(self.link.request("pins", keys=wanted)["pins"])
+            except AgentUnavailableError:
+                got = {}  # each borrow asks (and fails) on its own
+        with self._lock:
+            for k, answer in got.items():
+                self._ahead.setdefault(k, []).append(answer)
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = []
+                for k, answer in got.items():
+                    pending = self._ahead.get(k)
+                    if pending is not None and answer in pending:
+                        pending.remove(answer)
+                        left.append(answer)
+                        if not pending:
+                            del self._ahead[k]
+            for answer in left:
+                if "pin" in answer:
+                    self.link.notify("unpin", pin=int(answer["pin"]))
 
     @contextlib.contextmanager
     def borrow(self, key: str) -> Iterator[memoryview | None]:
         """Lend a read-only view of the object at ``key`` (``None`` if node RAM does not hold it)."""
         check_key(key)
-        got = self.link.request("pin", key=key)
+        with self._lock:
+            pending = self._ahead.get(key)
+            got = pending.pop() if pending else None
+            if pending is not None and not pending:
+                del self._ahead[key]
+        if got is None:
+            got = self.link.request("pin", key=key)
         if got.get("missing"):
             yield None
             return

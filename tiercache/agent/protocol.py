@@ -31,6 +31,7 @@ peer_copy  ``vid``, ``rank``, ``tier``, ``slots``, ``token``, ``endpoints`` {ran
            (:mod:`tiercache.agent.peering`)
 snapshot   -> ``versions`` (manifests in node RAM or in flight), ``moves``, ``refs``, ``pending``
 pin        ``key`` -> ``pin``, ``offset``, ``length`` | ``missing``: true
+pins       ``keys`` -> ``pins`` {key: what ``pin`` answers for it} (a restore pins ahead)
 unpin      ``pin`` -> {}
 list       ``prefix`` -> ``keys`` (of the agent's RAM tier)
 get        ``key`` -> ``data`` (latin-1 text of a small object's bytes) | ``missing``: true

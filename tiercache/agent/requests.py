@@ -413,8 +413,14 @@ class Requests:
         return {"versions": versions, "moves": moves, "pending": pending, "refs": refs}
 
     def _pin(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._pin_one(client, str(msg["key"]))
+
+    def _pins(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`_pin` for many keys in one round trip (a restore pins its version's chunks ahead)."""
+        return {"pins": {str(k): self._pin_one(client, str(k)) for k in msg.get("keys", ())}}
+
+    def _pin_one(self, client: Client, key: str) -> dict[str, Any]:
         ram = self.engine.ram
-        key = str(msg["key"])
         got = ram.pin(key) if ram is not None else None
         if got is None:
             return {"missing": True}
@@ -597,6 +603,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "publish": (Requests._publish, False),
     "snapshot": (Requests._snapshot, True),
     "pin": (Requests._pin, False),
+    "pins": (Requests._pins, False),
     "unpin": (Requests._unpin, False),
     "list": (Requests._list, False),
     "get": (Requests._get, False),

@@ -33,8 +33,10 @@ Semantics every implementation must honour (checked by ``tests/tier_conformance.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -122,6 +124,15 @@ class Tier(ABC):
         Raises:
             TierFullError: If the tier has no room; nothing partial is left behind.
         """
+
+    def lend_ahead(self, keys: Sequence[str]) -> AbstractContextManager[None]:
+        """Get ready, in one go, to lend the objects at ``keys`` that reads will ``borrow`` in the block.
+
+        A tier that lends across processes (node RAM through its agent) pins them all in one
+        round trip instead of one per ``borrow``; the others have nothing to prepare.
+        """
+        del keys
+        return contextlib.nullcontext()
 
     def sync_names(self, keys: Iterable[str]) -> None:
         """Make durable the names of objects put with ``sync_name=False``.
