@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,22 @@ def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_n
     [err] = result
     assert isinstance(err, TierUnavailableError) and "rank 0's node agent stopped before it sent" in str(err), err
     assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
+
+
+def test_a_receiver_that_asks_after_its_sender_left_fails_at_once(nodes: Any, ports: Any) -> None:
+    """The sending agent connected and died before the receiving rank handed its moves over."""
+    a, b, vid = nodes
+    _, pb = ports
+    slots = _slots(a, vid)
+    host, port = pb.endpoint(HOST)
+    with socket.create_connection((host, port)) as s:
+        head = b'{"t": "t3", "src": 0}'
+        s.sendall(struct.pack(">I", len(head)) + head)
+    time.sleep(0.5)  # the receiving agent saw the connection close
+    # (Not DeadlineExceededError after the 60 s timeout: the receiver knows its sender is gone.)
+    with pytest.raises(TierUnavailableError, match="rank 0's node agent stopped before it sent"):
+        pb.copy(token="t3", rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)}, files=PeerFiles(b, "disk", vid),
+                timeout=60.0, threads=1)
 
 
 def test_the_advertised_host_is_the_route_to_the_store() -> None:

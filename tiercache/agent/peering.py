@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.agent.peering")
 
 _LENGTH = struct.Struct(">I")
+#: Closed sender connections remembered (for receivers that ask after their sender left).
+_KEEP_GONE = 1024
 #: The longest frame header accepted (a header is ~100 bytes: anything longer is not a peer).
 _MAX_HEADER = 4096
 
@@ -137,6 +139,8 @@ class PeerPort:
         self._cond = threading.Condition()
         self._listeners: dict[str, socket.socket] = {}
         self._expected: dict[tuple[str, int, int], _Expect] = {}
+        #: Senders (token, rank) whose connection closed: a receiver that asks later fails at once.
+        self._gone: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._closed = False
         #: Bytes of peer copies this agent sent and landed (``sent``, ``received``).
         self.bytes: Counter[str] = Counter()
@@ -196,7 +200,11 @@ class PeerPort:
                 if rank in s.move.dsts:
                     expects[(token, s.tag, rank)] = _Expect(s.move, files)
             self._expected.update(expects)
+            gone = {src for t, src in self._gone if t == token}
             self._cond.notify_all()
+        for e in expects.values():
+            if e.move.src in gone:  # its sender came and went before this rank asked
+                e.future.set_exception(self._gone_error(e))
         try:
             sent = self._send(token, rank, [s for s in slots if s.move.src == rank], endpoints, files, deadline,
                               threads)
@@ -308,11 +316,18 @@ class PeerPort:
 
     def _sender_gone(self, token: str, src: int) -> None:
         with self._cond:
+            self._gone[(token, src)] = None
+            while len(self._gone) > _KEEP_GONE:
+                self._gone.popitem(last=False)
             left = [e for (t, _, _), e in self._expected.items() if t == token and e.move.src == src]
         for e in left:
             if not e.future.done():
-                e.future.set_exception(TierUnavailableError(
-                    f"rank {src}'s node agent stopped before it sent {e.move.chunk} of version {e.files.vid}"))
+                e.future.set_exception(self._gone_error(e))
+
+    @staticmethod
+    def _gone_error(e: _Expect) -> TierUnavailableError:
+        return TierUnavailableError(
+            f"rank {e.move.src}'s node agent stopped before it sent {e.move.chunk} of version {e.files.vid}")
 
     def _wait_for(self, key: tuple[str, int, int], deadline: float) -> _Expect | None:
         with self._cond:
