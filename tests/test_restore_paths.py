@@ -20,11 +20,13 @@ import tiercache
 import tiercache.tiers.disk as disk_module
 from tiercache import restore as restore_module
 from tiercache.codecs import HEADER_BYTES
+from tiercache.config import S3Config
 from tiercache.errors import IntegrityError
 from tiercache.manifest import Version
-from tiercache.names import chunk_key
+from tiercache.names import CHUNKS, chunk_key
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.ram import RamTier
+from tiercache.tiers.s3 import S3Tier
 
 MIB = 1 << 20
 
@@ -244,3 +246,36 @@ def test_a_damaged_ram_copy_is_skipped_for_the_disk_copy(tmp_path: Path, caplog:
     _assert_same(out, state)
     assert f"chunk {cid} restored from disk after ram: damaged (chunk {cid} on ram: content does not match its id)" \
         in caplog.text
+
+
+def test_a_restore_lists_a_slower_tiers_chunks_only_for_what_the_faster_ones_lack(
+    tmp_path: Path, s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh process restoring what its disk holds must not list the bucket first: on S3 with a
+    # long history that listing is one request per 1000 chunks, before the first byte is copied.
+    state = _mixed_state()
+    config = _config(tmp_path, chunk_bytes="1MiB", pack_below="64KiB", s3=s3_config.model_dump(mode="json"))
+    with tiercache.open(config) as cache:
+        cache.save(state, step=1).wait("remote")
+        version = cache.manifest("main")
+    listed: list[str] = []
+    real_list = S3Tier.list
+
+    def listing(self: S3Tier, prefix: str = "") -> list[str]:
+        listed.append(prefix)
+        return real_list(self, prefix)
+
+    monkeypatch.setattr(S3Tier, "list", listing)
+    with tiercache.open(config) as cache:
+        _assert_same(cache.restore("main"), state)
+        assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"disk"}
+    assert CHUNKS not in listed, listed
+
+    # A chunk the disk lost is read from S3: only then is the bucket's listing asked.
+    lost = version.chunks[0]
+    (tmp_path / "disk" / chunk_key(lost.id)).unlink()
+    with tiercache.open(config) as cache:
+        _assert_same(cache.restore("main"), state)
+        assert cache.last_restore is not None and cache.last_restore.nbytes == {
+            "disk": sum(c.nbytes for c in version.chunks) - lost.nbytes, "s3": lost.nbytes}
+    assert listed.count(CHUNKS) == 1, listed

@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -266,14 +266,21 @@ class Reader:
         """Stop the verifier threads (reads after this raise ``RuntimeError``)."""
         self._verifiers.shutdown(wait=True)
 
-    def order(self, chunk_id: str) -> list[str]:
-        """Tiers believed to hold ``chunk_id``, best observed read speed first."""
-        names = [n for n in self._tiers() if self._holds(n, chunk_id)]
+    def order(self, chunk_id: str) -> Iterator[str]:
+        """Tiers believed to hold ``chunk_id``, best observed read speed first.
+
+        Lazily: whether a tier holds the chunk is asked only once the tiers before it are
+        exhausted, because the first question lists the tier's chunks. A fresh process restoring
+        from node RAM or its disk must not list the bucket first (on S3 with a long history,
+        one request per 1000 chunks).
+        """
+        names = list(self._tiers())
         rates = {n: self._meter.rate(n, "read") for n in names}
-        if names and all(r is not None for r in rates.values()):
-            return sorted(names, key=lambda n: -(rates[n] or 0.0))
-        # Until every candidate has been measured, keep the default RAM > disk > S3 order.
-        return sorted(names, key=lambda n: _DEFAULT_ORDER.get(n, 9))
+        if all(r is not None for r in rates.values()):
+            names.sort(key=lambda n: -(rates[n] or 0.0))
+        else:  # until every tier has been measured, the default RAM > disk > S3 order
+            names.sort(key=lambda n: _DEFAULT_ORDER.get(n, 9))
+        return (n for n in names if self._holds(n, chunk_id))
 
     def read_version(
         self, version: Version, dests: Sequence[torch.Tensor], progress: Progress | None = None

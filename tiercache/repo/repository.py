@@ -442,8 +442,10 @@ class Repo:
         Raises:
             IntegrityError: If no tier has a good copy (the message names what each one had).
         """
-        names = list(order) if order is not None else [
-            n for n in self._all if self.available(n) and chunk_id in self.catalog.chunks_on(n)]
+        # Lazily: a tier is asked whether it holds the chunk (a listing, the first time) only
+        # once those before it had no good copy.
+        names = order if order is not None else (
+            n for n in self._all if self.available(n) and chunk_id in self.catalog.chunks_on(n))
         tried = []
         for name in names:
             try:
