@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import tiercache
+from tiercache import failpoints
 from tiercache.errors import StorageError
 from tiercache.names import CHUNKS
 
@@ -317,6 +318,26 @@ def scenario_nodes_restore_fails(cache: tiercache.TierCache, rank: int, world: i
     out["seconds"] = time.monotonic() - t0
 
 
+def scenario_nodes_restore_fault(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                                 work: Path) -> None:
+    """:func:`scenario_nodes_restore_fails` with one rank's fault where the ranks say what their nodes hold.
+
+    ``run.json``'s ``fault``: ``rank``, and ``kind``: ``raise``, ``kill`` (SIGKILL) or ``sleep``
+    (for ``seconds``).
+    """
+    fault = json.loads((work / "run.json").read_text())["fault"]
+
+    def hook(tag: str) -> None:
+        if fault["kind"] == "raise":
+            raise StorageError(f"injected at {tag}/holding")
+        if fault["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(fault["seconds"])
+
+    with failpoints.hooked("group.holding", hook if rank == fault["rank"] else lambda tag: None):
+        scenario_nodes_restore_fails(cache, rank, world, out, work)
+
+
 def scenario_ddp_restore(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                          work: Path) -> None:
     """Restore ``main`` (saved by the ranks, a DDP replica each) and ``single`` (saved by one process)."""
@@ -375,6 +396,7 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
              "dcp_nodes": scenario_dcp_nodes,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
+             "nodes_restore_fault": scenario_nodes_restore_fault,
              "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
              "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst,

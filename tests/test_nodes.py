@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _multirank_worker import node_state, replica_state
-from test_multirank import rank_out, run_ranks
+from test_multirank import free_port, rank_out, run_ranks
 
 import tiercache
 from tiercache.config import S3Config
@@ -430,3 +432,39 @@ def test_a_lost_node_restored_from_a_bad_peer_copy_fails_every_rank_alike(tmp_pa
         assert name == "IntegrityError" and message.startswith(f"the group's restore of 'main' failed: {want}"), message
         assert all(o["seconds"] < 30 for o in outs), outs  # learnt in that phase, not at the 60 s timeout
         shutil.rmtree(tmp_path / "disk-b", ignore_errors=True)  # the failed restore made a fresh one
+
+
+@pytest.mark.parametrize(("kind", "rank"), [("raise", 0), ("raise", 1), ("sleep", 1), ("kill", 0)])
+def test_a_rank_failing_where_the_nodes_say_what_they_hold_fails_the_restore_on_every_rank(
+    tmp_path: Path, kind: str, rank: int
+) -> None:
+    """Node b is lost and its part must come from node a's peer copy: the ``holding`` phase runs.
+
+    One rank raises there, stalls past the group's timeout, or is SIGKILLed (rank 0 also
+    coordinates). Every other rank fails the restore with the same error, naming that rank, in
+    that phase: at once when it raises or dies, at the group's timeout when it stalls.
+    """
+    env = node_env(tmp_path, ["a", "b"])
+    work = tmp_path / "work"
+    config = base_config(peers={"copies": 1})
+    assert run_ranks("nodes_save", 2, work, config, env=env) == [0, 0]
+    shutil.rmtree(tmp_path / "disk-b")
+    timeout = 4.0
+    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    codes = run_ranks("nodes_restore_fault", 2, work, config, env=env,
+                      opts={"fault": {"rank": rank, "kind": kind, "seconds": timeout + 3}, "timeout": timeout,
+                            "store": store.port, "broken": kind == "kill"})
+    assert codes == [-9 if r == rank and kind == "kill" else 0 for r in range(2)]
+    outs = {r: rank_out(work, r) for r in range(2) if codes[r] == 0}
+    errors = {tuple(o["error"]) for o in outs.values()}
+    assert len(errors) == 1, outs
+    [(name, message)] = errors
+    failed = f"the group's restore of 'main' failed: rank {rank} (node {'ab'[rank]})"
+    if kind == "raise":
+        assert (name, message) == ("StorageError", f"{failed}: StorageError: injected at restore/0/holding")
+    elif kind == "sleep":
+        assert message == f"{failed} did not answer within {timeout:g}s"
+    else:
+        assert message.startswith(f"{failed} is gone (no heartbeat for "), message
+    other = outs[1 - rank]["seconds"]
+    assert other < (2 * timeout + 5 if kind == "sleep" else timeout), outs

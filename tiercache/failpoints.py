@@ -64,6 +64,7 @@ FAILPOINTS: tuple[str, ...] = (
     "group.restore",  # restore(group=) resolves the ref (detail: "restore/<n>")
     "group.adopt",  # a restarted group reads back the part of a version it adopts (detail: "restore/<n>/adopt")
     "group.fill",  # a group restore reads its chunks (its own node's, a peer's, S3's)
+    "group.holding",  # some rank misses chunks: this rank says which of them its node holds (detail: tag)
 )
 
 _ACTIONS = ("kill", "raise", "sleep")

@@ -354,6 +354,7 @@ class GroupFill:
         else:
             sizes: dict[str, int] = wanted.status.payload
             try:
+                failpoint("group.holding", tag)
                 offer = Status("ok", {"missing": sorted(missing), "holding": sorted(self._held(set(sizes)))})
             except Exception as e:  # the others learn it in this phase, not at the timeout
                 offer = Status.of(e)
