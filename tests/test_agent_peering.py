@@ -187,3 +187,47 @@ def test_the_advertised_host_is_the_route_to_the_store() -> None:
         underlying_store = Store()
 
     assert advertised_host(Prefix()) == "127.0.0.1"  # type: ignore[arg-type]
+
+
+def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_allocate_what_it_claims(
+    nodes: Any, ports: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, vid = nodes
+    _, pb = ports
+    slots = _slots(a, vid)
+    host, port = pb.endpoint(HOST)
+    crashed: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    result: list[BaseException | None] = []
+
+    def receive() -> None:
+        try:
+            pb.copy(token="t4", rank=1, slots=slots[:1], endpoints={0: ("127.0.0.1", 9)},
+                    files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
+            result.append(None)
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    m, tag = slots[0].move, slots[0].tag
+
+    def frame(head: bytes) -> bytes:
+        return struct.pack(">I", len(head)) + head
+
+    with socket.create_connection((host, port)) as s:
+        s.sendall(frame(b'{"t": "other", "src": 5}'))
+        # A stranger's header claiming a terabyte: the agent drains what comes, never allocates it.
+        s.sendall(frame(b'{"t": "other", "tag": 0, "dst": 1, "ok": true, "n": %d, "w": 0}' % (1 << 40)) + b"x" * 100)
+    with socket.create_connection((host, port)) as s:
+        s.sendall(frame(b'{"t": "t4", "src": 0}'))
+        # The move's frame with 3 bytes more than the chunk: the move fails at once, naming the sizes.
+        s.sendall(frame(b'{"t": "t4", "tag": %d, "dst": 1, "ok": true, "n": %d, "w": 5}' % (tag, m.nbytes + 3))
+                  + b"\0" * (m.nbytes + 3))
+        t.join(20)
+    assert not t.is_alive()
+    [err] = result
+    assert isinstance(err, IntegrityError) and str(err) == (
+        f"rank 0 sent {m.nbytes + 3} bytes for {m.chunk}, not its {m.nbytes}"), err
+    assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
+    assert crashed == []

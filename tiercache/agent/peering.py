@@ -292,21 +292,28 @@ class PeerPort:
                         return
                     exp = self._wait_for((str(head["t"]), int(head["tag"]), int(head["dst"])),
                                          time.monotonic() + float(head["w"]))
-                    data = None
-                    if head["ok"]:
-                        data = bytearray(int(head["n"]))
-                        _read_exactly(conn, memoryview(data))
+                    n = int(head["n"]) if head["ok"] else 0
                     if exp is None or exp.future.done():
-                        continue  # a frame nobody here asked for (or asks for any more): dropped
+                        _drain(conn, n)  # a frame nobody here asked for (or asks for any more): dropped
+                        continue
+                    m = exp.move
+                    if not head["ok"]:
+                        exp.future.set_exception(IntegrityError(f"rank {m.src} could not read {m.chunk} to copy it"))
+                        continue
+                    if n != m.nbytes:  # never allocate what a stray header claims
+                        _drain(conn, n)
+                        exp.future.set_exception(IntegrityError(
+                            f"rank {m.src} sent {n} bytes for {m.chunk}, not its {m.nbytes}"))
+                        continue
+                    data = bytearray(n)
+                    _read_exactly(conn, memoryview(data))  # if the connection breaks here, the move fails below
                     try:
-                        if data is None:
-                            raise IntegrityError(f"rank {exp.move.src} could not read {exp.move.chunk} to copy it")
-                        exp.files.land(exp.move, memoryview(data))
+                        exp.files.land(m, memoryview(data))
                     except BaseException as e:
                         exp.future.set_exception(e)
                     else:
                         with self._cond:
-                            self.bytes["received"] += len(data)
+                            self.bytes["received"] += n
                         exp.future.set_result(None)
             except (OSError, ValueError, KeyError) as e:  # a peer that went away or is no peer
                 log.info("a peer connection ended: %s", e)
@@ -364,6 +371,14 @@ def _read_exactly(conn: socket.socket, out: memoryview, *, eof_ok: bool = False)
             raise ConnectionError("the peer closed the connection mid-frame")
         got += n
     return True
+
+
+def _drain(conn: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes, a bounded window at a time."""
+    window = memoryview(bytearray(min(n, 1 << 20)))
+    while n > 0:
+        _read_exactly(conn, window[: min(n, len(window))])
+        n -= min(n, len(window))
 
 
 def _name(endpoint: tuple[str, int]) -> str:
