@@ -171,11 +171,13 @@ class Replicator:
         if not all(endpoints):
             return Decision(None, [{"slots": mine, "via": None} for mine in per])
         token = secrets.token_hex(16)
-        out = []
-        for rank, mine in enumerate(per):
-            others = {r for s in mine for r in (s[4], *s[5])} - {rank}  # each slot: [tag, batch, chunk, n, src, dsts]
-            out.append({"slots": mine, "via": {"token": token, "endpoints": {str(r): endpoints[r] for r in others}}})
-        return Decision(None, out)
+        partners: list[set[int]] = [set() for _ in per]  # the ranks each rank sends to or receives from
+        for s in slots:
+            for d in s.move.dsts:
+                partners[s.move.src].add(d)
+                partners[d].add(s.move.src)
+        return Decision(None, [{"slots": mine, "via": {"token": token, "endpoints": {str(r): endpoints[r] for r in rs}}}
+                               for mine, rs in zip(per, partners, strict=True)])
 
     def _through_agent(self, rnd: Round, slots: list[Any], via: dict[str, Any]) -> None:
         """This rank's moves, made by its node's agent (:mod:`tiercache.agent.peering`)."""
