@@ -371,7 +371,7 @@ class World:
         self.local = local  # rank 0's node's disk (rank 0 leads its node)
         self.shared = shared  # stands in for S3: the coordinator's commit without S3's request latency
         self.plan: Any = None
-        # What GroupView._begin and Replicator._plan read of their view: the config, the group's shape.
+        # What GroupView._begin and Replicator.plan read of their view: the config, the group's shape.
         view = SimpleNamespace(cache=SimpleNamespace(config=CacheConfig()), world_size=world, topology=self.topo)
         view.chunk_bytes = partial(GroupView.chunk_bytes, view)
         self.view = view
@@ -435,7 +435,7 @@ class World:
         if self.replicator is not None:  # as tiercache.group.peers.Replicator.run, without the copies
             plan = self.plan
             rnd = SimpleNamespace(plan=Plan(plan.nbytes, plan.sizes, plan.writers, plan.part_bytes))
-            self._same(f"{vid}/peers/plan", Status(), lambda st: self.replicator._plan(rnd, st),  # type: ignore[union-attr]
+            self._same(f"{vid}/peers/plan", Status(), lambda st: self.replicator.plan(rnd, st),  # type: ignore[union-attr]
                        names=("peers_plan",))
             self._same(f"{vid}/peers", Status(), names=("peers",))
         self._same(f"{vid}/s3", Status("ok", 0), commit_shared)

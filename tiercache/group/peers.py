@@ -131,7 +131,7 @@ class Replicator:
             mine = Status("ok", {"agent": self._agent_endpoint()})
         except Exception as e:
             mine = Status.of(e)
-        plan = ch.exchange(f"{rnd.vid}/peers/plan", mine, what=what, decide=lambda st: self._plan(rnd, st))
+        plan = ch.exchange(f"{rnd.vid}/peers/plan", mine, what=what, decide=lambda st: self.plan(rnd, st))
         status = Status()
         if plan.ok:
             try:
@@ -161,7 +161,7 @@ class Replicator:
             log.warning("the peer copies go between the trainers: %s", e)
             return None
 
-    def _plan(self, rnd: Round, statuses: list[Status]) -> Decision:
+    def plan(self, rnd: Round, statuses: list[Status]) -> Decision:
         """Each rank's moves; through the agents (a token and the endpoints it needs) if every rank has one."""
         view = self.view
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
