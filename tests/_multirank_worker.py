@@ -405,6 +405,21 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
 _BROKEN = {"kill", "peer_dies"}
 
 
+def rank_config(shared: dict[str, Any]) -> dict[str, Any]:
+    """The shared config with this rank's own ``TIERCACHE_<TABLE>__<FIELD>`` settings (its node's disk...) over it.
+
+    A config given in code wins over the environment, so the per-rank variables the test sets are
+    written into the rank's dict, as a rank's own config file would hold them.
+    """
+    cfg = json.loads(json.dumps(shared))
+    for var, value in os.environ.items():
+        if not var.startswith("TIERCACHE_") or var in ("TIERCACHE_FAILPOINTS", "TIERCACHE_LOG", "TIERCACHE_CONFIG"):
+            continue
+        *table, field = var[len("TIERCACHE_"):].lower().split("__", 1)
+        (cfg.setdefault(table[0], {}) if table else cfg)[field] = value
+    return cfg
+
+
 def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``).
 
@@ -422,7 +437,7 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
-    cache = tiercache.open(json.loads((work / "config.json").read_text()))
+    cache = tiercache.open(rank_config(json.loads((work / "config.json").read_text())))
     try:
         cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
     except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why

@@ -71,3 +71,47 @@ def test_a_misspelt_field_is_named_first_with_the_closest_known_one(tmp_path: Pa
         load_config({"disk": {"path": "/x"}}, env={"TIERCACHE_DISK__PAHT": "/y"})
     assert str(info.value) == ("invalid config from environment variable TIERCACHE_DISK__PAHT: field 'disk.paht': "
                                "unknown field: did you mean TIERCACHE_DISK__PATH?")
+
+
+def test_code_wins_over_the_environment_and_the_environment_says_what_it_did(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # One precedence for every source (pydantic-settings'): code > environment > file > defaults.
+    env = {"TIERCACHE_DISK__PATH": "/from-env", "TIERCACHE_DISK__IO_THREADS": "7", "TIERCACHE_S3__URL": "s3://b/p",
+           "TIERCACHE_POLICY__NAME": "keep-best", "TIERCACHE_CHUNK_BYTES": "2MiB"}
+    given = {"disk": {"path": str(tmp_path), "capacity": "1GB"}, "policy": {"name": "write-through"},
+             "chunk_bytes": "2MiB"}
+    with caplog.at_level("INFO", logger="tiercache.config"):
+        cfg = load_config(given, env=env)
+    assert cfg.disk is not None and (cfg.disk.path, cfg.disk.capacity, cfg.disk.io_threads) == (tmp_path, 10**9, 7)
+    assert cfg.policy.name == "write-through" and cfg.chunk_bytes == 2 * MIB
+    assert cfg.s3 is not None and cfg.s3.bucket == "b"
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("INFO", "environment variable TIERCACHE_DISK__IO_THREADS sets disk.io_threads (the config given in code "
+                 "leaves it unset)"),
+        ("WARNING", "environment variable TIERCACHE_DISK__PATH is ignored: the config given in code sets disk.path "
+                    "(code wins over the environment; unset the variable or change the code)"),
+        ("WARNING", "environment variable TIERCACHE_POLICY__NAME is ignored: the config given in code sets "
+                    "policy.name (code wins over the environment; unset the variable or change the code)"),
+        ("WARNING", "environment variable TIERCACHE_S3__URL adds [s3] to the config given in code"),
+    ]  # TIERCACHE_CHUNK_BYTES agrees with the code: nothing to say
+
+
+def test_a_config_object_is_code_too(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tiercache.config import CacheConfig, DiskConfig
+
+    obj = CacheConfig(disk=DiskConfig(path=tmp_path))
+    assert load_config(obj, env={}) is obj
+    with caplog.at_level("WARNING", logger="tiercache.config"):
+        cfg = load_config(obj, env={"TIERCACHE_DISK__PATH": "/from-env", "TIERCACHE_RAM__CAPACITY": "8MiB"})
+    assert cfg.disk is not None and cfg.disk.path == tmp_path
+    assert cfg.ram is not None and cfg.ram.capacity == 8 * MIB
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "environment variable TIERCACHE_DISK__PATH is ignored",
+        "environment variable TIERCACHE_RAM__CAPACITY adds [ram] to the config given in code"]
+
+
+def test_a_bad_value_given_in_code_is_blamed_on_the_code_not_on_a_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"disk": {"path": str(tmp_path), "io_threads": 0}}, env={"TIERCACHE_DISK__IO_THREADS": "3"})
+    assert str(info.value).startswith("invalid config (dict): field 'disk.io_threads': ")

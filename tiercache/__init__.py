@@ -79,6 +79,9 @@ def open(config: ConfigLike = None) -> TierCache:
         config: A dict with the tables ``ram``, ``disk``, ``s3``, ``policy`` (any subset of the
             tiers), a path to a TOML file with the same tables, a :class:`CacheConfig`, or
             ``None`` to use the file named by ``TIERCACHE_CONFIG`` (or ``./tiercache.toml``).
+            ``TIERCACHE_*`` environment variables add to it: what code gives (a dict, or the fields
+            a :class:`CacheConfig` was built with) wins over the environment, which wins over a
+            file; a variable that disagrees with the code or adds a tier to it is logged at WARNING.
 
     Returns:
         The open cache; use it as a context manager or call :meth:`TierCache.close`.

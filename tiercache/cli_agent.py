@@ -51,7 +51,7 @@ def _agent_config(opts: _Options, spec: Path | None) -> CacheConfig:
             data = json.loads(spec.read_text())
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"cannot read agent spec {spec}: {e}") from None
-        cfg = load_config(data)
+        cfg = load_config(data, env={})  # the trainer's config, its environment applied already
     else:
         cfg = _config(opts)
     return cfg if cfg.agent is not None else cfg.model_copy(update={"agent": AgentConfig()})

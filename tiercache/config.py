@@ -1,14 +1,17 @@
-"""Cache configuration: pydantic models, TOML files and ``TIERCACHE_*`` environment overrides.
+"""Cache configuration: pydantic models, TOML files and ``TIERCACHE_*`` environment variables.
 
-Every default knob of tiercache lives here and nowhere else. A config is given as a dict, as a
-path to a TOML file with the same tables, or by ``TIERCACHE_CONFIG`` naming that file; any field
-can then be overridden by an environment variable ``TIERCACHE_<TABLE>__<FIELD>`` (for example
-``TIERCACHE_S3__ENDPOINT_URL``) or, for top-level fields, ``TIERCACHE_<FIELD>``.
+Every default knob of tiercache lives here and nowhere else. A config is given in code (a dict or a
+:class:`CacheConfig`), as a path to a TOML file with the same tables, or by ``TIERCACHE_CONFIG``
+naming that file. Environment variables ``TIERCACHE_<TABLE>__<FIELD>`` (for example
+``TIERCACHE_S3__ENDPOINT_URL``) or, for top-level fields, ``TIERCACHE_<FIELD>`` add to it. One
+precedence for every source, the one pydantic-settings applies: what code gives wins over the
+environment, and the environment wins over a file and over the defaults (see :func:`load_config`).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -27,6 +30,8 @@ SCHEMA_VERSION = 1
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+
+log = logging.getLogger("tiercache.config")
 
 _SIZES = TypeAdapter(PydanticByteSize)
 _IEC_SHORT = re.compile(r"(.*\d\s*[KMGTPE]i)\s*", re.IGNORECASE)  # "8Gi", as Kubernetes writes it
@@ -447,6 +452,8 @@ _NOT_FIELDS = frozenset({"TIERCACHE_CONFIG", "TIERCACHE_LOG", "TIERCACHE_FAILPOI
 #: The variables that can configure a tier on their own, named when no tier is configured.
 _TIER_VARIABLES = "TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY"
 _PREFIX = "TIERCACHE_"
+#: The tables a variable can add to a config given in code (a tier, above all), which deserves a WARNING.
+_TABLES = frozenset({"ram", "disk", "s3", "agent", "peers"})
 
 
 def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
@@ -554,13 +561,19 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
 ) -> CacheConfig:
-    """Build a :class:`CacheConfig` from a dict, a TOML file path, or ``TIERCACHE_CONFIG``.
+    """Build a :class:`CacheConfig` from code, a TOML file, or ``TIERCACHE_CONFIG``, with ``TIERCACHE_*`` variables.
+
+    One precedence, the one pydantic-settings users expect: settings given in code (a dict, or the
+    fields a :class:`CacheConfig` was built with) win over the environment; the environment wins
+    over a file and over the defaults. A variable that would change a setting given in code is
+    ignored with a WARNING naming both; a variable that adds a tier (or any table) to a config given
+    in code is taken, with a WARNING; one that fills a field code left unset is taken (INFO).
 
     Args:
-        source: A config object (returned as is), a mapping with the config's tables, a path to
-            a TOML file, or ``None`` to read the file named by ``TIERCACHE_CONFIG``
-            (or ``./tiercache.toml`` if it exists).
-        env: Environment to read ``TIERCACHE_*`` overrides from (defaults to ``os.environ``).
+        source: A config object, a mapping with the config's tables, a path to a TOML file, or
+            ``None`` to read the file named by ``TIERCACHE_CONFIG`` (or ``./tiercache.toml`` if it
+            exists).
+        env: Environment to read ``TIERCACHE_*`` variables from (defaults to ``os.environ``).
 
     Returns:
         The validated, frozen config.
@@ -571,9 +584,12 @@ def load_config(
             if a config read from a file or the environment configures no tier (the message
             says where it looked).
     """
-    if isinstance(source, CacheConfig):
-        return source
     env = os.environ if env is None else env
+    in_code = isinstance(source, (CacheConfig, Mapping))
+    if isinstance(source, CacheConfig):
+        if not any(k.startswith(_PREFIX) and k not in _NOT_FIELDS for k in env):
+            return source
+        source = source.model_dump(exclude_unset=True)  # what the code set, not the defaults
     label = "(dict)"
     looked_up = source is None
     if source is None:
@@ -586,28 +602,71 @@ def load_config(
             source = {}
             label = ""
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        label = str(path)
-        try:
-            with path.open("rb") as fh:
-                data: dict[str, Any] = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found: pass an existing TOML file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+        data = _read_toml(Path(source))
+        label = str(source)
     else:
         data = dict(source)
     overrides, variables = _env_overrides(env)
+    merged = _merge(overrides, data) if in_code else _merge(data, overrides)
     try:
-        cfg = CacheConfig.model_validate(_merge(data, overrides))
+        cfg = CacheConfig.model_validate(merged)
     except ValidationError as e:
         loc = _main_error(e)["loc"]
-        raise ConfigError(_format_error(e, label or "(no file)", _blame(loc, data, variables))) from None
+        blame = "" if in_code and _given(data, loc) else _blame(loc, data, variables)
+        raise ConfigError(_format_error(e, label or "(no file)", blame)) from None
+    if in_code and variables:
+        _say_what_the_environment_did(data, overrides, variables)
     if (looked_up or label != "(dict)") and cfg.ram is None and not cfg.tier_names():
         raise ConfigError(_no_tier_message(label, Path.cwd()))
     return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found: pass an existing TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+
+
+def _given(data: Mapping[str, Any], path: tuple[str | int, ...]) -> bool:
+    """Whether the config given in code sets ``path`` (or a value above it that is not a table)."""
+    node: Any = data
+    for part in path:
+        if not isinstance(node, Mapping):
+            return True
+        if str(part) not in node:
+            return False
+        node = node[str(part)]
+    return True
+
+
+def _at(tree: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        tree = tree.get(part) if isinstance(tree, Mapping) else None
+    return tree
+
+
+def _say_what_the_environment_did(data: Mapping[str, Any], overrides: Mapping[str, Any],
+                                  variables: Mapping[tuple[str, ...], str]) -> None:
+    """Log what the ``TIERCACHE_*`` variables did to a config given in code (see :func:`load_config`)."""
+    as_env = CacheConfig.model_validate(_merge(data, overrides)).model_dump(mode="json")
+    as_code = CacheConfig.model_validate(_merge(overrides, data)).model_dump(mode="json")
+    for path, var in sorted(variables.items()):
+        if _given(data, path):
+            if _at(as_env, path) != _at(as_code, path):
+                log.warning("environment variable %s is ignored: the config given in code sets %s "
+                            "(code wins over the environment; unset the variable or change the code)",
+                            var, ".".join(path))
+        elif path[0] not in data and path[0] in _TABLES:
+            log.warning("environment variable %s adds [%s] to the config given in code", var, path[0])
+        else:
+            log.info("environment variable %s sets %s (the config given in code leaves it unset)",
+                     var, ".".join(path))
 
 
 def this_node(config: CacheConfig) -> tuple[str, str]:
