@@ -297,3 +297,24 @@ def test_overwrite_while_reading_never_tears(ram: RamTier) -> None:
     assert len(reads) == 400
     assert all(r in versions for r in reads)
     assert ram.arena.used_bytes == 64 * 1024
+
+
+def test_objects_move_to_a_larger_arena_only_while_nothing_else_holds_a_region() -> None:
+
+    small, big = Arena(4 * MIB), Arena(16 * MIB)
+    tier = RamTier(small)
+    blobs = {f"chunks/ab/{i:032x}": bytes([i]) * (MIB + i) for i in range(3)}
+    for k, v in blobs.items():
+        tier.put(k, v)
+    tier.put("versions/v.json", b"{}")  # a small object lives outside the arena
+    staged = small.alloc(4096)  # a version being staged holds a region: not now
+    assert staged is not None and not tier.move_to(big) and tier.arena is small
+    small.free(staged)
+    with tier.borrow(next(iter(blobs))) as view:  # a reader holds one: not now either
+        assert view is not None and not tier.move_to(big)
+    assert big.used_bytes == 0  # nothing was left behind in the larger arena by the refusals
+    assert tier.move_to(big) and tier.arena is big and tier.capacity == big.capacity
+    assert small.used_bytes == 0
+    assert {k: tier.get(k) for k in blobs} == blobs and tier.get("versions/v.json") == b"{}"
+    tier.put("chunks/cd/" + "f" * 32, b"x" * MIB)  # new objects land in the new arena
+    assert big.used_bytes >= sum(map(len, blobs.values())) + MIB

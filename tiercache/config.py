@@ -115,12 +115,19 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+#: An automatically sized RAM arena (``ram.capacity = "auto"``, or no ``[ram]`` table) grows with the
+#: largest version saved, to at most this fraction of the node's memory (its cgroup limit, if lower).
+AUTO_ARENA_FRACTION = 0.5
+
+
 class RamConfig(_Model):
     """The RAM arena: staging area for every save, and the fastest tier for restores.
 
     Attributes:
-        capacity: Arena size; allocated once on first use, pre-faulted, never exceeded.
-            ``"auto"`` sizes it at the first save to hold two versions of that state.
+        capacity: Arena size; allocated on first use, pre-faulted, never exceeded. ``"auto"``
+            (the default) sizes it to hold two versions of the largest state saved so far: it
+            grows when a larger version comes (once the versions in flight have settled), to at
+            most half of the node's memory (:data:`AUTO_ARENA_FRACTION`).
         serve_reads: Keep durable versions in the arena after they are written, so restores
             of recent versions run at memcpy speed.
         pin_memory: Pin the arena (page-locked) when CUDA is available, for async GPU copies.

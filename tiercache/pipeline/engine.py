@@ -41,7 +41,6 @@ from tiercache.errors import (
     InvalidArgumentError,
     SkippedError,
     TierCacheError,
-    TierFullError,
 )
 from tiercache.format import Flat, flatten
 from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
@@ -410,6 +409,7 @@ class Engine:
                 "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"
             )
         self.ramcache.ensure(staged)
+        self._fit(staged)
         arena = self.ramcache.arena
         assert arena is not None
         if wait:
@@ -424,15 +424,30 @@ class Engine:
 
         threading.Thread(target=run, name="tiercache-prefault", daemon=True).start()
 
+    def _fit(self, staged_bytes: int) -> None:
+        """Grow an automatic arena for a larger version, once the versions in flight let go of it.
+
+        Raises:
+            TierFullError: If the version can never fit (see :meth:`RamCache.check_fits`).
+        """
+        ram = self.ramcache
+        said = False
+        while not ram.check_fits(staged_bytes):
+            frees = ram.frees
+            if self.repo.durable:  # the read cache goes (less to move); a RAM-only cache's chunks move
+                ram.make_room(staged_bytes + (ram.capacity or 0))
+            if ram.grow(staged_bytes):
+                return
+            if not said:
+                log.info("a version of %d bytes waits for the versions in flight to let the RAM arena grow",
+                         staged_bytes)
+                said = True
+            ram.wait_for_room(frees, timeout=1.0)
+
     def _reserve(self, layout: Layout) -> list[Region] | None:
         ram = self.ramcache
         ram.ensure(layout.staged_bytes)
-        assert ram.arena is not None
-        if layout.staged_bytes > ram.arena.capacity:
-            raise TierFullError(
-                f"a version needs {layout.staged_bytes} bytes of RAM arena but ram.capacity is "
-                f"{ram.arena.capacity}: raise ram.capacity"
-            )
+        self._fit(layout.staged_bytes)
         while True:
             frees = ram.frees  # read first: a region freed after this wakes the wait below
             got = ram.try_alloc(layout)

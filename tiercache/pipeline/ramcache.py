@@ -10,10 +10,13 @@ room), else it is dropped at once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from tiercache.config import AUTO_ARENA_FRACTION
+from tiercache.errors import TierFullError
 from tiercache.layout import Layout
 from tiercache.repo import Repo
 from tiercache.tiers.ram import Arena, RamTier, Region
@@ -25,13 +28,33 @@ def _cid(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
+def node_memory() -> int:
+    """This node's memory as this process may use it: physical memory, or its cgroup's limit if lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def auto_arena_limit() -> int:
+    """The largest an automatically sized arena may grow (see :data:`~tiercache.config.AUTO_ARENA_FRACTION`)."""
+    return int(node_memory() * AUTO_ARENA_FRACTION) // 4096 * 4096
+
+
 class RamCache:
     """The arena, the RAM tier on it, and which of its chunks versions in flight still need.
 
     Args:
         repo: The storage layer (the RAM tier joins its tiers when the arena is made).
         lock: The pipeline's lock (see :class:`~tiercache.pipeline.job.JobTable`).
-        capacity: Arena bytes, or ``None`` to size it at the first save (two versions).
+        capacity: Arena bytes (the user's ``ram.capacity``), or ``None`` to size it automatically:
+            two versions of the largest state saved so far, grown when a larger one comes.
         pin: Page-lock the arena (when CUDA is available: the caller decides).
         serve_reads: Keep chunks as a read cache once no version in flight needs them.
         keep_all: Keep chunks even without ``serve_reads`` (a cache with no durable tier).
@@ -64,24 +87,84 @@ class RamCache:
         """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
         with self._lock:
             if self.ram is None:
-                cap = self._capacity if self._capacity is not None else max(2 * staged_bytes, 64 << 20)
+                cap = self._capacity
+                if cap is None:  # automatic: two versions, at least 64 MiB, within the bound
+                    cap = min(max(2 * staged_bytes, 64 << 20), auto_arena_limit())
                 self.arena = self._make_arena(cap) if self._make_arena else Arena(cap, pin=self._pin())
                 self.ram = RamTier(self.arena)
                 self._repo.attach_ram(self.ram)
             return self.ram
 
+    def check_fits(self, staged_bytes: int) -> bool:
+        """Whether a version of ``staged_bytes`` fits in the arena, or will once it has grown.
+
+        Returns:
+            ``True`` if it fits now, ``False`` if the arena is sized automatically and must grow
+            first (:meth:`grow`).
+
+        Raises:
+            TierFullError: If it can never fit: the user's ``ram.capacity`` is smaller (the
+                message names the setting and the size needed), or the version is larger than
+                an automatic arena may grow.
+        """
+        assert self.arena is not None
+        if staged_bytes <= self.arena.capacity:
+            return True
+        if self._capacity is not None or self._make_arena is not None:
+            # The node agent's arena is sized by its own config when it starts.
+            raise TierFullError(
+                f"a version needs {staged_bytes} bytes of RAM arena but ram.capacity is set to "
+                f"{self.arena.capacity} bytes: raise ram.capacity to at least {staged_bytes} bytes"
+            )
+        limit = auto_arena_limit()
+        if staged_bytes > limit:
+            raise TierFullError(
+                f"a version needs {staged_bytes} bytes of RAM arena, more than an automatic arena may take "
+                f"({limit} bytes, {AUTO_ARENA_FRACTION:.0%} of this node's memory): set ram.capacity, "
+                "or save a smaller state"
+            )
+        return False
+
+    def grow(self, staged_bytes: int) -> bool:
+        """Move an automatic arena into one that holds two versions of ``staged_bytes`` (bounded).
+
+        Possible only while no version in flight holds a region: the RAM tier's chunks (the read
+        cache, and the only copies in a cache with no durable tier) move with it.
+
+        Returns:
+            Whether it grew (``False``: regions are in use; wait for :meth:`notify` and try again).
+        """
+        with self._lock:
+            arena, ram = self.arena, self.ram
+            assert arena is not None and ram is not None
+            if staged_bytes <= arena.capacity:
+                return True
+            if self._pins:
+                return False
+            bigger = Arena(min(2 * staged_bytes, auto_arena_limit()), pin=self._pin())
+            if not ram.move_to(bigger):
+                bigger.close()
+                return False
+            self.arena = bigger
+        arena.close()
+        log.info("the RAM arena grew from %d to %d bytes for a version of %d bytes",
+                 arena.capacity, bigger.capacity, staged_bytes)
+        return True
+
     def try_alloc(self, layout: Layout) -> list[Region] | None:
         """Regions for every chunk of ``layout``, or ``None`` (and nothing held) if they do not fit."""
-        assert self.arena is not None
-        got: list[Region] = []
-        for c in layout.chunks:
-            r = self.arena.alloc(c.staged_bytes)
-            if r is None:
-                for g in got:
-                    self.arena.free(g)
-                return None
-            got.append(r)
-        return got
+        with self._lock:  # as grow(): a region is never taken from an arena being replaced
+            arena = self.arena
+            assert arena is not None
+            got: list[Region] = []
+            for c in layout.chunks:
+                r = arena.alloc(c.staged_bytes)
+                if r is None:
+                    for g in got:
+                        arena.free(g)
+                    return None
+                got.append(r)
+            return got
 
     def adopt(self, key: str, region: Region, length: int) -> None:
         """Hand a hashed chunk's region to the RAM tier and pin it for the version in flight (lock held)."""

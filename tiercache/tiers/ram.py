@@ -361,6 +361,12 @@ class Arena:
                     return None
                 self._cond.wait(remaining)
 
+    @property
+    def in_use(self) -> tuple[int, int]:
+        """Bytes of live regions, and references taken by :meth:`retain` not yet dropped (readers)."""
+        with self._cond:
+            return self._used, sum(self._retained.values())
+
     def retain(self, region: Region) -> None:
         """Take one more reference to a live region.
 
@@ -447,6 +453,8 @@ class _Entry:
     region: Region | None
     length: int
     gen: int
+    #: The arena ``region`` was taken from while the entry was made (see :meth:`RamTier.move_to`).
+    made_in: Arena | None = None
 
 
 class RamTier(Tier):
@@ -480,8 +488,14 @@ class RamTier(Tier):
         if entry.region is not None:
             self.arena.free(entry.region)
 
-    def _install(self, key: str, entry: _Entry, check: Callable[[_Entry | None], None] | None) -> None:
+    def _install(self, key: str, entry: _Entry, check: Callable[[_Entry | None], None] | None) -> bool:
         with self._lock:
+            if entry.made_in is not None and entry.made_in is not self.arena:
+                # The tier moved to a larger arena while this copy was made in the old one: the
+                # caller copies again (see move_to).
+                assert entry.region is not None
+                entry.made_in.free(entry.region)
+                return False
             old = self._entries.get(key)
             try:
                 if check is not None:
@@ -493,24 +507,26 @@ class RamTier(Tier):
             self._entries[key] = entry
             if old is not None:
                 self._unref(old)
+            return True
 
     def _make_entry(self, data: Buffer, key: str) -> _Entry:
         src = memoryview(data).cast("B")
         n = src.nbytes
         if n < SMALL_OBJECT_BYTES or not key.startswith(_ARENA_PREFIX):
-            return _Entry(bytes(src), None, n, 0)
-        region = self.arena.alloc(n)
+            return _Entry(bytes(src), None, n, 0, None)
+        arena = self.arena
+        region = arena.alloc(n)
         if region is None:
             raise TierFullError(
                 f"RAM tier: no contiguous room for {n} bytes in the arena "
-                f"({self.arena.used_bytes} of {self.arena.capacity} bytes in use): raise ram.capacity"
+                f"({arena.used_bytes} of {arena.capacity} bytes in use): raise ram.capacity"
             )
         try:
-            copy_bytes(self.arena.buffer(region), src)
+            copy_bytes(arena.buffer(region), src)
         except BaseException:
-            self.arena.free(region)
+            arena.free(region)
             raise
-        return _Entry(None, region, n, 0)
+        return _Entry(None, region, n, 0, arena)
 
     def _acquire(self, key: str) -> _Entry | None:
         check_key(key)
@@ -608,7 +624,8 @@ class RamTier(Tier):
             TierFullError: If the arena has no contiguous room for it.
         """
         check_key(key)
-        self._install(key, self._make_entry(data, key), None)
+        while not self._install(key, self._make_entry(data, key), None):
+            pass
 
     def adopt(self, key: str, region: Region, length: int) -> bool:
         """Register an arena region the caller already filled as the object ``key`` (no copy).
@@ -674,7 +691,8 @@ class RamTier(Tier):
                 raise ConflictError(f"ref {key} was moved or deleted since it was read")
 
         entry = self._make_entry(data, key)
-        self._install(key, entry, check)
+        while not self._install(key, entry, check):
+            entry = self._make_entry(data, key)
         return str(entry.gen)
 
     def delete_ref(self, key: str, *, expect: str) -> None:
@@ -690,6 +708,39 @@ class RamTier(Tier):
                 raise ConflictError(f"ref {key} was moved or deleted since it was read")
             del self._entries[key]
             self._unref(entry)
+
+    def move_to(self, arena: Arena) -> bool:
+        """Move every object into ``arena`` (a larger one the owner made), if nothing else uses the current one.
+
+        Only when every allocated region of the current arena is an object of this tier (no
+        staged version, no reader, no lent region holds one) is it safe: then the objects are
+        copied over, their old regions freed, and this tier lives in ``arena`` from now on. A
+        :meth:`put` that was copying into the old arena meanwhile copies again.
+
+        Returns:
+            Whether the objects moved (``False``: some region is still in use; nothing changed).
+        """
+        with self._lock:
+            held = [e for e in self._entries.values() if e.region is not None]
+            used, readers = self.arena.in_use
+            if readers or used != sum(e.region.nbytes for e in held if e.region is not None):
+                return False
+            moved: list[tuple[_Entry, Region]] = []
+            for e in held:
+                assert e.region is not None
+                r = arena.alloc(e.length)
+                if r is None:
+                    for _, got in moved:
+                        arena.free(got)
+                    return False
+                copy_bytes(arena.buffer(r), self.arena.buffer(e.region)[: e.length])
+                moved.append((e, r))
+            old, self.arena, self.capacity = self.arena, arena, arena.capacity
+            for e, r in moved:
+                assert e.region is not None
+                old.free(e.region)
+                e.region = r
+            return True
 
     def used_bytes(self) -> int:
         """Bytes held: whole regions for large objects, lengths for small ones."""
