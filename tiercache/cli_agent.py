@@ -147,7 +147,30 @@ def stop(
         pid = int(call(cfg, "stats").get("pid", 0))
         call(cfg, "stop", within=timeout)
         sock = place(cfg).socket
-        deadline = time.monotonic() + 30.0
-        while sock.exists() and time.monotonic() < deadline:
+        # It answered once everything it held was written; now it closes and exits. Say
+        # "stopped" only once the process is gone.
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while (sock.exists() or _running(pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
+    if _running(pid):
+        typer.echo(f"agent {pid} said it stops but is still running after {_EXIT_WAIT_S:.0f} s: "
+                   f"look at its log, or kill {pid}", err=True)
+        raise typer.Exit(1)
     typer.echo(f"agent {pid} stopped")
+
+
+#: How long `agent stop` waits for the process to exit once it said it stops.
+_EXIT_WAIT_S = 30.0
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
