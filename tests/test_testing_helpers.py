@@ -101,3 +101,16 @@ def _stopped(proc: subprocess.Popen[str]) -> int | None:
 def test_throttled_proxy_refuses_a_target_beyond_loopback() -> None:
     with pytest.raises(ValueError, match="not on loopback"):
         ThrottledProxy(("192.0.2.1", 80))
+
+
+def test_the_local_s3_server_starts_under_a_deep_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its unix sockets would not fit under a path this long (107 bytes at most).
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    with LocalS3(bucket="deep", root=deep) as s3:
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        cfg = {"s3": {"url": s3.url("run"), "endpoint_url": s3.endpoint_url}}
+        with tiercache.open(cfg) as cache:
+            vid = cache.save({"w": torch.arange(8.0)}, step=1).wait("remote")
+            assert torch.equal(cache.restore(vid)["w"], torch.arange(8.0))

@@ -272,6 +272,7 @@ class LocalS3:
         self._weed = Path(weed) if weed else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
+        self._sockets: Path | None = None
         self._ports: list[int] = []
         self._lock = threading.Lock()
 
@@ -407,6 +408,9 @@ class LocalS3:
         master, volume, filer, s3 = self._ports = pick_ports(4)
         base = Path(tempfile.mkdtemp(prefix="tiercache-s3-", dir=self._root))
         self._dir = base
+        # Unix socket paths are limited to 107 bytes: a deep working directory (a test's tmp_path)
+        # cannot hold them, so they get a short private directory of their own (0700).
+        self._sockets = Path(tempfile.mkdtemp(prefix="tcs3-", dir="/tmp"))
         (base / "data").mkdir()
         (base / "tmp").mkdir()
         config = base / "s3.json"
@@ -434,7 +438,7 @@ class LocalS3:
             "-volume.preStopSeconds=0",
             "-filer",
             f"-filer.port={filer}",
-            f"-filer.localSocket={base / 'filer.sock'}",
+            f"-filer.localSocket={self._sockets / 'filer.sock'}",
             "-s3",
             f"-s3.port={s3}",
             "-s3.port.iceberg=0",
@@ -442,7 +446,7 @@ class LocalS3:
             "-s3.iam=false",
             "-s3.autoCreateBucket=false",  # a missing bucket must be an error, as on real S3
             f"-s3.config={config}",
-            f"-s3.localSocket={base / 's3.sock'}",
+            f"-s3.localSocket={self._sockets / 's3.sock'}",
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WEED_"))}
         env["TMPDIR"] = str(base / "tmp")
@@ -530,6 +534,9 @@ class LocalS3:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         self._remove_sockets()
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
