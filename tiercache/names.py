@@ -15,7 +15,7 @@ from tiercache.errors import InvalidNameError
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _CHUNK_ID_RE = re.compile(r"[0-9a-f]{32,128}")
 
-#: Key prefixes of the layout shared by every durable tier (DESIGN.md section 2).
+#: Key prefixes of the layout shared by every durable tier (docs/design.md section 2).
 CHUNKS = "chunks/"
 VERSIONS = "versions/"
 REFS = "refs/"

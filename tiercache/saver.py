@@ -4,7 +4,7 @@
 and nothing else. Two implementations exist:
 
 * :class:`tiercache.pipeline.engine.Engine`: the pipeline in this process (no ``[agent]`` table);
-* :class:`tiercache.agent.saver.AgentSaver`: the trainer side of the node agent (DESIGN.md section
+* :class:`tiercache.agent.saver.AgentSaver`: the trainer side of the node agent (docs/design.md section
   7b): ``stage`` copies into the agent's shared arena and hands the version over; the agent runs
   the same :class:`Engine` for every process of the node. If the agent is lost, it saves through an
   :class:`Engine` of its own from then on.

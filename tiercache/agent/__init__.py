@@ -1,4 +1,4 @@
-"""The node agent (DESIGN.md section 7b): the RAM tier outlives the trainer, which pays only the memcpy.
+"""The node agent (docs/design.md section 7b): the RAM tier outlives the trainer, which pays only the memcpy.
 
 One agent process per node and cache owns the node's RAM arena (a ``0600`` file in ``/dev/shm``)
 and runs the save pipeline for every process of the node that saves to that cache. A trainer's

@@ -1,7 +1,7 @@
 """A rank's part of a multi-rank version in the agent: the agent writes the bytes, the ranks agree.
 
 With many ranks the bytes go through the agents and the agreement stays with the ranks
-(DESIGN.md section 7b). A trainer publishes its part of a group version as any version; the
+(docs/design.md section 7b). A trainer publishes its part of a group version as any version; the
 agent's engine hashes and writes it as the in-process engine would, with a
 :class:`TrainerCommitter` as the version's :class:`~tiercache.pipeline.job.Committer`. Whatever
 the engine asks of the group (which chunks this rank writes to a tier, how the ranks split the

@@ -1,4 +1,4 @@
-"""Many ranks: save and restore as a torch.distributed process group (DESIGN.md section 7).
+"""Many ranks: save and restore as a torch.distributed process group (docs/design.md section 7).
 
 :class:`GroupView` is what ``cache.save(state, step=..., group=g)`` and ``cache.restore(ref,
 group=g)`` go through; every exchange among its ranks goes through one collective layer

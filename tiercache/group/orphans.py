@@ -1,4 +1,4 @@
-"""A restarted group adopts the newest version whose parts its node agents still hold (DESIGN.md section 7b).
+"""A restarted group adopts the newest version whose parts its node agents still hold (docs/design.md section 7b).
 
 With node agents, each rank's part of a multi-rank version is in its node's RAM (and maybe
 written) as soon as ``save()`` returned; the group commits it later, through the trainers. If the

@@ -1,4 +1,4 @@
-"""The background phases of a multi-rank version, each one exchange of the group (DESIGN.md section 7).
+"""The background phases of a multi-rank version, each one exchange of the group (docs/design.md section 7).
 
 After ``save()`` staged a rank's part (the memcpy, on the training thread), the group goes on
 without it, on worker threads of each rank, every version in save order:

@@ -1,4 +1,4 @@
-"""Which node each rank of a group runs on, and which nodes hold copies of which (DESIGN.md section 7).
+"""Which node each rank of a group runs on, and which nodes hold copies of which (docs/design.md section 7).
 
 RAM and disk are node-local: a multi-rank version is ``local`` when every node holds what its own
 ranks need, and peer copies put each node's part on other nodes too. So every rank needs the

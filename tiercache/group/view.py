@@ -1,4 +1,4 @@
-"""The multi-rank view of a cache: save and restore as a process group (DESIGN.md section 7).
+"""The multi-rank view of a cache: save and restore as a process group (docs/design.md section 7).
 
 Every rank of a process group calls ``cache.save(state, step=..., group=g)`` with its own part of
 the state (a DDP replica, its FSDP/DTensor shards: DTensors are saved as their local shards).

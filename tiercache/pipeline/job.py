@@ -115,7 +115,7 @@ class StagedVersion(VersionHead):
 
     Everything the pipeline needs to hash, place, write and commit the version, and nothing of
     the saving process's Python objects, so a version copied into a shared arena by one process
-    can be finished by another (the node agent, DESIGN.md section 7b; see :meth:`Engine.adopt`).
+    can be finished by another (the node agent, docs/design.md section 7b; see :meth:`Engine.adopt`).
 
     Attributes:
         tree: The state's object tree (see :func:`tiercache.format.flatten`).

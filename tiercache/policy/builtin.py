@@ -108,7 +108,7 @@ def _mbps(nbytes: int, seconds: float) -> str:
 def compression_wins(tier_bps: float, encode_bps: float, ratio: float) -> bool:
     """Whether writing a byte encoded beats writing it raw on a tier of ``tier_bps``.
 
-    The rule of DESIGN.md section 5, per raw byte: encode time plus encoded bytes over the tier
+    The rule of docs/design.md section 5, per raw byte: encode time plus encoded bytes over the tier
     speed must beat raw bytes over the tier speed, ``1/encode + 1/(ratio*tier) < 1/tier``.
     Encoding and transfers of different chunks overlap in the engine, so this is conservative:
     it only compresses when compression wins even without that overlap.

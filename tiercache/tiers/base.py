@@ -1,6 +1,6 @@
 """The contract every storage tier (RAM arena, disk directory, S3 prefix) implements.
 
-A tier is a flat key -> bytes store with the key layout of DESIGN.md section 2
+A tier is a flat key -> bytes store with the key layout of docs/design.md section 2
 (``chunks/<id[:2]>/<id>``, ``versions/<id>.json``, ``refs/branch/<name>``, ``refs/tag/<name>``),
 plus compare-and-swap on refs. The engine is the only caller; it never holds a lock across calls.
 
