@@ -761,12 +761,16 @@ class TierCache:
 
     # ------------------------------------------------------------------ maintenance
 
-    def verify(self, ref: str | None = None, *, repair: bool = False) -> repo_ops.VerifyReport:
+    def verify(self, ref: str | None = None, *, repair: bool = False, sample: int | None = None,
+               progress: Callable[[int, int], None] | None = None) -> repo_ops.VerifyReport:
         """Check every copy of a version's (or every version's) chunks and manifests on every durable tier.
 
         Args:
             ref: One version to check, or ``None`` for all.
             repair: Rewrite each missing or damaged copy from a good copy on another tier.
+            sample: Read only this many chunk copies, drawn at random (every manifest is still
+                checked): a quick check of a large cache.
+            progress: Called with the bytes of chunk copies checked so far and the bytes to check.
 
         Returns:
             The report: each damaged copy, whether it was repaired, and what has no good copy.
@@ -775,7 +779,7 @@ class TierCache:
         if self._engine is not None:
             self._engine.wait_settled()  # versions in flight are checked once committed
         versions = [self.manifest(ref)] if ref is not None else self.catalog.all()
-        return repo_ops.verify(self.repo, versions, repair=repair)
+        return repo_ops.verify(self.repo, versions, repair=repair, sample=sample, progress=progress)
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> repo_ops.GcReport:
         """Delete versions no branch head or tag reaches (through parents) and chunks nothing names.

@@ -219,12 +219,27 @@ def _table() -> "Table":
     return Table(box=None, header_style="bold")
 
 
-@contextmanager
-def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """Show a transient byte progress bar on stderr; yields the ``progress`` callback.
+class _Bar:
+    """One task of a progress bar: ``advance`` by a chunk's bytes, or ``set`` what is done of a total."""
 
-    The callback may be called from the engine's worker threads; ``Progress.advance`` locks.
-    Nothing is drawn when stderr is not a terminal, so piped output and logs stay clean.
+    def __init__(self, bar: Any, task: Any) -> None:
+        self._bar, self._task = bar, task
+
+    def advance(self, nbytes: int) -> None:
+        """Count ``nbytes`` more as done (``Progress.advance`` locks: any thread may call it)."""
+        self._bar.advance(self._task, nbytes)
+
+    def set(self, done: int, total: int) -> None:
+        """Show ``done`` bytes of ``total``."""
+        self._bar.update(self._task, completed=done, total=total)
+
+
+@contextmanager
+def _byte_progress(description: str, total: int | None) -> Iterator[_Bar]:
+    """Show a transient byte progress bar on stderr; yields its :class:`_Bar`.
+
+    Its callbacks may be called from the engine's worker threads. Nothing is drawn when stderr is
+    not a terminal, so piped output and logs stay clean.
     """
     # Imported here: only the commands that move bytes draw a bar, and it costs start-up time.
     from rich.progress import (
@@ -246,8 +261,9 @@ def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], Non
     )
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
-        bar.update(task, completed=total)
+        yield _Bar(bar, task)
+        if total is not None:
+            bar.update(task, completed=total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,7 +729,7 @@ def restore(
         target = _output_path(out, force)
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"restore {info.id[:SHORT_ID]}", info.nbytes) as progress:
-            state = cache.restore(info.id, progress=progress)
+            state = cache.restore(info.id, progress=progress.advance)
         read = cache.last_restore.nbytes if cache.last_restore is not None else {}
         target.parent.mkdir(exist_ok=True)  # DIR/ names a directory that may not exist yet
         _atomic_torch_save(state, target)
@@ -740,7 +756,7 @@ def promote(
         _refuse_ram(to, "promote --to")
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"promote {info.id[:SHORT_ID]} -> {to}", info.nbytes) as progress:
-            copied = cache.promote(info.id, to=to, progress=progress)
+            copied = cache.promote(info.id, to=to, progress=progress.advance)
     if as_json:
         _echo_json({"version": info.id, "branch": info.branch, "step": info.step, "tier": to, "bytes_copied": copied})
     else:
@@ -824,21 +840,25 @@ def tag(
 
 
 @app.command("verify", epilog=_examples("tiercache verify", "tiercache verify main --repair",
-                                        "tiercache verify --json"))
+                                        "tiercache verify --sample 100", "tiercache verify --json"))
 def verify(
     ctx: typer.Context,
     ref: Annotated[
         str | None, typer.Argument(help="Check only this version (default: every version).", metavar="REF")
     ] = None,
     repair: Annotated[bool, typer.Option("--repair", help="Rewrite each bad copy from a good one.")] = False,
+    sample: Annotated[int | None, typer.Option("--sample", min=1, metavar="N", show_default=False,
+                                               help="Read only N chunk copies, drawn at random (a quick check; "
+                                                    "every manifest is still read).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
     """Check every stored copy; --repair rewrites bad ones.
 
-    Reads every copy of every chunk and manifest on every durable tier; exit 1 if any is bad.
+    Reads every copy of every chunk and manifest on every durable tier (a progress bar on a
+    terminal); exit 1 if any is bad.
     """
-    with _session(ctx) as cache:
-        report = cache.verify(ref, repair=repair)
+    with _session(ctx) as cache, _byte_progress("verify", None) as progress:
+        report = cache.verify(ref, repair=repair, sample=sample, progress=progress.set)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -848,8 +868,10 @@ def verify(
         for key in report.unrepairable:
             typer.echo(f"no good copy on any tier: {key}")
         bad = len(report.damage)
-        typer.echo(f"verified {report.versions} version(s), {report.chunks} chunk(s), {report.copies} copies: "
-                   f"{bad} bad, {report.repaired} repaired")
+        sampled = (f" (a sample of {report.sampled} of {report.chunk_copies} chunk copies)"
+                   if report.sampled is not None else "")
+        typer.echo(f"verified {report.versions} version(s), {report.chunks} chunk(s), {report.copies} copies"
+                   f"{sampled}: {bad} bad, {report.repaired} repaired")
         if bad and not repair:
             typer.echo("run `tiercache verify --repair` to rewrite bad copies from good ones")
     if not report.ok:

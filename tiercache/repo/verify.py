@@ -14,6 +14,9 @@ good copy on another tier (never from the bad tier itself).
 from __future__ import annotations
 
 import logging
+import random
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +64,9 @@ class VerifyReport:
         copies: Chunk and manifest copies read and checked, over all tiers.
         damage: Every missing or damaged copy, in tier and key order.
         unrepairable: Keys with no good copy on any tier (their versions cannot be restored).
+        sampled: With ``sample``: how many chunk copies were read, of the ``chunk_copies`` there
+            are (every manifest is still checked); ``None``: every copy was read.
+        chunk_copies: Chunk copies the tiers should hold (read whole unless sampled).
     """
 
     versions: int
@@ -68,6 +74,8 @@ class VerifyReport:
     copies: int
     damage: tuple[Damage, ...]
     unrepairable: tuple[str, ...] = ()
+    sampled: int | None = None
+    chunk_copies: int = 0
 
     @property
     def ok(self) -> bool:
@@ -84,11 +92,12 @@ class VerifyReport:
         return {
             "versions": self.versions, "chunks": self.chunks, "copies": self.copies, "ok": self.ok,
             "repaired": self.repaired, "unrepairable": list(self.unrepairable),
-            "damage": [d.__dict__ for d in self.damage],
+            "damage": [d.__dict__ for d in self.damage], "sampled": self.sampled, "chunk_copies": self.chunk_copies,
         }
 
 
-def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> VerifyReport:
+def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check every copy of the chunks and manifests of ``versions`` on every available durable tier.
 
     A tier should hold a chunk when it holds the manifest of a version naming it, or when it
@@ -99,6 +108,9 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
         repo: The storage layer.
         versions: The versions to check.
         repair: Rewrite each missing or damaged copy from a good copy on another tier.
+        sample: Read only this many chunk copies, drawn at random (a quick check; every manifest
+            and part is still read); ``None``: all.
+        progress: Called with the bytes of chunk copies checked so far and the bytes to check.
 
     Returns:
         The report; ``report.ok`` says whether everything is (now) good.
@@ -135,8 +147,24 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
         except TierCacheError as e:
             return Damage(name, key, "damaged", f"{type(e).__name__}: {e}")
 
+    todo = sorted(wanted.items())
+    if sample is not None and sample < len(todo):
+        todo = sorted(random.Random().sample(todo, sample))
+    total = sum(n for _, (n, _) in todo)
+    done = [0]
+    lock = threading.Lock()
+
+    def checked(item: tuple[tuple[str, str], tuple[int, str]]) -> Damage | None:
+        try:
+            return check(item)
+        finally:
+            if progress is not None:
+                with lock:
+                    done[0] += item[1][0]
+                    progress(done[0], total)
+
     with ThreadPoolExecutor(max(1, repo.config.io_threads), thread_name_prefix="tiercache-verify") as pool:
-        found = [d for d in pool.map(check, sorted(wanted.items())) if d is not None]
+        found = [d for d in pool.map(checked, todo) if d is not None]
     found += _check_manifests(repo, versions, tiers)
     found += _check_parts(parts, tiers)
     if repair:
@@ -146,10 +174,11 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     for d in found:
         log.warning("verify: %s copy of %s on %s: %s%s", d.problem, d.key, d.tier, d.detail,
                     f" (repaired from {d.repaired_from})" if d.repaired_from else "")
-    chunks = {cid for _, cid in wanted}
+    chunks = {cid for (_, cid), _ in todo}
     copies = len(wanted) + len(parts) + sum(cat.manifest_on(n, v.id) for v in versions for n in tiers)
+    copies -= len(wanted) - len(todo)
     return VerifyReport(len(versions), len(chunks), copies, tuple(sorted(found, key=lambda d: (d.tier, d.key))),
-                        tuple(sorted(unrepairable)))
+                        tuple(sorted(unrepairable)), len(todo) if len(todo) < len(wanted) else None, len(wanted))
 
 
 def _held_ranks(tier: Any, v: Version, node: str) -> list[int]:
