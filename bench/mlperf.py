@@ -13,9 +13,14 @@ its own and fsyncs it, then ``O_DIRECT``-reads it back), tiercache in each rank 
 ``local``; the read with a disk-only cache, so no RAM copy helps), and with ``--agent`` tiercache
 through one node agent for all ranks (the write until ``local``; the read as above).
 
+The disk's own speed drifts by tens of percent within minutes on a VM, so the kinds are not run one
+after the other once each: each of ``--rounds`` rounds runs every kind once, in alternating order
+(raw first in even rounds, last in odd ones), and each round's tiercache time is divided by the
+same round's raw time. The table gives the median of those per-round ratios and their range.
+
 Example::
 
-    python -m bench mlperf --size 2GB --ranks 1,2,4,8
+    python -m bench mlperf --size 2GB --ranks 1,2,4,8 --rounds 3
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -114,8 +120,13 @@ def _phase_run(kind: str, ranks: int, size: int, work: Path, config: dict[str, A
     return out
 
 
-def run(size: int, rank_counts: Sequence[int], work: Path, *, agent: bool, console: Console) -> dict[str, Any]:
-    """Run every rank count and kind; return the results by ``"<kind>/<ranks>"``."""
+def run(size: int, rank_counts: Sequence[int], work: Path, *, agent: bool, rounds: int,
+        console: Console) -> dict[str, Any]:
+    """Run every rank count, ``rounds`` rounds of every kind in alternating order.
+
+    Returns:
+        By ``"<kind>/<ranks>"``: the list of each round's results.
+    """
     from bench.agent import _Agent, _with_agent
     from bench.save_restore import ram_capacity
 
@@ -128,18 +139,25 @@ def run(size: int, rank_counts: Sequence[int], work: Path, *, agent: bool, conso
         if agent:
             sock_dir = Path(tempfile.mkdtemp(prefix="tcm-", dir="/tmp"))
             kinds.append(("agent", _with_agent({**cfg, "ram": {"capacity": ram_capacity(size)}}, sock_dir)))
-        for kind, config in kinds:
-            console.print(f"mlperf: {ranks} rank(s), {kind}")
-            runner = None
-            if kind == "agent":  # one agent for the node, serving the disk path every rank uses
-                assert config is not None
-                runner = _Agent(_on_disk(config, work, kind, ranks), work / f"agent-{ranks}.log")
-            try:
-                results[f"{kind}/{ranks}"] = _phase_run(kind, ranks, size, work, config)
-            finally:
-                if runner is not None:
-                    runner.stop()
+        for r in range(rounds):
+            for kind, config in kinds if r % 2 == 0 else kinds[::-1]:
+                console.print(f"mlperf: {ranks} rank(s), round {r + 1}/{rounds}, {kind}")
+                runner = None
+                if kind == "agent":  # one agent for the node, serving the disk path every rank uses
+                    assert config is not None
+                    runner = _Agent(_on_disk(config, work, kind, ranks), work / f"agent-{ranks}.log")
+                try:
+                    results.setdefault(f"{kind}/{ranks}", []).append(_phase_run(kind, ranks, size, work, config))
+                finally:
+                    if runner is not None:
+                        runner.stop()
     return results
+
+
+def ratios(results: dict[str, Any], key: str, phase: str) -> list[float]:
+    """Each round's time of ``key`` (``"<kind>/<ranks>"``) over the same round's raw time, for ``phase``."""
+    raw = results[f"raw/{key.split('/')[1]}"]
+    return [r[phase]["seconds"] / b[phase]["seconds"] for r, b in zip(results[key], raw, strict=True)]
 
 
 def _on_disk(config: dict[str, Any], work: Path, kind: str, ranks: int) -> dict[str, Any]:
@@ -148,33 +166,37 @@ def _on_disk(config: dict[str, Any], work: Path, kind: str, ranks: int) -> dict[
 
 
 def render(results: dict[str, Any], size: int, console: Console) -> None:
-    """Print one table: per rank count and kind, write and read duration and throughput."""
-    table = Table(title=f"MLPerf-Storage-style checkpoint, {size / 1e9:.2f} GB per checkpoint", box=None,
-                  header_style="bold")
-    for name in ("ranks", "kind", "write s", "write GB/s", "min rank GB/s", "read s", "read GB/s",
-                 "min rank GB/s", "vs raw (w/r)"):
+    """Print one table: per rank count and kind, median write and read time and throughput, and per-round ratios."""
+    rounds = len(next(iter(results.values())))
+    table = Table(title=f"MLPerf-Storage-style checkpoint, {size / 1e9:.2f} GB per checkpoint, {rounds} round(s)",
+                  box=None, header_style="bold")
+    for name in ("ranks", "kind", "write s", "write GB/s", "read s", "read GB/s",
+                 "vs raw write (range)", "vs raw read (range)"):
         table.add_column(name, justify="left" if name == "kind" else "right")
-    for key, r in results.items():
+    for key, runs in results.items():
         kind, ranks = key.split("/")
-        raw = results.get(f"raw/{ranks}")
-        vs = ""
-        if raw is not None and kind != "raw":
-            w, rd = (r[ph]["seconds"] / raw[ph]["seconds"] for ph in ("write", "read"))
-            vs = f"{w:.2f}x / {rd:.2f}x"
-        table.add_row(ranks, kind, f"{r['write']['seconds']:.3f}", f"{r['write']['gbps']:.2f}",
-                      f"{r['write']['min_rank_gbps']:.2f}", f"{r['read']['seconds']:.3f}", f"{r['read']['gbps']:.2f}",
-                      f"{r['read']['min_rank_gbps']:.2f}", vs)
+        w = statistics.median(r["write"]["seconds"] for r in runs)
+        rd = statistics.median(r["read"]["seconds"] for r in runs)
+        cells = []
+        for phase in ("write", "read"):
+            if kind == "raw":
+                cells.append("")
+                continue
+            got = ratios(results, key, phase)
+            cells.append(f"{statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})")
+        table.add_row(ranks, kind, f"{w:.3f}", f"{size / w / 1e9:.2f}", f"{rd:.3f}", f"{size / rd / 1e9:.2f}", *cells)
     console.print(table)
-    method = next(iter(results.values()))["cold_read"]
-    console.print(f"cold reads: page cache dropped with {method}")
+    method = next(iter(results.values()))[0]["cold_read"]
+    console.print(f"cold reads: page cache dropped with {method}; ratios are per round (kinds alternate), medians")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench mlperf [--size 2GB] [--ranks 1,2,4,8] [--agent] [--dir D]``."""
+    """``python -m bench mlperf [--size 2GB] [--ranks 1,2,4,8] [--rounds 3] [--agent] [--dir D]``."""
     p = argparse.ArgumentParser(prog="python -m bench mlperf", description=__doc__.splitlines()[0])
     p.add_argument("--size", default="2GB", type=parse_size, help="bytes of one checkpoint, all ranks together")
     p.add_argument("--ranks", default="1,2,4,8", help="rank counts to run (comma-separated)")
     p.add_argument("--agent", action="store_true", help="also run the ranks through one node agent")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every kind, in alternating order (default 3)")
     p.add_argument("--dir", type=Path, default=None, help="directory on the filesystem to measure (bench/out)")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.ranks.split(",") if x.strip()]
@@ -182,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     OUT.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tiercache-mlperf-", dir=args.dir or OUT))
     try:
-        results = run(args.size, counts, work, agent=args.agent, console=console)
+        results = run(args.size, counts, work, agent=args.agent, rounds=args.rounds, console=console)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     render(results, args.size, console)
