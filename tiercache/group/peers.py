@@ -116,6 +116,10 @@ class Replicator:
         self.tier = tier
         self.timeout = timeout
         self.agent_host = agent_host
+        # The job's key for the agents' peer port (tiercache.agent.peerwire): only the
+        # coordinator's is used; it reaches the ranks in each plan, through the job's store, so
+        # only the job's ranks (and their agents) hold it.
+        self._key = secrets.token_hex(32)
 
     def run(self, rnd: Round, ch: Channel) -> None:
         """Make the peer copies of ``rnd`` once the group settled its ``local`` level."""
@@ -162,7 +166,7 @@ class Replicator:
             return None
 
     def plan(self, rnd: Round, statuses: list[Status]) -> Decision:
-        """Each rank's moves; through the agents (a token and the endpoints it needs) if every rank has one."""
+        """Each rank's moves; through the agents (a token, the job's key, the endpoints) if every rank has one."""
         view = self.view
         moves = copy_moves(view.topology, self.peers, rnd.plan.writers, rnd.plan.sizes, rnd.plan.part_bytes)
         slots = schedule(moves, view.cache.config.peers.batch_bytes)
@@ -176,7 +180,8 @@ class Replicator:
             for d in s.move.dsts:
                 partners[s.move.src].add(d)
                 partners[d].add(s.move.src)
-        return Decision(None, [{"slots": mine, "via": {"token": token, "endpoints": {str(r): endpoints[r] for r in rs}}}
+        return Decision(None, [{"slots": mine, "via": {"token": token, "key": self._key,
+                                                       "endpoints": {str(r): endpoints[r] for r in rs}}}
                                for mine, rs in zip(per, partners, strict=True)])
 
     def _through_agent(self, rnd: Round, slots: list[Any], via: dict[str, Any]) -> None:
@@ -186,7 +191,7 @@ class Replicator:
             raise AgentUnavailableError(f"rank {self.view.rank} lost its node agent before the peer copies of "
                                         f"version {rnd.vid}")
         link.request("peer_copy", vid=rnd.vid, rank=self.view.rank, tier=self.tier, slots=slots,
-                     token=via["token"], endpoints=via["endpoints"], within=self.timeout)
+                     token=via["token"], key=via["key"], endpoints=via["endpoints"], within=self.timeout)
 
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
         """This rank's moves over gloo, from and to its node's disk (:class:`PeerFiles`)."""
