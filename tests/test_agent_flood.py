@@ -86,10 +86,8 @@ def _peer_hello(endpoint: tuple[str, int]) -> bool:
 def test_a_flooded_agent_goes_on_serving_its_trainers_and_peers(agent: Any) -> None:
     proc, cfg = agent
     config = load_config(cfg)
-    endpoint = tuple(call(config, "peer_port", host="127.0.0.1")["endpoint"])
-    # The job's key reaches the agent with a rank's moves (here: a copy with none).
-    call(config, "peer_copy", vid="v", rank=0, tier="disk", slots=[], token="ab" * 16, key=KEY, endpoints={},
-         within=5)
+    # A rank of the job asks where its agent takes peer copies, and hands it the job's key.
+    endpoint = tuple(call(config, "peer_port", host="127.0.0.1", key=KEY)["endpoint"])
     # Absurd numbers from a client of the node: one clear error each, nothing hangs.
     for bad, want in [({"within": -1}, "within must be seconds"), ({"rank": 1e300}, "rank must be an integer"),
                       ({"slots": [[0, 0, "c", 1 << 60, 0, [1]]]}, "nbytes must be an integer")]:

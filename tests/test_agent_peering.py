@@ -61,11 +61,6 @@ def _closed_unanswered(s: socket.socket) -> bool:
         return True
 
 
-def _knows_key(port: PeerPort, files: PeerFiles) -> None:
-    """``port`` learns the job's key as from an earlier version's copy (one with no moves)."""
-    port.copy(token=_token("earlier"), key=KEY, rank=1, slots=[], endpoints={}, files=files, timeout=5.0, threads=1)
-
-
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
     """Node 0's cache holding a version on its disk, node 1's empty one, and the version's id."""
@@ -205,7 +200,7 @@ def test_a_receiver_that_asks_after_its_sender_left_fails_at_once(nodes: Any, po
     _, pb = ports
     slots = _slots(a, vid)
     host, port = pb.endpoint(HOST)
-    _knows_key(pb, PeerFiles(b, "disk", vid))
+    pb.learn(KEY)  # from the rank that asked for its endpoint
     _hello((host, port), _token("t3"), 0).close()
     time.sleep(0.5)  # the receiving agent saw the connection close
     # (Not DeadlineExceededError after the 60 s timeout: the receiver knows its sender is gone.)

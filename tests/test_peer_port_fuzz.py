@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_agent_peering import HOST, KEY, _both, _closed_unanswered, _hello, _knows_key, _slots, _token, nodes
+from test_agent_peering import HOST, KEY, _both, _closed_unanswered, _hello, _slots, _token, nodes
 
 from tiercache.agent import peering
-from tiercache.agent.peering import PeerPort, copy_request
+from tiercache.agent.peering import PeerPort, copy_request, port_request
 from tiercache.agent.peerwire import CHUNK, HEADER_BYTES, HELLO, UNREADABLE, Frame, PeerKey
 from tiercache.group.copies import PeerFiles
 from tiercache.names import chunk_key
@@ -123,7 +123,7 @@ def test_junk_forged_and_absurd_frames_are_closed_unanswered_and_peers_still_cop
     a, b, vid = nodes
     pa, pb = ports
     endpoint = pb.endpoint(HOST)
-    _knows_key(pb, PeerFiles(b, "disk", vid))  # the forgeries below know what the port takes
+    pb.learn(KEY)  # the forgeries below know what the port takes
     crashed: list[Any] = []
     old_hook = threading.excepthook
     threading.excepthook = lambda args: crashed.append(args.exc_value)
@@ -150,7 +150,7 @@ def test_an_authenticated_peer_with_absurd_frames_loses_its_connection_and_lands
     a, b, vid = nodes
     pa, pb = ports
     endpoint = pb.endpoint(HOST)
-    _knows_key(pb, PeerFiles(b, "disk", vid))
+    pb.learn(KEY)
     t = _token("absurd")
     bad = [
         Frame(CHUNK, t, 0, 1, 0, (1 << 64) - 1, 0.0, 1),  # 16 EiB announced
@@ -231,6 +231,15 @@ def test_every_field_of_a_copy_request_is_checked(field: str, value: Any, want: 
     if field in ("within", "endpoints", "slots", "rank", "token", "key"):
         with pytest.raises(ValueError, match=r"^peer_copy: "):
             copy_request(msg)
+
+
+def test_a_port_request_is_checked() -> None:
+    assert port_request({"host": "127.0.0.1"}) == {"host": "127.0.0.1", "key": None}
+    assert port_request({"host": "::1", "key": "cd" * 32})["key"].id == PeerKey("cd" * 32).id
+    with pytest.raises(ValueError, match=r"^peer_port: host must be an address of this node, not nan"):
+        port_request({"host": math.nan})
+    with pytest.raises(ValueError, match=r"^peer_port: key must be 64 hex digits"):
+        port_request({"host": "127.0.0.1", "key": "cd" * 31 + "zz"})
 
 
 def test_a_well_formed_copy_request_is_taken_as_sent() -> None:

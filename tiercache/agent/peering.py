@@ -10,12 +10,13 @@ moves, hashes and writes nothing.
 
 Wire (:mod:`tiercache.agent.peerwire`): a connection carries frames, each a fixed-size header
 sealed with the job's key (a MAC) and, for a chunk, its raw bytes. The key is drawn once per job
-by the coordinator and reaches the ranks through the job's store, in the plan of each version;
-an agent knows the keys its ranks handed it with their moves. The first frame says who sends
-(the version's token, the sending rank); the receiver answers it with one byte, or closes the
-connection if it does not know the key yet (the sender tries again until its deadline: its
-receiving rank may hand its moves over a moment later). An agent takes a frame only for a copy
-one of its ranks asked for (token, tag, rank) and checks each chunk against its id.
+by one rank and reaches the others through the job's store (:mod:`tiercache.group.peers`); an
+agent knows the keys its ranks handed it (with ``peer_port``, before any plan names the agent,
+and with ``peer_copy``). The first frame says who sends (the version's token, the sending rank);
+the receiver answers it with one byte, or closes the connection if it does not know the key (the
+sender tries again until its deadline: an agent restarted since may learn it a moment later).
+An agent takes a frame only for a copy one of its ranks asked for (token, tag, rank) and checks
+each chunk against its id.
 
 The receiving side is one asyncio event loop on one thread: a connection costs a coroutine, not
 a thread. A stranger is held to the header read: at most :data:`MAX_CONNECTIONS` connections
@@ -51,6 +52,7 @@ from tiercache.agent.peerwire import (
     CHUNK,
     HEADER_BYTES,
     HELLO,
+    KEY_BYTES,
     MAX_PAYLOAD,
     TOKEN_BYTES,
     UNREADABLE,
@@ -149,8 +151,21 @@ def copy_request(msg: Mapping[str, Any]) -> dict[str, Any]:
         parsed.append(Slot(_int(tag, "a slot's tag", hi=(1 << 63) - 1), _int(batch, "a slot's batch"),
                            Move(chunk, _int(nbytes, "a slot's nbytes", hi=MAX_PAYLOAD), _int(src, "a slot's src"),
                                 tuple(_int(d, "a slot's dst") for d in dsts))))
-    return {"token": _hex(msg.get("token"), "token", TOKEN_BYTES), "key": PeerKey(_hex(msg.get("key"), "key", 32)),
-            "rank": _int(msg.get("rank"), "rank"), "slots": parsed, "endpoints": eps, "timeout": float(within)}
+    return {"token": _hex(msg.get("token"), "token", TOKEN_BYTES),
+            "key": PeerKey(_hex(msg.get("key"), "key", KEY_BYTES)), "rank": _int(msg.get("rank"), "rank"),
+            "slots": parsed, "endpoints": eps, "timeout": float(within)}
+
+
+def port_request(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """:meth:`PeerPort.endpoint`'s arguments from a ``peer_port`` request (``key`` is optional).
+
+    Raises:
+        ValueError: Naming the field that is not what it should be.
+    """
+    host, key = msg.get("host"), msg.get("key")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise ValueError(f"peer_port: host must be an address of this node, not {host!r:.100}")
+    return {"host": host, "key": None if key is None else PeerKey(_hex(key, "key", KEY_BYTES, "peer_port"))}
 
 
 def _int(v: Any, name: str, lo: int = 0, hi: int = (1 << 31) - 1) -> int:
@@ -159,13 +174,13 @@ def _int(v: Any, name: str, lo: int = 0, hi: int = (1 << 31) - 1) -> int:
     return v
 
 
-def _hex(v: Any, name: str, nbytes: int) -> bytes:
+def _hex(v: Any, name: str, nbytes: int, request: str = "peer_copy") -> bytes:
     try:
         if isinstance(v, str) and len(v) == 2 * nbytes:
             return bytes.fromhex(v)
     except ValueError:
         pass
-    raise ValueError(f"peer_copy: {name} must be {2 * nbytes} hex digits")
+    raise ValueError(f"{request}: {name} must be {2 * nbytes} hex digits")
 
 
 @dataclass
@@ -291,12 +306,18 @@ class PeerPort:
 
     # ------------------------------------------------------------------ the port
 
-    def endpoint(self, host: str) -> tuple[str, int]:
+    def endpoint(self, host: str, key: PeerKey | None = None) -> tuple[str, int]:
         """Where this agent takes peer copies on ``host`` (listening there from the first call on).
+
+        Args:
+            host: An address of this node.
+            key: The key of a job whose ranks copy through this agent (it takes their frames).
 
         Raises:
             TierUnavailableError: If it cannot listen on ``host``.
         """
+        if key is not None:
+            self.learn(key)
         with self._cond:
             if self._closed:
                 raise TierUnavailableError("the node agent is stopping: it takes no peer copies")
@@ -350,6 +371,14 @@ class PeerPort:
         if self._landers is not None:
             self._landers.shutdown(wait=False)
 
+    def learn(self, key: PeerKey) -> None:
+        """Take frames sealed with ``key`` from now on (a job's: the :data:`_KEEP_KEYS` latest are kept)."""
+        with self._cond:
+            self._keys[key.id] = key
+            self._keys.move_to_end(key.id)
+            while len(self._keys) > _KEEP_KEYS:
+                self._keys.popitem(last=False)
+
     async def _stop_all(self) -> None:
         me = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not me]
@@ -380,11 +409,8 @@ class PeerPort:
         """
         deadline = time.monotonic() + timeout
         expects: dict[tuple[bytes, int, int], _Expect] = {}
+        self.learn(key)
         with self._cond:
-            self._keys[key.id] = key
-            self._keys.move_to_end(key.id)
-            while len(self._keys) > _KEEP_KEYS:
-                self._keys.popitem(last=False)
             for s in slots:
                 if rank in s.move.dsts:
                     expects[(token, s.tag, rank)] = _Expect(s.move, files)
@@ -694,4 +720,5 @@ def _name(endpoint: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-__all__ = ["HELLO_S", "IDLE_S", "MAX_CONNECTIONS", "STALL_S", "PeerPort", "advertised_host", "copy_request"]
+__all__ = ["HELLO_S", "IDLE_S", "MAX_CONNECTIONS", "STALL_S", "PeerPort", "advertised_host", "copy_request",
+           "port_request"]

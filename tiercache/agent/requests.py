@@ -24,7 +24,7 @@ from tiercache.agent.arena import SharedArena
 from tiercache.agent.client import LAYOUT_FIELDS
 from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.naming import AgentPlace
-from tiercache.agent.peering import PeerPort, copy_request
+from tiercache.agent.peering import PeerPort, copy_request, port_request
 from tiercache.agent.protocol import (
     PROTOCOL_VERSION,
     Connection,
@@ -507,7 +507,7 @@ class Requests:
         return {}
 
     def _peer_port(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"endpoint": list(self._peers.endpoint(str(msg["host"])))}
+        return {"endpoint": list(self._peers.endpoint(**port_request(msg)))}
 
     def _peer_copy(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         """One rank's moves of a version's peer copies, agent to agent (:mod:`tiercache.agent.peering`)."""
