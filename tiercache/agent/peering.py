@@ -544,6 +544,8 @@ class PeerPort:
                 key = self._keys.get(key_id(raw))
             if key is None:
                 self.turned_away["unknown"] += 1
+                self._warn("unknown", "a connection to the peer port with a key no rank of this node handed it "
+                           "was closed")
                 return  # closed unanswered: a sender of this job tries again (module docstring)
             hello = key.open(raw, 0)
             conn_ = self._conns.get(cid)
