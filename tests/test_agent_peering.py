@@ -7,7 +7,6 @@ multi-process cases (agents that fail or die sending, the whole group) are in te
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ import torch
 
 import tiercache
 from tiercache.agent.peering import PeerPort, advertised_host
+from tiercache.agent.peerwire import ACK, CHUNK, HELLO, Frame, PeerKey
 from tiercache.errors import IntegrityError, TierUnavailableError
 from tiercache.group.copies import PeerFiles
 from tiercache.group.transfer import Move, Slot, schedule
@@ -26,6 +26,39 @@ from tiercache.names import chunk_key
 from tiercache.restore import byte_view
 
 HOST = "127.0.0.1"
+KEY = PeerKey(bytes(range(32)))  # the job's key (the coordinator draws one per job)
+
+
+def _token(name: str) -> bytes:
+    return name.encode().ljust(16, b"\0")
+
+
+def _hello(endpoint: tuple[str, int], token: bytes, src: int, key: PeerKey = KEY) -> socket.socket:
+    """A connection that said hello as rank ``src`` of version ``token`` and was answered.
+
+    As a sending agent does, it tries again while the port closes it unanswered: the port learns
+    the job's key when one of its ranks hands it its moves.
+    """
+    deadline = time.monotonic() + 20
+    while True:
+        s = socket.create_connection(endpoint, timeout=20)
+        s.sendall(key.seal(Frame(HELLO, token, src)))
+        try:
+            if s.recv(1) == ACK:
+                return s
+        except ConnectionResetError:
+            pass
+        s.close()
+        assert time.monotonic() < deadline, "the port never took the job's key"
+        time.sleep(0.02)
+
+
+def _closed_unanswered(s: socket.socket) -> bool:
+    """Whether the port closed ``s`` without a byte (reset, if it left what ``s`` sent unread)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 @pytest.fixture
@@ -57,14 +90,14 @@ def _slots(cache: Any, vid: str) -> list[Slot]:
 
 
 def _both(pa: PeerPort, pb: PeerPort, send: PeerFiles, land: PeerFiles, slots: list[Slot],
-          token: str = "t1", timeout: float = 20.0) -> list[BaseException | None]:
+          token: bytes = _token("t1"), timeout: float = 20.0) -> list[BaseException | None]:
     """Rank 0 (port a) sends, rank 1 (port b) receives; each side's error (or None)."""
     endpoints = {0: pa.endpoint(HOST), 1: pb.endpoint(HOST)}
     errors: list[BaseException | None] = [None, None]
 
     def side(i: int, port: PeerPort, files: PeerFiles) -> None:
         try:
-            port.copy(token=token, rank=i, slots=slots, endpoints=endpoints, files=files, timeout=timeout,
+            port.copy(token=token, key=KEY, rank=i, slots=slots, endpoints=endpoints, files=files, timeout=timeout,
                       threads=2)
         except BaseException as e:
             errors[i] = e
@@ -136,8 +169,8 @@ def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_n
 
     def receive() -> None:
         try:
-            pb.copy(token="t2", rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)}, files=PeerFiles(b, "disk", vid),
-                    timeout=60.0, threads=1)
+            pb.copy(token=_token("t2"), key=KEY, rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)},
+                    files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
             result.append(None)
         except BaseException as e:
             result.append(e)
@@ -145,17 +178,15 @@ def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_n
     t = threading.Thread(target=receive)
     t.start()
 
-    def frame(head: bytes) -> bytes:
-        return struct.pack(">I", len(head)) + head
-
-    # A stranger (another job's token) sends a "chunk": dropped, nothing is written.
+    # A stranger (another job's key) sends a "chunk" of the version: closed unanswered, nothing written.
     m = slots[0].move
+    other = PeerKey(b"\1" * 32)
     with socket.create_connection((host, port)) as s:
-        s.sendall(frame(b'{"t": "other", "src": 0}'))
-        s.sendall(frame(b'{"t": "other", "tag": %d, "dst": 1, "ok": true, "n": 4, "w": 0}' % slots[0].tag) + b"junk")
+        s.sendall(other.seal(Frame(HELLO, _token("t2"), 0)))
+        s.sendall(other.seal(Frame(CHUNK, _token("t2"), 0, 1, slots[0].tag, 4, 0.0, 1)) + b"junk")
+        assert _closed_unanswered(s)
     # Rank 0's agent connects, sends nothing, and dies: the receiver fails now, not after 60 s.
-    with socket.create_connection((host, port)) as s:
-        s.sendall(frame(b'{"t": "t2", "src": 0}'))
+    _hello((host, port), _token("t2"), 0).close()
     t.join(20)
     assert not t.is_alive()
     [err] = result
@@ -169,14 +200,13 @@ def test_a_receiver_that_asks_after_its_sender_left_fails_at_once(nodes: Any, po
     _, pb = ports
     slots = _slots(a, vid)
     host, port = pb.endpoint(HOST)
-    with socket.create_connection((host, port)) as s:
-        head = b'{"t": "t3", "src": 0}'
-        s.sendall(struct.pack(">I", len(head)) + head)
+    pb.learn(KEY)  # from the rank that asked for its endpoint
+    _hello((host, port), _token("t3"), 0).close()
     time.sleep(0.5)  # the receiving agent saw the connection close
     # (Not DeadlineExceededError after the 60 s timeout: the receiver knows its sender is gone.)
     with pytest.raises(TierUnavailableError, match="rank 0's node agent stopped before it sent"):
-        pb.copy(token="t3", rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)}, files=PeerFiles(b, "disk", vid),
-                timeout=60.0, threads=1)
+        pb.copy(token=_token("t3"), key=KEY, rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)},
+                files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
 
 
 def test_the_advertised_host_is_the_route_to_the_store() -> None:
@@ -202,7 +232,7 @@ def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_
 
     def receive() -> None:
         try:
-            pb.copy(token="t4", rank=1, slots=slots[:1], endpoints={0: ("127.0.0.1", 9)},
+            pb.copy(token=_token("t4"), key=KEY, rank=1, slots=slots[:1], endpoints={0: ("127.0.0.1", 9)},
                     files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
             result.append(None)
         except BaseException as e:
@@ -212,18 +242,12 @@ def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_
     t.start()
     m, tag = slots[0].move, slots[0].tag
 
-    def frame(head: bytes) -> bytes:
-        return struct.pack(">I", len(head)) + head
-
-    with socket.create_connection((host, port)) as s:
-        s.sendall(frame(b'{"t": "other", "src": 5}'))
-        # A stranger's header claiming a terabyte: the agent drains what comes, never allocates it.
-        s.sendall(frame(b'{"t": "other", "tag": 0, "dst": 1, "ok": true, "n": %d, "w": 0}' % (1 << 40)) + b"x" * 100)
-    with socket.create_connection((host, port)) as s:
-        s.sendall(frame(b'{"t": "t4", "src": 0}'))
+    with _hello((host, port), _token("other"), 5) as s:
+        # A header of another version claiming a terabyte: the agent drains what comes, never allocates it.
+        s.sendall(KEY.seal(Frame(CHUNK, _token("other"), 5, 1, 0, 1 << 40, 0.0, 1)) + b"x" * 100)
+    with _hello((host, port), _token("t4"), 0) as s:
         # The move's frame with 3 bytes more than the chunk: the move fails at once, naming the sizes.
-        s.sendall(frame(b'{"t": "t4", "tag": %d, "dst": 1, "ok": true, "n": %d, "w": 5}' % (tag, m.nbytes + 3))
-                  + b"\0" * (m.nbytes + 3))
+        s.sendall(KEY.seal(Frame(CHUNK, _token("t4"), 0, 1, tag, m.nbytes + 3, 5.0, 1)) + b"\0" * (m.nbytes + 3))
         t.join(20)
     assert not t.is_alive()
     [err] = result
@@ -231,3 +255,4 @@ def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_
         f"rank 0 sent {m.nbytes + 3} bytes for {m.chunk}, not its {m.nbytes}"), err
     assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
     assert crashed == []
+

@@ -25,9 +25,10 @@ publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``,
            rank's part of a group version ``part`` (the rank) and ``world`` (the group's size) -> {}
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
 orphans    ``rank`` -> ``orphans``: parts whose trainer died before its group committed them
-peer_port  ``host`` -> ``endpoint`` [host, port] where the agent takes other agents' peer copies
-peer_copy  ``vid``, ``rank``, ``tier``, ``slots``, ``token``, ``endpoints`` {rank: [host, port]},
-           ``within`` (s) -> {} once the rank's moves of the version's peer copies are done
+peer_port  ``host``, ``key`` (the job's, optional) -> ``endpoint`` [host, port] where the agent
+           takes other agents' peer copies
+peer_copy  ``vid``, ``rank``, ``tier``, ``slots``, ``token``, ``key``, ``endpoints`` {rank: [host,
+           port]}, ``within`` (s) -> {} once the rank's moves of the version's peer copies are done
            (:mod:`tiercache.agent.peering`)
 snapshot   -> ``versions`` (manifests in node RAM or in flight), ``moves``, ``refs``, ``pending``
 pin        ``key`` -> ``pin``, ``offset``, ``length`` | ``missing``: true

@@ -24,7 +24,7 @@ from tiercache.agent.arena import SharedArena
 from tiercache.agent.client import LAYOUT_FIELDS
 from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.naming import AgentPlace
-from tiercache.agent.peering import PeerPort
+from tiercache.agent.peering import PeerPort, copy_request, port_request
 from tiercache.agent.protocol import (
     PROTOCOL_VERSION,
     Connection,
@@ -44,7 +44,6 @@ from tiercache.errors import (
 )
 from tiercache.format import TensorMeta
 from tiercache.group.copies import PeerFiles
-from tiercache.group.transfer import Slot
 from tiercache.handle import LEVELS, TIER_LEVEL, SaveHandle
 from tiercache.layout import Layout
 from tiercache.manifest import RefRecord, Version
@@ -508,16 +507,14 @@ class Requests:
         return {}
 
     def _peer_port(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"endpoint": list(self._peers.endpoint(str(msg["host"])))}
+        return {"endpoint": list(self._peers.endpoint(**port_request(msg)))}
 
     def _peer_copy(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         """One rank's moves of a version's peer copies, agent to agent (:mod:`tiercache.agent.peering`)."""
         assert self.cache is not None
+        args = copy_request(msg)  # every field checked first
         files = PeerFiles(self.cache, str(msg["tier"]), str(msg["vid"]))
-        self._peers.copy(token=str(msg["token"]), rank=int(msg["rank"]),
-                         slots=[Slot.from_json(s) for s in msg["slots"]],
-                         endpoints={int(r): (str(h), int(p)) for r, (h, p) in dict(msg["endpoints"]).items()},
-                         files=files, timeout=float(msg["within"]), threads=self.cache.config.io_threads)
+        self._peers.copy(**args, files=files, threads=self.cache.config.io_threads)
         return {}
 
     def _restored(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ published is finished all the same.
 from __future__ import annotations
 
 import contextlib
+import errno
 import faulthandler
 import fcntl
 import itertools
@@ -60,6 +61,9 @@ log = logging.getLogger("tiercache.agent.server")
 
 #: Seconds between two heartbeats of a request that is still being worked on.
 HEARTBEAT_S = 1.0
+#: Seconds the accept loop waits when the process is out of fds (or memory) before it tries again.
+_ACCEPT_BACKOFF_S = 0.2
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class AgentRunningError(AgentUnavailableError):
@@ -258,18 +262,37 @@ class AgentServer(Requests):
     # ------------------------------------------------------------------ connections
 
     def _accept_loop(self) -> None:
+        """Take trainers' connections until the agent stops; whatever ``accept`` raises, log it and go on.
+
+        A loop that ended here would leave every trainer of the node without its agent for good
+        (out of fds, a flood of connections): it backs off a moment and tries again instead.
+        """
         assert self._listener is not None
+        failures = 0
         while not self._stop.is_set():
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stop.is_set() or self._listener.fileno() < 0:
+                    return
+                failures += 1
+                if failures == 1 or failures % 100 == 0:  # a flood logs a count, not a line per try
+                    log.warning("the agent could not take a connection (%s; %d times): it goes on", e, failures)
+                self._stop.wait(_ACCEPT_BACKOFF_S if e.errno in _OUT_OF else 0.01)
+                continue
+            if failures:
+                log.info("the agent takes connections again (after %d failures)", failures)
+                failures = 0
             client = Client(next(self._ids), Connection(sock))
             with self._lock:
                 self._clients[client.cid] = client
                 self._idle_since = None
-            threading.Thread(target=self._serve, args=(client,), name=f"tiercache-agent-client-{client.cid}",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(client,), name=f"tiercache-agent-client-{client.cid}",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: this client goes, the loop stays
+                log.warning("the agent could not serve a connection (%s): it goes on", e)
+                self._drop(client)
 
     def _serve(self, client: Client) -> None:
         try:

@@ -15,6 +15,8 @@ rank (Gemini; NVIDIA's local checkpointing), in two phases of the group's collec
    (:class:`~tiercache.group.copies.PeerFiles`). With ``[agent]``, where every rank's agent
    said where it takes copies (in the plan phase), the agents move, verify and write them
    instead, agent to agent over TCP (:mod:`tiercache.agent.peering`): the trainers only agree.
+   The agents take only frames sealed with the job's key, which one rank draws and every rank
+   reads from the job's store (:meth:`Replicator._job_key`).
 3. ``<v>/peers``: ``replicated`` resolves on every rank once every move landed, or fails on every
    rank with the same error. A rank that dies mid-copy fails ``replicated`` (and breaks the
    group: see :mod:`tiercache.group.collective`); ``local`` and ``remote`` are not affected.
@@ -116,6 +118,7 @@ class Replicator:
         self.tier = tier
         self.timeout = timeout
         self.agent_host = agent_host
+        self._key: str | None = None
 
     def run(self, rnd: Round, ch: Channel) -> None:
         """Make the peer copies of ``rnd`` once the group settled its ``local`` level."""
@@ -150,13 +153,26 @@ class Replicator:
         else:
             result.set_exception(verdict.status.error_object(wrap=True))
 
+    def _job_key(self) -> str:
+        """The job's key for the agents' peer port (:mod:`tiercache.agent.peerwire`).
+
+        The first rank to ask draws it and puts it in the job's store; every rank gets that one.
+        Only the job's ranks (and their agents, with each ``peer_port`` and ``peer_copy``) hold it,
+        and each agent has it before the first plan names it: no peer waits for a key.
+        """
+        if self._key is None:
+            got = self.view.collective.store.compare_set("peers/key", "", secrets.token_hex(32))
+            self._key = bytes(got).decode()
+        return self._key
+
     def _agent_endpoint(self) -> list[Any] | None:
         """Where this node's agent takes peer copies, or ``None`` if this rank saves without one."""
         link = self.view.cache.agent
         if link is None or self.agent_host is None:
             return None
+        key = self._job_key()
         try:
-            return list(link.request("peer_port", host=self.agent_host)["endpoint"])
+            return list(link.request("peer_port", host=self.agent_host, key=key)["endpoint"])
         except TierCacheError as e:  # an agent that is lost or cannot listen: the trainers copy
             log.warning("the peer copies go between the trainers: %s", e)
             return None
@@ -186,7 +202,8 @@ class Replicator:
             raise AgentUnavailableError(f"rank {self.view.rank} lost its node agent before the peer copies of "
                                         f"version {rnd.vid}")
         link.request("peer_copy", vid=rnd.vid, rank=self.view.rank, tier=self.tier, slots=slots,
-                     token=via["token"], endpoints=via["endpoints"], within=self.timeout)
+                     token=via["token"], key=self._job_key(), endpoints=via["endpoints"],
+                     within=self.timeout)
 
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
         """This rank's moves over gloo, from and to its node's disk (:class:`PeerFiles`)."""
