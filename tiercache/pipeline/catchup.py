@@ -284,8 +284,13 @@ class CatchUp:
         eng = self._engine
         cat = eng.repo.catalog
         try:
-            # A version saved by a group: its parts merged if this process can read them all.
-            version = cat.materialize(cat.peek(rec.version))
+            version = cat.peek(rec.version)
+            # A version saved by a group: its parts merged if this process can read them all, but
+            # only to copy it. One the group committed on the tier is there whole (see
+            # Catalog.residency): reading every rank's part to learn that would cost each rank
+            # of a group a read per rank after its saves, from a hanging S3 too.
+            if not (version.is_header and cat.manifest_on(name, version.id)):
+                version = cat.materialize(version)
         except VersionNotFoundError:
             return None  # a ref this process moved to a version it did not get to commit
         if cat.manifest_on(name, version.id) and name in cat.residency(version):
