@@ -391,23 +391,6 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
     _restore(cache, "main", node_state(rank, 3), out, "restored")
 
 
-def _record_part_reads(cache: tiercache.TierCache, seen: list[str]) -> None:
-    """Record every read of a ``parts/`` key on every durable tier (get, read_into, exists, list)."""
-    from tiercache.names import PARTS
-
-    for tier in cache.repo.durable.values():
-        for method in ("get", "read_into", "exists", "list"):
-            real = getattr(tier, method)
-
-            def recording(key: str, *a: Any, _real: Callable[..., Any] = real, _tier: str = tier.name,
-                          _m: str = method, **kw: Any) -> Any:
-                if key.startswith(PARTS) or (_m == "list" and PARTS.startswith(key)):
-                    seen.append(f"{_tier}:{_m}:{key}")
-                return _real(key, *a, **kw)
-
-            setattr(tier, method, recording)
-
-
 def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Save three versions to every level and note every read of a part manifest on any tier.
 
@@ -415,8 +398,10 @@ def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: 
     (the rank waits for ``DIR/hang`` to exist): the next versions must still reach ``local``.
     """
     opts = json.loads((work / "run.json").read_text())
+    from bench.control_plane import record_part_reads
+
     reads: list[str] = []
-    _record_part_reads(cache, reads)
+    record_part_reads(cache, reads)
     group = dist.group.WORLD
     h = cache.save(node_state(rank, 1), step=1, group=group)
     out["levels"] = [_levels(h)]
