@@ -296,7 +296,7 @@ class CatchUp:
         if cat.manifest_on(name, version.id) and name in cat.residency(version):
             eng.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
             return None
-        if not [t for t in cat.residency(version) if t != name]:
+        if version.is_header or not [t for t in cat.residency(version) if t != name]:
             # A version saved by ranks on several nodes, each node's disk holding its own part:
             # no process can copy it alone; the group's next save reaches the tier.
             log.info("not catching %s up with version %s (%s/%s): this node holds only its part of it",
