@@ -301,8 +301,10 @@ def test_a_hanging_s3_does_not_hold_a_group_versions_local(tmp_path: Path, s3_co
             time.sleep(0.05)
         relay.mode = "hang"
         (work / "hang").touch()
+        while not all((work / f"local{r}").exists() for r in range(2)) and ranks.is_alive():
+            time.sleep(0.05)
+        relay.mode = "up"  # (the ranks' uploads go on, so closing their caches is quick)
         ranks.join()
-        relay.mode = "up"
     assert done == [[0, 0]]
     outs = [rank_out(work, r) for r in range(2)]
     for out in outs:
