@@ -41,8 +41,9 @@ one node and one disk directory): each rank saves a state of ``--e2e-leaves`` sm
 (20k of 64 float32, 5 MB per rank) with ``cache.save(state, step=i, group=WORLD)`` to a RAM + disk
 cache, then a fresh disk-only cache restores it with ``cache.restore("main", group=WORLD)`` (bit-exact,
 checked). Seconds are rank 0's, from a barrier before to a barrier after for the restore; medians of
-``--e2e-versions`` after a warm-up. On a 2-core machine 8 ranks share 2 cores: their figures are
-mostly CPU contention.
+``--e2e-versions`` after a warm-up. "part reads" counts, per rank and version (the most of any rank),
+the reads of part manifests on any tier: a save reads none, a restore its own rank's one. On a
+2-core machine 8 ranks share 2 cores: their figures are mostly CPU contention.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ from tiercache.group.topology import Topology, choose_peers
 from tiercache.group.view import GroupView
 from tiercache.layout import plan_layout
 from tiercache.manifest import ChunkRef, NodePart, Piece, RefRecord, TensorEntry, Version, new_version_id, utcnow
-from tiercache.names import part_key
+from tiercache.names import PARTS, part_key
 from tiercache.parts import check_part, group_header, merge, part_of
 
 OUT = Path(__file__).resolve().parent / "out" / "control_plane.json"
@@ -556,6 +557,25 @@ def e2e_state(rank: int, leaves: int, numel: int) -> tuple[torch.Tensor, dict[st
     return flat, {"model": {f"layers.{i // 4}.w{i % 4}": flat[i * numel : (i + 1) * numel] for i in range(leaves)}}
 
 
+def record_part_reads(cache: tiercache.TierCache, seen: list[str]) -> None:
+    """Append ``"<tier>:<method>:<key>"`` to ``seen`` for every read of a part manifest on ``cache``'s durable tiers.
+
+    Wraps each tier's ``get``, ``read_into``, ``exists`` and ``list`` (a listing of ``parts/`` or
+    above counts too): a save of a group version should read no part on any tier (docs/integrations.md).
+    """
+    for tier in cache.repo.durable.values():
+        for method in ("get", "read_into", "exists", "list"):
+            real = getattr(tier, method)
+
+            def recording(key: str, *a: Any, _real: Callable[..., Any] = real, _tier: str = tier.name,
+                          _m: str = method, **kw: Any) -> Any:
+                if key.startswith(PARTS) or (_m == "list" and PARTS.startswith(key)):
+                    seen.append(f"{_tier}:{_m}:{key}")
+                return _real(key, *a, **kw)
+
+            setattr(tier, method, recording)
+
+
 def _e2e_rank(rank: int, world: int, port: int, args: dict[str, Any], root: str, out: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -563,9 +583,12 @@ def _e2e_rank(rank: int, world: int, port: int, args: dict[str, Any], root: str,
     flat, state = e2e_state(rank, args["leaves"], args["numel"])
     disk = {"path": str(Path(root) / "tc")}
     cfg = {"disk": disk, "ram": {"capacity": 4 * flat.nbytes + (64 << 20)}, "policy": {"name": "write-through"}}
-    result: dict[str, list[float]] = {"save_wait_s": [], "local_s": [], "restore_s": []}
+    result: dict[str, list[float]] = {"save_wait_s": [], "local_s": [], "restore_s": [], "save_part_reads": [],
+                                      "restore_part_reads": []}
     exact = True
     with tiercache.open(cfg) as cache:
+        reads: list[str] = []
+        record_part_reads(cache, reads)
         for i in range(args["versions"] + 1):  # the first version warms up
             flat.add_(1.0)  # new bytes in every leaf: nothing dedups against the last version
             dist.barrier()
@@ -574,11 +597,17 @@ def _e2e_rank(rank: int, world: int, port: int, args: dict[str, Any], root: str,
             t1 = time.perf_counter()
             h.wait("local")
             t2 = time.perf_counter()
+            h.wait("durable")
+            dist.barrier()  # the other ranks' commits (and any reads they cause here) are done
             if i:
                 result["save_wait_s"].append(t1 - t0)
                 result["local_s"].append(t2 - t0)
+                result["save_part_reads"].append(len(reads))
+            reads.clear()
     for i in range(args["versions"] + 1):
         with tiercache.open({"disk": disk}) as cache:  # a fresh process's view: no RAM, no catalog in memory
+            reads = []
+            record_part_reads(cache, reads)
             dist.barrier()
             t0 = time.perf_counter()
             got = cache.restore("main", group=group)
@@ -586,6 +615,7 @@ def _e2e_rank(rank: int, world: int, port: int, args: dict[str, Any], root: str,
             took = time.perf_counter() - t0
         if i:
             result["restore_s"].append(took)
+            result["restore_part_reads"].append(len(reads))
         exact = exact and all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
     out.put((rank, result, exact))
     dist.destroy_process_group()
@@ -620,6 +650,9 @@ def measure_e2e(world: int, leaves: int, numel: int, versions: int, base: Path) 
             "save_wait_s": statistics.median(r0["save_wait_s"]), "local_s": statistics.median(r0["local_s"]),
             "restore_s": statistics.median(r0["restore_s"]),
             "save_wait_max_rank_s": max(statistics.median(r["save_wait_s"]) for r, _ in results.values()),
+            # Reads of part manifests (any rank's) per rank and version: the most any rank made.
+            "save_part_reads": max(max(r["save_part_reads"]) for r, _ in results.values()),
+            "restore_part_reads": max(max(r["restore_part_reads"]) for r, _ in results.values()),
             "exact": all(e for _, e in results.values()), "runs": {r: res for r, (res, _) in results.items()}}
 
 
@@ -764,12 +797,13 @@ def render(results: dict[str, Any], console: Console) -> None:
     if results["e2e"]:
         e2e = Table(title="end to end, real gloo ranks on one node (s, rank 0, medians)")
         for col in ("ranks", "leaves/rank", "MB/rank", "save() wait", "max over ranks", "to local", "restore (disk)",
-                    "bit-exact"):
+                    "part reads: save / restore", "bit-exact"):
             e2e.add_column(col, justify="right")
         for r in results["e2e"]:
             e2e.add_row(str(r["world"]), str(r["leaves"]), f"{r['bytes_per_rank'] / 1e6:.1f}",
                         f"{r['save_wait_s']:.3f}", f"{r['save_wait_max_rank_s']:.3f}", f"{r['local_s']:.3f}",
-                        f"{r['restore_s']:.3f}", "yes" if r["exact"] else "NO")
+                        f"{r['restore_s']:.3f}", f"{r['save_part_reads']} / {r['restore_part_reads']}",
+                        "yes" if r["exact"] else "NO")
         console.print(e2e)
     fit = scale_inputs(results)
     if fit["control_s"]:

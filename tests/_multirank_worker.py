@@ -391,6 +391,38 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
     _restore(cache, "main", node_state(rank, 3), out, "restored")
 
 
+def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Save three versions to every level and note every read of a part manifest on any tier.
+
+    With ``run.json`` ``"hang_s3_after": true`` the test's relay hangs S3 after the first version
+    (the rank waits for ``DIR/hang`` to exist): the next versions must still reach ``local``; the
+    reads are those made until then (the rank then touches ``DIR/local<rank>``).
+    """
+    opts = json.loads((work / "run.json").read_text())
+    from bench.control_plane import record_part_reads
+
+    reads: list[str] = []
+    record_part_reads(cache, reads)
+    group = dist.group.WORLD
+    h = cache.save(node_state(rank, 1), step=1, group=group)
+    out["levels"] = [_levels(h)]
+    if opts.get("hang_s3_after"):
+        dist.barrier()
+        (work / f"ready{rank}").touch()
+        while not (work / "hang").exists():
+            time.sleep(0.05)
+        for step in (2, 3):
+            out.setdefault("local", []).append(_error(
+                lambda step=step: cache.save(node_state(rank, step), step=step, group=group).wait("local")))
+        out["reads"] = list(reads)
+        (work / f"local{rank}").touch()  # the test lets S3 answer again, so closing need not wait it out
+        return
+    for step in (2, 3):
+        out["levels"].append(_levels(cache.save(node_state(rank, step), step=step, group=group)))
+    cache.flush()
+    out["reads"] = reads
+
+
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes,
@@ -400,7 +432,7 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
              "ddp_save": scenario_ddp_save,
              "ddp_restore": scenario_ddp_restore, "peer_dies": scenario_peer_dies,
              "throttled": scenario_throttled, "nodes_burst": scenario_nodes_burst,
-             "nodes_s3_down": scenario_nodes_s3_down}
+             "nodes_s3_down": scenario_nodes_s3_down, "part_reads": scenario_part_reads}
 #: Scenarios after which a rank is gone: tearing the group down would wait for it.
 _BROKEN = {"kill", "peer_dies"}
 

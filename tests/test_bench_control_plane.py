@@ -74,5 +74,8 @@ def test_control_plane_end_to_end_rank_saves_and_restores_bit_exact(tmp_path: Pa
             dist.destroy_process_group()
     rank, result, exact = out.get_nowait()
     assert rank == 0 and exact is True
-    assert {k: len(v) for k, v in result.items()} == {"save_wait_s": 2, "local_s": 2, "restore_s": 2}
+    assert {k: len(v) for k, v in result.items()} == {"save_wait_s": 2, "local_s": 2, "restore_s": 2,
+                                                      "save_part_reads": 2, "restore_part_reads": 2}
+    # A save reads no part manifest; a restore reads its own rank's one.
+    assert (result["save_part_reads"], result["restore_part_reads"]) == ([0, 0], [1, 1])
     assert all(0 < w <= t for w, t in zip(result["save_wait_s"], result["local_s"], strict=True))

@@ -188,8 +188,13 @@ def test_a_store_that_goes_away_breaks_the_group_with_that_reason() -> None:
         out = run(ranks, lambda c: channels[c.rank].exchange("v2/a", OK, what="version v2 at begin"))
         for v in out:
             name, message = failure(v)
-            assert (name, message) == ("GroupBrokenError", "the process group is broken: the job's store stopped "
-                                       "answering (its host, rank 0 or the launcher, is gone); restart the job")
+            # It says that other ranks may have read a verdict this one could not, and what to do.
+            assert (name, message) == ("GroupBrokenError", (
+                "the process group is broken: the job's store stopped answering (its host, rank 0 or the launcher, "
+                "is gone), so a version whose verdict this rank had not read is reported failed here though other "
+                "ranks may report it durable (a restore after the restart finds it if it was committed); the store "
+                "must outlive the ranks: launch with torchrun, whose agent hosts it, not with a store rank 0 hosts "
+                "(mp.spawn, init_method='tcp://'); restart the job"))
     finally:
         server.kill()
 

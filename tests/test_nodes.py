@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -265,6 +266,50 @@ def test_four_replicas_restore_from_s3_reading_each_chunk_once(tmp_path: Path, s
         assert set(o["main_report"]) | set(o["single_report"]) <= {"s3", "peer"}
     # What S3 sent (chunks, manifests, listings, headers) stays near one copy of the state.
     assert one_copy <= got <= 1.1 * one_copy, (got, one_copy)
+
+
+def test_no_rank_reads_another_ranks_part_to_save_a_version(tmp_path: Path, s3_config: S3Config) -> None:
+    # Four ranks on two nodes, disk and S3: three versions reach every level, and no rank reads a
+    # part manifest (its own or another rank's) from any tier: placement decides on what the rank
+    # and the coordinator know (docs/integrations.md, "Metadata that scales").
+    config = base_config(s3=s3_config.model_dump(mode="json"))
+    work = tmp_path / "work"
+    assert run_ranks("part_reads", 4, work, config, env=node_env(tmp_path, ["a", "a", "b", "b"])) == [0, 0, 0, 0]
+    outs = [rank_out(work, r) for r in range(4)]
+    for out in outs:
+        assert [lv["durable"] for lv in out["levels"]] == [lv["durable"] for lv in outs[0]["levels"]]
+        assert all(isinstance(lv["local"], str) and lv["remote"] == lv["local"] for lv in out["levels"])
+    assert [o["reads"] for o in outs] == [[], [], [], []]
+
+
+def test_a_hanging_s3_does_not_hold_a_group_versions_local(tmp_path: Path, s3_config: S3Config) -> None:
+    # S3 hangs (connections accepted, never answered) after the first version: the next two still
+    # reach `local` on both nodes, and no rank asked any tier for a part manifest meanwhile (it was
+    # an S3 GET of the other ranks' parts, made by placement, that held `local` for minutes).
+    with ThrottledProxy(s3_config.endpoint_url or "") as relay:
+        s3 = s3_config.model_copy(update={"endpoint_url": relay.url, "connect_timeout": 1.0, "read_timeout": 2.0,
+                                          "deadline_s": 4.0})
+        work = tmp_path / "work"
+        env = node_env(tmp_path, ["a", "b"])
+        done: list[list[int]] = []
+        ranks = threading.Thread(target=lambda: done.append(run_ranks(
+            "part_reads", 2, work, base_config(s3=s3.model_dump(mode="json")), env=env,
+            opts={"hang_s3_after": True})))
+        ranks.start()
+        deadline = time.monotonic() + 120
+        while not all((work / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        relay.mode = "hang"
+        (work / "hang").touch()
+        while not all((work / f"local{r}").exists() for r in range(2)) and ranks.is_alive():
+            time.sleep(0.05)
+        relay.mode = "up"  # (the ranks' uploads go on, so closing their caches is quick)
+        ranks.join()
+    assert done == [[0, 0]]
+    outs = [rank_out(work, r) for r in range(2)]
+    for out in outs:
+        assert out["local"] == [None, None]
+        assert out["reads"] == []
 
 
 # ----------------------------------------------------------------------------- pure functions

@@ -169,8 +169,13 @@ class Collective:
             reason = (f"the process group is broken: {_names(self, dead)} {'is' if len(dead) == 1 else 'are'} gone "
                       f"(no heartbeat for {self.dead_after:g}s); restart the job")
         else:
+            # The store carries the verdicts: a rank that lost it before reading one cannot learn
+            # it, while ranks that read it first may report that version committed (it may be).
             reason = ("the process group is broken: the job's store stopped answering (its host, rank 0 or the "
-                      "launcher, is gone); restart the job")
+                      "launcher, is gone), so a version whose verdict this rank had not read is reported failed "
+                      "here though other ranks may report it durable (a restore after the restart finds it if it "
+                      "was committed); the store must outlive the ranks: launch with torchrun, whose agent hosts "
+                      "it, not with a store rank 0 hosts (mp.spawn, init_method='tcp://'); restart the job")
         with self._lock:
             if self._broken is None:
                 self._broken = GroupBrokenError(reason)

@@ -284,14 +284,19 @@ class CatchUp:
         eng = self._engine
         cat = eng.repo.catalog
         try:
-            # A version saved by a group: its parts merged if this process can read them all.
-            version = cat.materialize(cat.peek(rec.version))
+            version = cat.peek(rec.version)
+            # A version saved by a group: its parts merged if this process can read them all, but
+            # only to copy it. One the group committed on the tier is there whole (see
+            # Catalog.residency): reading every rank's part to learn that would cost each rank
+            # of a group a read per rank after its saves, from a hanging S3 too.
+            if not (version.is_header and cat.manifest_on(name, version.id)):
+                version = cat.materialize(version)
         except VersionNotFoundError:
             return None  # a ref this process moved to a version it did not get to commit
         if cat.manifest_on(name, version.id) and name in cat.residency(version):
             eng.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
             return None
-        if not [t for t in cat.residency(version) if t != name]:
+        if version.is_header or not [t for t in cat.residency(version) if t != name]:
             # A version saved by ranks on several nodes, each node's disk holding its own part:
             # no process can copy it alone; the group's next save reaches the tier.
             log.info("not catching %s up with version %s (%s/%s): this node holds only its part of it",

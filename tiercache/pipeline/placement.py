@@ -96,7 +96,10 @@ class Placement:
         # so a decision costs a lookup per known version, not a rebuild of every view.
         known = self._views_cache
         fresh: dict[str, tuple[tuple[str, ...], VersionView]] = {}
-        for v in cat.all():
+        # Multi-rank versions as their group manifests: reading the other ranks' parts to place a
+        # version would cost every rank a read of every part per save, from S3 too (docs/design.md
+        # section 7: no rank parses another rank's tables to save a version).
+        for v in cat.all(whole=False):
             job = by_job.get(v.id)
             resid = cat.residency(v, self._remote)
             pending = job_pending.get(v.id, frozenset())

@@ -478,7 +478,15 @@ class Catalog:
                 return got
             names = [n for n, t in self._tiers.items() if t.durable or t.name == "ram"]
         if version.is_header:
-            return ()  # its chunks are known only once its parts are read (see materialize)
+            # Its chunks are known only once its parts are read (see materialize), which the save
+            # path never does. A group manifest is written on a tier only once every part it
+            # covers there (every rank's, or on a node's disk its ranks') is durable on it, and an
+            # eviction drops it first: so the tiers holding it hold the version.
+            with self._lock:
+                got = tuple(n for n in names if n not in unknown and self.manifest_on(n, version.id))
+                if self._versions.get(version.id) is version:
+                    self._residency.setdefault(version.id, {})[unknown] = got
+                return got
         # Listings first, without the lock: a listing in progress on another thread needs it to land.
         held = {n: self.chunks_on(n) for n in names if n not in unknown}
         ids = {c.id for c in version.chunks}
