@@ -124,7 +124,9 @@ def scenario_orphan(cache: tiercache.TierCache, rank: int, world: int, out: dict
     """Version 1 is committed; version 2 is in node RAM on every rank when every trainer dies, uncommitted."""
     group = dist.group.WORLD
     out["v1"] = cache.save(node_state(rank, 1), step=1, group=group).wait("durable")
-    failpoints.configure("group.write=sleep:60")  # the group's commit of what comes next never comes
+    # The group's commit of what comes next never comes (with "group.parts", the agent does not
+    # even learn which chunks to write: the part is in node RAM only).
+    failpoints.configure(json.loads((work / "run.json").read_text()).get("stall", "group.write") + "=sleep:60")
     h2 = cache.save(node_state(rank, 2), step=2, group=group, meta={"loss": 0.5})
     out["v2"] = h2.version
     published = cache.engine.published(h2.version)

@@ -309,19 +309,23 @@ def test_a_group_killed_right_after_save_returned_restores_exactly_that_version(
         root = tmp_path / f"r{block}"
         cfg = agent_config(root, sock, capacity="256MiB", shm_dir=str(shm))
         agent = AgentProcess(cfg, tmp_path / f"agent{block}.log")
-        saved: str | None = None
-        for t in range(block, min(n, block + TRIALS_PER_AGENT)):
-            opts = {"branch": "main", "mib": GROUP_MIB, "expect": t - block, "step": t - block + 1,
-                    "delay": rng.uniform(0.0, 0.05), "broken": True}
-            outs = _group_run(cfg, tmp_path / f"t{t}", opts, saved)
-            saved = outs[0]["saved"]
-            assert outs[1]["saved"] == saved, outs
-            with tiercache.open(without_agent(cfg)) as cache:  # what the group committed before it died
-                adopted += cache.catalog.ref("branch", "main") is None or cache.resolve("main") != saved
-        _group_run(cfg, tmp_path / f"t{block}-last", {"branch": "main", "mib": GROUP_MIB,
-                                                      "expect": min(n, block + TRIALS_PER_AGENT) - block}, saved)
-        stats = call(load_config(cfg), "stats")  # every part the trainers left was adopted: none is kept
-        assert (stats["parts"]["orphaned"], stats["parts_released"]) == (0, 0), stats
+        try:
+            saved: str | None = None
+            for t in range(block, min(n, block + TRIALS_PER_AGENT)):
+                opts = {"branch": "main", "mib": GROUP_MIB, "expect": t - block, "step": t - block + 1,
+                        "delay": rng.uniform(0.0, 0.05), "broken": True}
+                outs = _group_run(cfg, tmp_path / f"t{t}", opts, saved)
+                saved = outs[0]["saved"]
+                assert outs[1]["saved"] == saved, outs
+                with tiercache.open(without_agent(cfg)) as cache:  # what the group committed before it died
+                    adopted += cache.catalog.ref("branch", "main") is None or cache.resolve("main") != saved
+            last = {"branch": "main", "mib": GROUP_MIB, "expect": min(n, block + TRIALS_PER_AGENT) - block}
+            _group_run(cfg, tmp_path / f"t{block}-last", last, saved)
+            stats = call(load_config(cfg), "stats")  # every part the trainers left was adopted: none is kept
+            assert (stats["parts"]["orphaned"], stats["parts_released"]) == (0, 0), stats
+        except BaseException:
+            agent.kill()  # leave no agent behind
+            raise
         assert agent.stop() == 0
         shutil.rmtree(root)
     print(f"group kills right after save(): {n} trials, {adopted} adopted from node RAM by the restart")

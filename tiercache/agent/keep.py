@@ -13,6 +13,9 @@ room evicts them) until one of these, and nothing else, lets them go:
   rank reports its branch's head at that step or later: it is older than committed history;
 * a restarted group found its version incomplete (some rank's part is nowhere) and adopted an
   older one, or none: it can never be adopted;
+* a new save could never fit in the arena beside the kept parts: the oldest go first, so no
+  save waits forever for room they hold (the restarted group's own save of the version it
+  adopts may be that save: its bytes are then in the trainers already);
 * more than :data:`LIMIT` are kept: the oldest goes (logged at WARNING).
 
 Every release is logged and counted (``tiercache agent status`` shows both counts).
@@ -88,6 +91,24 @@ class KeptParts:
                 del self._parts[k]
         self._let_go(gone, why, ram, level=logging.INFO)
         return len(gone)
+
+    def make_room(self, nbytes: int, ram: RamCache) -> None:
+        """Let go of the oldest kept parts while a save of ``nbytes`` could never fit in the arena beside them."""
+        arena, tier = ram.arena, ram.ram
+        if arena is None or tier is None:
+            return
+        while True:
+            with self._lock:
+                keys = {k for _, held in self._parts.values() for k in held}
+                oldest = next(iter(self._parts.items()), None)
+            kept = sum(tier.size(k) or 0 for k in keys)
+            if oldest is None or arena.capacity - kept >= nbytes:
+                return
+            with self._lock:
+                if self._parts.pop(oldest[0], None) is None:
+                    continue
+            self._let_go([oldest], f"a new save of {nbytes} bytes could never fit beside the parts kept in the "
+                                   f"{arena.capacity}-byte arena", ram, level=logging.INFO)
 
     def _let_go(self, parts: Iterable[tuple[str, tuple[dict[str, Any], list[str]]]], why: str, ram: RamCache,
                 *, level: int) -> None:

@@ -210,6 +210,7 @@ class Requests:
 
     def _reserve(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         _, layout = self._layout(msg["sid"])
+        self._orphans.make_room(layout.staged_bytes, self.engine.ramcache)  # never wait for room parts keep
         regions = self.engine.reserve(layout)
         if regions is None:
             return {"skip": "the RAM arena is full and the policy said skip"}
