@@ -11,9 +11,11 @@ guarantees checked after every kill:
   tier (the policy is write-through), bit-exact;
 * agent killed mid-write: the trainer never sees an error from ``save()``, and every version it
   saved (before and after the agent died) reaches disk bit-exact; the next agent sweeps the arena;
-* both killed: every version acknowledged ``local`` is restorable bit-exact, ``main`` is whole.
+* both killed: every version acknowledged ``local`` is restorable bit-exact, ``main`` is whole;
+* a two-rank group killed 0-50 ms after every rank's ``save()`` returned: the restart restores
+  exactly that version (adopted from node RAM when the group had not committed it).
 
-Trial counts: 30 + 3 + 3 per CI run; ``--slow`` (or ``TEST_TIERCACHE_SLOW=1``): 300 + 20 + 20.
+Trial counts: 30 + 3 + 3 + 30 per CI run; ``--slow`` (or ``TEST_TIERCACHE_SLOW=1``): 300 + 20 + 20 + 300.
 One agent serves fifteen trainer trials (a restart after a crash finds the agent that outlived
 it); the agent-killing trials run on one cache, each trial's new agent taking over from the dead
 one of the trial before (sweeping its arena).
