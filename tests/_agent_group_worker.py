@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from _multirank_worker import _error, _levels, _record_chunk_puts, _restore, _restored_equal, node_state
 
@@ -123,7 +124,9 @@ def scenario_orphan(cache: tiercache.TierCache, rank: int, world: int, out: dict
     """Version 1 is committed; version 2 is in node RAM on every rank when every trainer dies, uncommitted."""
     group = dist.group.WORLD
     out["v1"] = cache.save(node_state(rank, 1), step=1, group=group).wait("durable")
-    failpoints.configure("group.write=sleep:60")  # the group's commit of what comes next never comes
+    # The group's commit of what comes next never comes (with "group.parts", the agent does not
+    # even learn which chunks to write: the part is in node RAM only).
+    failpoints.configure(json.loads((work / "run.json").read_text()).get("stall", "group.write") + "=sleep:60")
     h2 = cache.save(node_state(rank, 2), step=2, group=group, meta={"loss": 0.5})
     out["v2"] = h2.version
     published = cache.engine.published(h2.version)
@@ -211,9 +214,85 @@ def scenario_chaos_restore(cache: tiercache.TierCache, rank: int, world: int, ou
     out["equal"] = _restored_equal(got, node_state(rank, got["step"]))
 
 
+def scenario_one_rank_short(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                            work: Path) -> None:
+    """Step 1 is committed; the last rank dies before its save() of step 2, the others' saves of it return."""
+    group = dist.group.WORLD
+    out["v1"] = cache.save(node_state(rank, 1), step=1, group=group).wait("durable")
+    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    if rank == world - 1:  # once the group agreed on step 2, before its copy: its part never reaches the agent
+        failpoints.configure("group.stage=kill@1")
+    handle = cache.save(node_state(rank, 2), step=2, group=group)
+    out["v2"] = handle.version
+    published = cache.engine.published(handle.version)
+    assert published is not None
+    out["v2_part_chunks"] = len(published.result(60).chunks)  # the agent hashed this rank's part
+    out["v2_levels"] = _levels(handle)
+
+
+def scenario_adopt_warns(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                         work: Path) -> None:
+    """The restarted job restores its branch, noting what the adoption warned about."""
+    import logging
+
+    seen: list[str] = []
+
+    class Note(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    note = Note()
+    logging.getLogger("tiercache.group").addHandler(note)
+    try:
+        _restore(cache, "main", node_state(rank, 1), out, "restored")
+        out["head"] = cache.resolve("main")
+        _restore(cache, "main", node_state(rank, 1), out, "again")  # nothing is left to warn about
+    finally:
+        logging.getLogger("tiercache.group").removeHandler(note)
+    out["warnings"] = seen
+
+
+def big_state(rank: int, step: int, mib: int) -> dict[str, Any]:
+    """A state of ``mib`` MiB on every rank, unique to the rank and the step (its bytes rebuilt from both)."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return {"big": torch.randn(mib * (1 << 18), generator=g),
+            "rng": torch.full((4,), rank * 1000 + step, dtype=torch.int64), "step": step}
+
+
+def scenario_kill_after_save(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """Restore the branch (the version the trial before died after saving), save one, die right after.
+
+    ``run.json``: ``branch``, ``mib``, ``expect`` (the step the restore must find; 0: restore
+    nothing), ``step`` (the step to save; absent: only restore), ``delay`` (seconds between
+    every rank's ``save()`` having returned and this trainer's SIGKILL).
+    """
+    opts = json.loads((work / "run.json").read_text())
+    branch, mib = opts["branch"], opts["mib"]
+    state = big_state(rank, opts["step"], mib) if opts.get("step") else None
+    if opts.get("expect"):
+        got = cache.restore(branch, group=dist.group.WORLD)
+        out["restored_step"] = got["step"]
+        out["restored_equal"] = _restored_equal(got, big_state(rank, opts["expect"], mib))
+        out["head"] = cache.resolve(branch)
+        del got
+    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    if state is None:
+        return
+    handle = cache.save(state, step=opts["step"], branch=branch, group=dist.group.WORLD)
+    out["saved"] = handle.version
+    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()  # every rank's save() returned
+    time.sleep(opts["delay"])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
              "chaos": scenario_chaos, "chaos_restore": scenario_chaos_restore,
              "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once,
-             "adopt_fault": scenario_adopt_fault, "peer_copies": scenario_peer_copies}
+             "adopt_fault": scenario_adopt_fault, "peer_copies": scenario_peer_copies,
+             "kill_after_save": scenario_kill_after_save, "one_rank_short": scenario_one_rank_short,
+             "adopt_warns": scenario_adopt_warns}

@@ -29,6 +29,7 @@ from tiercache.agent.client import call
 from tiercache.cli import app
 from tiercache.config import load_config
 from tiercache.errors import AgentUnavailableError, StorageError
+from tiercache.manifest import Version
 from tiercache.ui import views
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -689,6 +690,74 @@ def test_a_restarted_group_adopts_the_version_its_dead_trainers_left_in_node_ram
         assert (adopted.parent, adopted.step, adopted.meta, adopted.world) == (v1, 2, {"loss": 0.5}, 2)
         parts = cache.restore(v2)
     assert all(torch.equal(parts[r]["shard"], node_state(r, 2)["shard"]) for r in range(2))
+
+
+def test_kept_parts_stay_in_node_ram_while_saves_need_room_and_go_when_a_save_could_never_fit(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """A 4 MiB arena keeps two orphaned parts (~1 MiB), pinned: saves that evict the read cache for room leave
+    them; a 3.75 MiB save, which could never fit beside them, lets them go and goes on (it waited for ever)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = {**agent_config(tmp_path, sock_dir, capacity="4MiB", shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agents(cfg)
+    opts = {"broken": True, "stall": "group.parts"}  # the agent never learns which chunks it writes
+    assert run_ranks_agent("orphan", tmp_path / "die", cfg, opts=opts) == [-signal.SIGKILL] * 2
+    assert _wait_idle(cfg)["parts"] == {"in_flight": 0, "orphaned": 2}
+    kept = call(load_config(cfg), "orphans")["orphans"]
+    ids = sorted({c.id for o in kept for c in Version.from_json(o["manifest"].encode()).chunks})
+
+    def held() -> list[bool]:
+        return list(call(load_config(cfg), "holds", chunks=ids)["chunks"].values())
+
+    assert len(ids) >= 4 and all(held())
+    with tiercache.open(cfg) as cache, ThreadPoolExecutor(1) as pool:
+        for step in range(3):  # 1.5 MiB each: room comes from evicting the read cache, oldest first
+            x = torch.randn(3 << 17, generator=torch.Generator().manual_seed(step))
+            cache.save({"x": x}, step=step, branch="other").wait("durable")
+        assert all(held()), "node RAM evicted chunks of a kept part"
+        x = torch.randn(30 << 15, generator=torch.Generator().manual_seed(5))  # 30 chunks of 128 KiB
+        saving = pool.submit(lambda: cache.save({"x": x}, step=3, branch="other").wait("durable"))
+        vid = saving.result(60)
+        assert torch.equal(cache.restore(vid)["x"], x)
+    stats = call(load_config(cfg), "stats")
+    assert (stats["parts"]["orphaned"], stats["parts_released"]) == (0, 2), stats
+
+
+def test_a_version_a_rank_never_saved_is_not_adopted_the_restart_warns_once_and_the_agent_lets_it_go(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """Rank 1 dies before its save() of step 2; rank 0's part of it is kept, then never adoptable.
+
+    The restarted ranks each log one WARNING naming the version and the rank whose part is
+    missing, restore step 1 bit-exact, and the agent releases rank 0's part: ``agent status``
+    says so instead of counting it as orphaned forever.
+    """
+    from test_multirank import rank_out
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agents(cfg)
+    codes = run_ranks_agent("one_rank_short", tmp_path / "die", cfg, opts={"broken": True, "timeout": 8})
+    assert codes == [0, -signal.SIGKILL]
+    died = rank_out(tmp_path / "die", 0)
+    v1, v2 = died["v1"], died["v2"]
+    assert died["v2_part_chunks"] > 0 and died["v2_levels"]["durable"][0] in ("GroupBrokenError", "GroupSaveError")
+    stats = _wait_idle(cfg)
+    assert (stats["parts"], stats["parts_released"]) == ({"in_flight": 0, "orphaned": 1}, 0), stats
+    assert run_ranks_agent("adopt_warns", tmp_path / "again", cfg) == [0, 0]
+    for r in range(2):
+        out = rank_out(tmp_path / "again", r)
+        assert (out["head"], out["restored_equal"], out["again_equal"]) == (v1, True, True), out
+        assert len(out["warnings"]) == 1, out["warnings"]
+        assert f"cannot adopt 1 version(s) of 'main' left in node RAM: {v2} (step 2): rank(s) 1 hold no part " \
+               "of it" in out["warnings"][0] and "restoring the committed head instead" in out["warnings"][0], out
+    stats = call(load_config(cfg), "stats")
+    assert (stats["parts"], stats["parts_released"]) == ({"in_flight": 0, "orphaned": 0}, 1), stats
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    status = CliRunner().invoke(app, ["--config", str(spec), "agent", "status"])
+    assert "group parts: 0 in flight, 0 orphaned" in status.output and "1 released (could never be adopted)" \
+        in status.output, status.output
 
 
 def _acked(work: Path, world: int, word: str) -> int:

@@ -334,3 +334,34 @@ def test_engine_adopt_finishes_a_version_copied_by_someone_else(tmp_path: Path) 
         got = cache.restore("main")
         assert got["step"] == 4
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+
+
+def test_kept_parts_pin_their_chunks_until_released_or_taken(tmp_path: Path) -> None:
+    """KeptParts on a real engine's RAM tier: kept chunks are pinned; release and take let them go, once each."""
+    import tiercache
+    from tiercache.agent.keep import KeptParts
+    from tiercache.names import chunk_key
+
+    with tiercache.open({"ram": {"capacity": "8MiB"}, "disk": {"path": str(tmp_path / "disk")},
+                         "chunk_bytes": "128KiB"}) as cache:
+        vid = cache.save({"x": torch.randn(1 << 16)}, step=3).wait("durable")
+        manifest = cache.manifest(vid)
+        ram = cache.engine.ramcache  # type: ignore[attr-defined]
+        keys = [chunk_key(c.id) for c in manifest.chunks]
+        kept = KeptParts()
+
+        def record(v: str, step: int, branch: str = "main") -> dict[str, object]:
+            return {"v": v, "rank": 0, "world": 2, "branch": branch, "step": step, "created_at": 0.0, "meta": {}}
+
+        kept.keep("a.0", record("a", 3), manifest, ram)
+        kept.keep("b.0", record("b", 5), manifest, ram)
+        kept.keep("c.0", record("c", 4, "ft"), manifest, ram)
+        kept.keep("c.0", record("c", 4, "ft"), manifest, ram)  # kept once
+        assert [o["v"] for o in kept.offered(0)] == ["a", "b", "c"] and kept.offered(1) == []
+        assert ram.evict(keys) == 0  # pinned: nothing goes
+        assert kept.release(lambda o: o["branch"] == "main" and o["step"] <= 4, "step 4 committed", ram) == 1
+        assert kept.take("b.0", ram) and not kept.take("b.0", ram)
+        assert (len(kept), kept.released, "c.0" in kept) == (1, 1, True)
+        assert ram.evict(keys) == 0  # "c" still pins them
+        kept.release(lambda o: True, "done", ram)
+        assert ram.evict(keys) > 0 and (len(kept), kept.released) == (0, 2)

@@ -113,9 +113,12 @@ def describe(data: dict[str, Any]) -> list[str]:
         + "".join(f", {n} queued for {t}" for t, n in sorted(data.get("queues", {}).items())),
     ]
     parts = data.get("parts", {})
-    if parts.get("in_flight") or parts.get("orphaned"):
+    released = int(data.get("parts_released", 0))
+    if parts.get("in_flight") or parts.get("orphaned") or released:
         lines.append(f"group parts: {parts.get('in_flight', 0)} in flight, {parts.get('orphaned', 0)} orphaned "
-                     "(their trainers died before the group's commit; a restarted job adopts them)")
+                     "(their trainers died before the group's commit: kept in node RAM until a restarted job "
+                     "of the same size adopts them or a newer step of their branch is committed), "
+                     f"{released} released (could never be adopted)")
     levels = data.get("levels", {})
     if levels:
         lines.append("levels " + ", ".join(f"{k} {v}" for k, v in sorted(levels.items())))

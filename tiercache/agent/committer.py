@@ -14,10 +14,16 @@ that published the part, and the trainer answers with the request ``answer`` {``
 or ``error``}. If the trainer goes away, every question pending or asked later fails: the
 engine then fails the part's levels and its regions go back; nothing in the agent waits for a
 trainer that is gone.
+
+What the trainer handed over is kept all the same: a part whose trainer is gone (or whose
+group broke) is still hashed whole, by this agent alone if need be (a failed trade of ids only
+means hashing the rest here), and its tiers fail only once it is, so the agent can keep it for
+a restarted group to adopt (:mod:`tiercache.agent.keep`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -91,13 +97,30 @@ class TrainerCommitter:
         self._version = version
         self.rank = rank
         self.world = world
+        self._hashed: Future[Version] | None = None
+
+    def follow(self, hashed: Future[Version]) -> None:
+        """The part's manifest future in the agent's engine (set once the engine has the part)."""
+        self._hashed = hashed
 
     def _ask(self, call: str, **fields: Any) -> Future[Any]:
         return self._calls.ask(v=self._version, call=call, **fields)
 
     def owned(self, tier: str) -> Collection[str]:
-        """See :meth:`tiercache.pipeline.job.Committer.owned`."""
-        return frozenset(str(c) for c in self._ask("owned", tier=tier).result())
+        """See :meth:`tiercache.pipeline.job.Committer.owned`.
+
+        If the group cannot say (the trainer is gone, or its group failed the version), this
+        raises only once the part is hashed: a tier that fails the part before its manifest
+        exists would settle it before the agent could keep it for a restarted group.
+        """
+        try:
+            return frozenset(str(c) for c in self._ask("owned", tier=tier).result())
+        except Exception:
+            hashed = self._hashed
+            if hashed is not None:
+                with contextlib.suppress(Exception):  # a part that cannot be hashed is not kept: no matter why
+                    hashed.exception()
+            raise
 
     def commit(self, tier: str, manifest: Version) -> Future[None]:
         """See :meth:`tiercache.pipeline.job.Committer.commit` (the trainer writes the part manifest).
@@ -109,11 +132,12 @@ class TrainerCommitter:
     def split_hashing(self, layout: Layout, paths: list[str]) -> _TrainerSplit | None:
         """See :meth:`tiercache.pipeline.job.Committer.split_hashing` (the trainer has the same layout).
 
-        With the trainer gone, the part is hashed whole: a restarted group may still adopt it.
+        With the trainer gone (or its group failing the version), the part is hashed whole: a
+        restarted group may still adopt it.
         """
         try:
             got = self._ask("split").result()
-        except _Gone:
+        except Exception:  # the bytes are here: hashing them all needs nobody
             return None
         if got is None:
             return None
@@ -129,11 +153,11 @@ class _TrainerSplit:
         self.theirs = theirs
 
     def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Trade ids through the trainer; with the trainer gone, none (the hasher hashes the rest itself)."""
+        """Trade ids through the trainer; with the trainer gone or the trade failed, none (the rest is hashed here)."""
         wire = None if ids is None else {str(i): c for i, c in ids.items()}
         try:
             got = self._committer._ask("exchange", ids=wire).result()
-        except _Gone:
+        except Exception:  # the other ranks' ids only save hashing: this part stays whole without them
             return {}
         return {int(i): str(c) for i, c in dict(got).items()}
 

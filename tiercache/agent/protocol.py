@@ -24,7 +24,9 @@ cancel     ``rid`` -> {} (a copy that failed: the regions go back)
 publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s``, and for a
            rank's part of a group version ``part`` (the rank) and ``world`` (the group's size) -> {}
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
-orphans    ``rank`` -> ``orphans``: parts whose trainer died before its group committed them
+orphans    ``rank``, ``branch``, ``head_step`` (its parts at or before it are let go) -> ``orphans``: parts
+           whose trainer died before its group committed them; or ``release`` [version ids],
+           ``why`` -> {} (a restarted group found them incomplete: see :mod:`tiercache.agent.keep`)
 peer_port  ``host``, ``key`` (the job's, optional) -> ``endpoint`` [host, port] where the agent
            takes other agents' peer copies
 peer_copy  ``vid``, ``rank``, ``tier``, ``slots``, ``token``, ``key``, ``endpoints`` {rank: [host,

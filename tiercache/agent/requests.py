@@ -23,6 +23,7 @@ from typing import Any
 from tiercache.agent.arena import SharedArena
 from tiercache.agent.client import LAYOUT_FIELDS
 from tiercache.agent.committer import Calls, TrainerCommitter
+from tiercache.agent.keep import LIMIT, KeptParts
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.peering import PeerPort, copy_request, port_request
 from tiercache.agent.protocol import (
@@ -53,8 +54,6 @@ from tiercache.pipeline.staging import PlanCache
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
 
-#: How many orphaned parts the agent remembers (a restarted group adopts the newest complete one).
-_KEEP_ORPHANS = 64
 #: How long a question for orphans waits for the parts of a trainer that just died to fail.
 _ORPHAN_WAIT_S = 30.0
 
@@ -101,9 +100,10 @@ class Tracked:
     #: group commits it.
     part: int | None = None
     #: For a part: what a restarted group needs to adopt it (see :meth:`Requests._orphan`), and
-    #: its manifest once hashed.
+    #: its manifest once hashed (``hashed``: the engine's future of it).
     adopt: dict[str, Any] | None = None
     manifest: Version | None = None
+    hashed: Future[Version] | None = None
     #: Set once the manifest went out (or never will): level events wait until then, so every
     #: client hears of a version in order (the manifest, then its levels as they happened).
     published: bool = False
@@ -128,7 +128,7 @@ class Requests:
     _plans: PlanCache
     _tracked: dict[str, Tracked]
     #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
-    _orphans: OrderedDict[str, dict[str, Any]]
+    _orphans: KeptParts
     #: Recent group versions whose first part was noted for the durability lag.
     _group_versions: OrderedDict[str, None]
     _levels: Counter[str]
@@ -209,6 +209,7 @@ class Requests:
 
     def _reserve(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         _, layout = self._layout(msg["sid"])
+        self._orphans.make_room(layout.staged_bytes, self.engine.ramcache)  # never wait for room parts keep
         regions = self.engine.reserve(layout)
         if regions is None:
             return {"skip": "the RAM arena is full and the policy said skip"}
@@ -255,9 +256,12 @@ class Requests:
             handle = self.engine.adopt(staged, layout, regions)
         else:  # the group moves the branch, through the trainers
             committer = TrainerCommitter(client.calls, staged.version_id, int(part), int(msg.get("world", 0)))
-            with self._lock:
-                self._orphans.pop(staged.version_id, None)  # saved again: adopted by the restarted group
             handle = self.engine.adopt(staged, layout, regions, committer)
+            job = self.engine.jobs.get(staged.version_id)
+            if job is not None:
+                committer.follow(job.published)
+            # Saved again: adopted by the restarted group (its chunks are this part's now).
+            self._orphans.take(staged.version_id, self.engine.ramcache)
         tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,
                           part=None if part is None else int(part))
         if part is not None:
@@ -274,6 +278,7 @@ class Requests:
         engine = self.engine
         job = engine.jobs.get(t.version)
         if job is not None:
+            t.hashed = job.published
             job.published.add_done_callback(lambda f: self._published(t, f))
         else:  # already through the pipeline
             try:
@@ -290,7 +295,7 @@ class Requests:
                 with self._lock:
                     first = vid not in self._group_versions
                     self._group_versions[vid] = None
-                    while len(self._group_versions) > _KEEP_ORPHANS:
+                    while len(self._group_versions) > LIMIT:
                         self._group_versions.popitem(last=False)
                 handle = SaveHandle(vid, {lvl: t.handle.future(lvl) for lvl in LEVELS}) if first else None  # type: ignore[arg-type]
             if handle is not None:
@@ -325,6 +330,9 @@ class Requests:
             event["error"] = error_to_wire(err)  # type: ignore[arg-type]
         if level == "durable" and not ok and t.part is not None:
             self._orphan(t, err)
+        if level == "durable" and ok:  # kept parts of its branch up to its step can never be adopted now
+            self._orphans.release(lambda o: o["branch"] == t.branch and int(o["step"]) <= t.step,
+                                  f"step {t.step} of its branch was committed since", self.engine.ramcache)
         if level == "durable" and not ok and t.part is None:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
@@ -345,23 +353,30 @@ class Requests:
                                  name="tiercache-agent-settle").start()
 
     def _orphan(self, t: Tracked, err: BaseException | None) -> None:
-        """Keep what a restarted group needs to adopt a part that failed because a trainer died.
+        """Keep a part that failed because a trainer died, for a restarted group to adopt (see :mod:`.keep`).
 
-        Only a part that was hashed whole (its chunks are in node RAM), whose own trainer is
-        gone, or whose group broke (another rank died: the job is restarted, and the version is
-        whole if every rank's part is somewhere). A part the group failed for any other reason
-        stays failed: the group's word on it stands.
+        Only a part that was hashed whole (its chunks are in node RAM: a trainer's death never
+        stops that, see :mod:`tiercache.agent.committer`), whose own trainer is gone, or whose
+        group broke (another rank died: the job is restarted, and the version is whole if every
+        rank's part is somewhere). A part the group failed for any other reason stays failed:
+        the group's word on it stands, and its trainer's handle said so.
         """
         with self._lock:
             gone = t.owner not in self._clients or isinstance(err, GroupBrokenError)
-            if t.adopt is None or t.manifest is None or not gone or t.version in self._orphans:
-                return
-            self._orphans[t.version] = {**t.adopt, "manifest": t.manifest.to_json().decode()}
-            while len(self._orphans) > _KEEP_ORPHANS:
-                self._orphans.popitem(last=False)
+        manifest = t.manifest
+        if manifest is None and t.hashed is not None and t.hashed.done() and t.hashed.exception() is None:
+            manifest = t.hashed.result()  # (its callback that notes it on ``t`` may not have run yet)
+        if t.adopt is None or manifest is None or not gone:
+            return
+        self._orphans.keep(t.version, t.adopt, manifest, self.engine.ramcache)
 
     def _orphans_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         rank = msg.get("rank")
+        ram = self.engine.ramcache
+        if msg.get("release"):  # a restarted group found these versions incomplete: never adoptable
+            gone = {str(v) for v in msg["release"]}
+            self._orphans.release(lambda o: o["v"] in gone, str(msg.get("why") or "its group let it go"), ram)
+            return {}
         # Parts whose trainer just died may still be failing (their writers learn it one by one):
         # a restarted trainer asking right away must find them.
         with self._lock:
@@ -372,8 +387,11 @@ class Requests:
             with contextlib.suppress(Exception):
                 err = t.handle.future("durable").exception(max(0.0, deadline - time.monotonic()))
             self._orphan(t, err)
-        with self._lock:
-            return {"orphans": [o for o in self._orphans.values() if rank is None or o["rank"] == int(rank)]}
+        branch, head_step = msg.get("branch"), msg.get("head_step")
+        if branch is not None and head_step is not None:  # older than the branch's committed head
+            self._orphans.release(lambda o: o["branch"] == branch and int(o["step"]) <= int(head_step),
+                                  f"the head of its branch is at step {int(head_step)}", ram)
+        return {"orphans": self._orphans.offered(None if rank is None else int(rank))}
 
     def _send_level(self, t: Tracked, event: dict[str, Any]) -> None:
         """Broadcast a level event; one that comes before the manifest waits for it.
@@ -554,6 +572,7 @@ class Requests:
                       "capacity": arena.capacity if arena is not None else None,
                       "used_bytes": arena.used_bytes if arena is not None else 0},
             "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
+            "parts_released": self._orphans.released,
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},

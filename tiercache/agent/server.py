@@ -36,6 +36,7 @@ from typing import Any
 from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
 from tiercache.agent.committer import trainer_left
+from tiercache.agent.keep import KeptParts
 from tiercache.agent.lifecycle import check_environment
 from tiercache.agent.peering import PeerPort
 from tiercache.agent.protocol import (
@@ -97,7 +98,7 @@ class AgentServer(Requests):
         self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
         self._plans = PlanCache(self.inner.pack_below)
         self._tracked: dict[str, Tracked] = {}
-        self._orphans: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._orphans = KeptParts()
         self._group_versions: OrderedDict[str, None] = OrderedDict()
         self._levels: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()

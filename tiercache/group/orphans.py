@@ -15,6 +15,12 @@ agent writes it (its chunks are mostly there already) and the group commits it, 
 restore goes on from there and reads the version back from node RAM. A rank whose part cannot be
 read fails the adoption on every rank (the save's own exchange), and the restore then reads the
 head the group had committed before, as it would without adoption.
+
+A newer version some rank holds no part of (its trainer died before its ``save()`` returned, or
+its node's agent restarted) can never be adopted: every rank logs one WARNING naming it and
+which ranks lack their part, and the agents let its parts go. Asking, a rank also tells its
+agent its branch's head: parts at or before it are older than committed history, let go too
+(:mod:`tiercache.agent.keep`).
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ def adopt_orphans(view: GroupView, ch: Channel, tag: str, ref: str) -> str | Non
     try:
         mine = _own_orphans(view, ref)
         status = Status("ok", {vid: o["step"] for vid, o in mine.items()})
-    except Exception as e:  # this rank cannot say: nothing is adopted (no rank's part is lost by it)
+    except Exception as e:  # this rank cannot say: nothing is adopted, nothing let go (no part is lost by it)
         log.warning("could not ask the node agent for parts to adopt: %s", e)
-        status = Status("ok", {})
+        status = Status("ok", None)
     verdict = ch.exchange(f"{tag}/adopt", status, what=f"adopting versions of {ref!r}", decide=_newest_common)
     verdict.raise_failure()
-    vid = verdict.status.payload
+    vid, incomplete = verdict.status.payload["v"], verdict.status.payload["incomplete"]
+    if incomplete:
+        _never_adopted(view, ref, incomplete, vid, mine)
     if vid is None:
         return None
     orphan = mine.get(vid)
@@ -93,19 +101,48 @@ def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
             head_step = catalog.peek(head.version).step
         except TierCacheError:
             head_step = -1
-    got = agent.request("orphans", rank=view.rank)
+    got = agent.request("orphans", rank=view.rank, branch=branch, head_step=head_step if head is not None else None)
     return {str(o["v"]): o for o in got.get("orphans", ())
             if o.get("branch") == branch and o.get("world") == view.world_size and int(o["step"]) > head_step}
 
 
 def _newest_common(statuses: list[Status]) -> Decision:
-    """The coordinator's choice: the newest version every rank holds a part of (``None``: none)."""
-    common = set(statuses[0].payload)
-    for s in statuses[1:]:
+    """The coordinator's choice: the newest version every rank holds a part of, and the newer ones some rank lacks.
+
+    The payload: ``v``, the version to adopt (``None``: none), and ``incomplete``, each newer
+    version offered by some rank but not all, with its step and the ranks that hold no part of it.
+    """
+    if any(s.payload is None for s in statuses):  # a rank could not say what it holds
+        return Decision({"v": None, "incomplete": {}})
+    offered: dict[str, int] = {}
+    for s in statuses:
+        offered.update(s.payload)
+    common = set(offered)
+    for s in statuses:
         common &= set(s.payload)
-    if not common:
-        return Decision(None)
-    return Decision(max(common, key=lambda vid: (statuses[0].payload[vid], vid)))
+    vid = max(common, key=lambda v: (offered[v], v)) if common else None
+    floor = (offered[vid], vid) if vid is not None else None
+    incomplete = {v: {"step": step, "missing": [r for r, s in enumerate(statuses) if v not in s.payload]}
+                  for v, step in offered.items() if v not in common and (floor is None or (step, v) > floor)}
+    return Decision({"v": vid, "incomplete": incomplete})
+
+
+def _never_adopted(view: GroupView, ref: str, incomplete: dict[str, dict[str, Any]], vid: str | None,
+                   mine: dict[str, dict[str, Any]]) -> None:
+    """Say once which newer versions of ``ref`` cannot be adopted and why; have the agent let this rank's parts go."""
+    shown = "; ".join(f"{v} (step {o['step']}): rank(s) {', '.join(map(str, o['missing']))} hold no part of it"
+                      for v, o in sorted(incomplete.items(), key=lambda kv: kv[1]["step"], reverse=True))
+    instead = f"adopting version {vid} instead" if vid is not None else "restoring the committed head instead"
+    log.warning("cannot adopt %d version(s) of %r left in node RAM: %s (their trainer died before save() "
+                "returned, or their node's agent restarted); %s", len(incomplete), ref, shown, instead)
+    ours = [v for v in incomplete if v in mine]
+    agent = view.cache.agent
+    if ours and agent is not None:
+        try:
+            agent.request("orphans", rank=view.rank, release=ours,
+                          why="a restarted group found some rank's part of its version missing")
+        except TierCacheError as e:  # they stay kept until a newer commit of their branch lets them go
+            log.info("could not have the node agent let go of parts that can never be adopted: %s", e)
 
 
 def _read_part(view: GroupView, orphan: dict[str, Any]) -> Any:

@@ -174,6 +174,21 @@ class RamCache:
         self._pins[key] = self._pins.get(key, 0) + 1
         self._lru.pop(key, None)
 
+    def hold(self, keys: Iterable[str]) -> list[str]:
+        """Pin chunks the RAM tier holds now, as a version in flight would; return the keys pinned.
+
+        The node agent holds the chunks of a part it keeps for a restarted group this way (see
+        :mod:`tiercache.agent.keep`); :meth:`unpin` lets them go.
+        """
+        held = []
+        with self._lock:
+            for key in keys:
+                if self.ram is not None and self.ram.size(key) is not None:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                    self._lru.pop(key, None)
+                    held.append(key)
+        return held
+
     def unpin(self, keys: Iterable[str]) -> None:
         """A version in flight settled: its chunks stay as read cache, or go."""
         dropped = []
