@@ -221,6 +221,38 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
         out["equal"][ref] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
+def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Rank 1's writes fail during one dcp.save; then a dcp.save, a save(group=) and a dcp.load of the first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+
+    armed = [rank == 1]
+
+    def refuse() -> None:
+        if armed[0]:
+            raise StorageError("injected: node b refuses the write")
+
+    _fail_chunk_puts(cache, refuse)
+    w1 = TierCacheStorageWriter(cache, step=1)
+    try:
+        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1)
+    except CheckpointException as e:
+        out["abort"] = sorted(e.failures)
+    armed[0] = False
+    out["aborted"] = [w1.version_id, _levels(w1.handle)]
+    w2 = TierCacheStorageWriter(cache, step=2)
+    dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2)
+    out["dcp"] = [w2.version_id, _levels(w2.handle)]
+    h = cache.save(node_state(rank, 3), step=3, group=dist.group.WORLD)
+    out["group"] = [h.version, _levels(h)]
+    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(2).items()}), "step": 0}
+    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
+    full = full_tensors(2)
+    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+
+
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
     disk = cache.repo.durable["disk"]
@@ -393,7 +425,7 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
-             "dcp_nodes": scenario_dcp_nodes,
+             "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
              "nodes_restore_fault": scenario_nodes_restore_fault,

@@ -314,6 +314,14 @@ class Channel:
         if int(store.add(f"x/{tag}/n", 1)) == self.group.world:
             store.set(f"x/{tag}/all", b"1")
 
+    def posted(self, tag: str) -> list[Status | None]:
+        """The statuses the ranks posted so far for phase ``tag`` (``None``: not yet), before its verdict.
+
+        For a rank whose own status waits on the others' (the coordinator of a DCP checkpoint
+        learns there that another rank's write failed, and DCP will never call its ``finish``).
+        """
+        return self._records(tag)
+
     def _records(self, tag: str) -> list[Status | None]:
         store = self._client()
         out: list[Status | None] = [None] * self.group.world

@@ -261,6 +261,10 @@ class TierCacheStorageWriter(StorageWriter):
         rnd = self._round = view.open_round(plan.storage_data) if view is not None else None
         if rnd is not None:
             self.version_id, self.handle = rnd.vid, rnd.handle()
+            owner, cache = self._owner, self.cache
+            # Whatever the outcome (committed, failed, or DCP aborted the checkpoint): the group
+            # settles every level, and the chunks leased for it are free then.
+            rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(owner))
         try:
             items = list(plan.items)
             blobs, kinds = [], []
@@ -292,7 +296,6 @@ class TierCacheStorageWriter(StorageWriter):
         own = self._entries.version(id=rnd.vid, parent=None, branch=rnd.ref.name, step=rnd.step,
                                     created_at=rnd.created_at, hash_algo=cache.config.hash)
         rnd.published.set_result(own)
-        rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(self._owner))
         part = part_of(own, self._rank)
         for tier in cache.repo.durable:
             try:
@@ -310,14 +313,20 @@ class TierCacheStorageWriter(StorageWriter):
                 group's error, naming the rank).
         """
         cache = self.cache
-        # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
-        metadata.storage_data = {wr.index: (wr.storage_data.rank, wr.storage_data.index)
-                                 for rank_results in results for wr in rank_results}
-        blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
-                                dtype=torch.uint8)
-        (stored,) = put_blobs(cache, [blob], self._owner)
-        self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
         rnd = self._round
+        try:
+            # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
+            metadata.storage_data = {wr.index: (wr.storage_data.rank, wr.storage_data.index)
+                                     for rank_results in results for wr in rank_results}
+            blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
+                                    dtype=torch.uint8)
+            (stored,) = put_blobs(cache, [blob], self._owner)
+            self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
+        except BaseException as e:
+            if rnd is not None:
+                assert rnd.published is not None
+                rnd.published.set_exception(e)  # the group fails the version naming rank 0 and this error
+            raise
         if rnd is not None:
             self._publish(rnd)
             rnd.futures["durable"].result()  # the group's outcome: raises its error
