@@ -253,6 +253,23 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
     out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
+def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """Node b's disk is full (no S3): two versions are lost; flush() and stats() must say so on every rank."""
+    from tiercache.errors import TierFullError
+
+    def full() -> None:
+        if rank == 1:
+            raise TierFullError("injected: node b's disk is full")
+
+    _fail_chunk_puts(cache, full)
+    handles = [cache.save(node_state(rank, step), step=step, group=dist.group.WORLD) for step in (1, 2)]
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [_levels(h) for h in handles]
+    out["flush"] = _error(cache.flush)
+    out["lost"] = cache.stats()["errors"]["lost_versions"]
+
+
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
     disk = cache.repo.durable["disk"]
@@ -426,6 +443,7 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
+             "nodes_disk_full": scenario_nodes_disk_full,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
              "nodes_restore_fault": scenario_nodes_restore_fault,
