@@ -251,6 +251,7 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
     dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
     full = full_tensors(2)
     out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+    out["last_restore"] = cache.last_restore.version if cache.last_restore is not None else None
 
 
 def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],

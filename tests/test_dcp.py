@@ -98,6 +98,7 @@ def test_a_save_aborted_by_one_rank_fails_alike_everywhere_and_the_next_saves_go
         assert out["aborted"] == [v1, levels(failed)]
         assert out["dcp"] == [v2, levels(v2)] and out["group"] == [v3, levels(v3)]
         assert out["equal"] == [2, True, True]  # the next checkpoint restores bit-exact
+        assert out["last_restore"] == v2
     with one_tier(config, "s3") as cache:
         assert cache.manifest("main").parent == v2 and cache.manifest(v2).parent is None
 
@@ -114,8 +115,12 @@ def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> Non
         assert [p.chunk for p in frozen[0].pieces] and {v2.chunks[p.chunk].id for p in frozen[0].pieces} <= {
             ch.id for ch in v1.chunks} <= chunks_after_first
         out = {"frozen": torch.zeros(65536), "head": torch.zeros(8), "note": ""}
+        assert c.last_restore is None
         dcp.load(out, storage_reader=TierCacheStorageReader(c, "main"), no_dist=True)
         assert torch.equal(out["frozen"], base["frozen"]) and torch.equal(out["head"], torch.full((8,), 2.0))
+        # Reported as a restore is: every chunk of v2 was read once, from the disk.
+        assert c.last_restore is not None and c.last_restore.version == v2.id
+        assert c.last_restore.nbytes == {"disk": sum(ch.nbytes for ch in v2.chunks)}
         assert out["note"] == "hi"
         # A DCP version restores through the plain API as its flat shards.
         flat = c.restore("main")
