@@ -145,6 +145,8 @@ class Collective:
         self._store = store
         self._lock = threading.Lock()
         self._broken: GroupBrokenError | None = None
+        #: Ranks found gone (they never read a verdict again).
+        self._dead: set[int] = set()
         self._closed = threading.Event()
         #: Verdicts this rank (the coordinator) published that some rank may not have read yet.
         self._published: list[str] = []
@@ -172,6 +174,7 @@ class Collective:
             reason = ("the process group is broken: the job's store stopped answering (its host, rank 0 or the "
                       "launcher, is gone); restart the job")
         with self._lock:
+            self._dead |= set(dead)
             if self._broken is None:
                 self._broken = GroupBrokenError(reason)
                 log.error("%s", reason)
@@ -195,14 +198,23 @@ class Collective:
         """Stop the heartbeat (the group's other ranks will take this rank for gone).
 
         The coordinator first waits up to ``linger`` seconds for the ranks to read the verdicts
-        it published: its process may host the store, which goes with it.
+        it published: its process may host the store, which goes with it. Not for ranks that are
+        gone (known so, or whose heartbeat stops while it waits): they will never read.
         """
         end = time.monotonic() + linger
         with self._lock:
             tags = list(self._published)
+        watch = Channel(self)
+        others = [r for r in range(self.world) if r != self.rank]
+        gone: set[int] = set()
+        looked = 0.0
         try:
             while tags and time.monotonic() < end:
-                tags = [t for t in tags if self._store.check([f"v/{t}"])]
+                if time.monotonic() - looked >= self.heartbeat:  # heartbeats move that often, no faster
+                    looked = time.monotonic()
+                    gone = self._dead | set(watch._gone(others))
+                tags = [t for t in tags if self._store.check([f"v/{t}"])
+                        and int(self._store.add(f"v/{t}/read", 0)) < self.world - len(gone)]
                 time.sleep(0.01)
         except Exception as e:  # the store is gone already: nobody is left to read
             log.debug("not waiting for verdicts to be read: %s", _first_line(e))
