@@ -271,6 +271,22 @@ def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, 
     out["lost"] = cache.stats()["errors"]["lost_versions"]
 
 
+def scenario_restore_seconds(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """Save, then restore with the exchange that resolves the ref held 1 s on rank 0: the report counts it."""
+    cache.save(node_state(rank, 1), step=1, group=dist.group.WORLD).wait("durable")
+
+    def slow(tag: str, posted_by: int) -> None:
+        if posted_by == 0 and tag.startswith("restore/") and tag.endswith("/resolve"):
+            time.sleep(1.0)
+
+    with failpoints.hooked("group.posted", slow):
+        got = cache.restore("main", group=dist.group.WORLD)
+    out["equal"] = _restored_equal(got, node_state(rank, 1))
+    assert cache.last_restore is not None
+    out["seconds"] = cache.last_restore.seconds
+
+
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
     disk = cache.repo.durable["disk"]
@@ -444,7 +460,7 @@ def scenario_nodes_s3_down(cache: tiercache.TierCache, rank: int, world: int, ou
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
-             "nodes_disk_full": scenario_nodes_disk_full,
+             "nodes_disk_full": scenario_nodes_disk_full, "restore_seconds": scenario_restore_seconds,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
              "nodes_restore_fault": scenario_nodes_restore_fault,

@@ -111,3 +111,12 @@ def test_versions_a_full_disk_loses_are_counted_and_raised_by_flush_on_every_ran
         assert out["flush"] == out["levels"][0]["durable"] == [
             "GroupSaveError", f"version {v1} on disk failed: rank 1 (node b): TierFullError: injected: node b's "
             "disk is full"]
+
+
+def test_a_group_restore_reports_the_time_of_its_exchanges_too(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    assert run_ranks("restore_seconds", 2, work, base_config(), env=node_env(tmp_path, ["a", "b"])) == [0, 0]
+    for r in range(2):
+        out = rank_out(work, r)
+        # At least the second the resolving exchange was held (the reads alone take far less).
+        assert out["equal"] is True and out["seconds"] >= 1.0
