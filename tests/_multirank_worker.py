@@ -224,6 +224,7 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
 def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Rank 1's writes fail during one dcp.save; then a dcp.save, a save(group=) and a dcp.load of the first."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.api import CheckpointException
 
     from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
@@ -242,6 +243,19 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
         out["abort"] = sorted(e.failures)
     armed[0] = False
     out["aborted"] = [w1.version_id, _levels(w1.handle)]
+
+    class Refusing(DefaultSavePlanner):  # rank 1's DCP step fails before its write_data: no round there
+        def finish_plan(self, new_plan: Any) -> Any:
+            if rank == 1:
+                raise ValueError("injected: rank 1's plan is refused")
+            return super().finish_plan(new_plan)
+
+    w1b = TierCacheStorageWriter(cache, step=1)
+    try:
+        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1b, planner=Refusing())
+    except CheckpointException as e:
+        out["plan_abort"] = sorted(e.failures)
+    out["plan_aborted"] = [w1b.version_id, _levels(w1b.handle) if w1b.handle is not None else None]
     w2 = TierCacheStorageWriter(cache, step=2)
     dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2)
     out["dcp"] = [w2.version_id, _levels(w2.handle)]

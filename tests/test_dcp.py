@@ -91,11 +91,16 @@ def test_a_save_aborted_by_one_rank_fails_alike_everywhere_and_the_next_saves_go
     def levels(each: object) -> dict[str, object]:
         return {"local": each, "replicated": no_peers, "remote": each, "durable": each}
 
-    v2, v3 = outs[0]["dcp"][0], outs[0]["group"][0]
+    v2, v3, w = outs[0]["dcp"][0], outs[0]["group"][0], outs[0]["plan_aborted"][0]
     for out in outs:
         assert out["abort"] == [1]  # DCP names the rank at fault
         # Every level of the aborted version settled, with one error naming the rank and its cause.
         assert out["aborted"] == [v1, levels(failed)]
+        # Rank 1's DCP step failed before it wrote (it has no round): the others give up on it.
+        assert out["plan_abort"] == [1]
+        late = ["GroupSaveError", f"version {w} at staging failed: rank 0 (node a), rank 1 (node b) did not answer "
+                "within 5s"]
+        assert out["plan_aborted"] == ([None, None] if out["rank"] == 1 else [w, levels(late)])
         assert out["dcp"] == [v2, levels(v2)] and out["group"] == [v3, levels(v3)]
         assert out["equal"] == [2, True, True]  # the next checkpoint restores bit-exact
         assert out["last_restore"] == v2

@@ -334,6 +334,10 @@ class Channel:
         """
         return self._records(tag)
 
+    def decided(self, tag: str) -> bool:
+        """Whether the verdict of phase ``tag`` is claimed already (by the coordinator or a rank that gave up)."""
+        return bool(self._client().check([f"c/{tag}"]))
+
     def _records(self, tag: str) -> list[Status | None]:
         store = self._client()
         out: list[Status | None] = [None] * self.group.world

@@ -140,7 +140,8 @@ class Phases:
         well; after an abort it never does. So while waiting, watch what the others posted for
         the ``parts`` phase: once one failed, the checkpoint is aborted (rank 0 skips, and the
         group's verdict names that rank and its error); once all posted ``ok``, ``finish()`` is
-        due within the group's timeout, or DCP aborted in its own step (a planner's error).
+        due within the group's timeout, or DCP aborted in its own step (a planner's error); and
+        once a rank gave up on the phase (one never came), its failure is the verdict.
         """
         view = self.view
         published = rnd.published
@@ -155,7 +156,9 @@ class Phases:
             if view.collective.broken is not None:
                 return Status.of(view.collective.broken)
             others = ch.posted(tag)[1:]
-            if any(s is not None and not s.ok for s in others):
+            # A rank whose DCP step failed before write_data never opens the round: the others
+            # give up on the phase after the timeout, and that is the verdict.
+            if ch.decided(tag) or any(s is not None and not s.ok for s in others):
                 return Status("skip", message=f"dcp.save was aborted: DCP never finished version {rnd.vid} here",
                               extra={"follows": True})
             if all(s is not None for s in others):
