@@ -221,6 +221,86 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
         out["equal"][ref] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
+def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Rank 1's writes fail during one dcp.save; then a dcp.save, a save(group=) and a dcp.load of the first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+
+    armed = [rank == 1]
+
+    def refuse() -> None:
+        if armed[0]:
+            raise StorageError("injected: node b refuses the write")
+
+    _fail_chunk_puts(cache, refuse)
+    w1 = TierCacheStorageWriter(cache, step=1)
+    try:
+        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1)
+    except CheckpointException as e:
+        out["abort"] = sorted(e.failures)
+    armed[0] = False
+    out["aborted"] = [w1.version_id, _levels(w1.handle)]
+
+    class Refusing(DefaultSavePlanner):  # rank 1's DCP step fails before its write_data: no round there
+        def finish_plan(self, new_plan: Any) -> Any:
+            if rank == 1:
+                raise ValueError("injected: rank 1's plan is refused")
+            return super().finish_plan(new_plan)
+
+    w1b = TierCacheStorageWriter(cache, step=1)
+    try:
+        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1b, planner=Refusing())
+    except CheckpointException as e:
+        out["plan_abort"] = sorted(e.failures)
+    out["plan_aborted"] = [w1b.version_id, _levels(w1b.handle) if w1b.handle is not None else None]
+    w2 = TierCacheStorageWriter(cache, step=2)
+    dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2)
+    out["dcp"] = [w2.version_id, _levels(w2.handle)]
+    h = cache.save(node_state(rank, 3), step=3, group=dist.group.WORLD)
+    out["group"] = [h.version, _levels(h)]
+    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(2).items()}), "step": 0}
+    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
+    full = full_tensors(2)
+    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+    out["last_restore"] = cache.last_restore.version if cache.last_restore is not None else None
+
+
+def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """Node b's disk is full (no S3): two versions are lost; flush() and stats() must say so on every rank."""
+    from tiercache.errors import TierFullError
+
+    def full() -> None:
+        if rank == 1:
+            raise TierFullError("injected: node b's disk is full")
+
+    _fail_chunk_puts(cache, full)
+    handles = [cache.save(node_state(rank, step), step=step, group=dist.group.WORLD) for step in (1, 2)]
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [_levels(h) for h in handles]
+    out["flush"] = _error(cache.flush)
+    out["lost"] = cache.stats()["errors"]["lost_versions"]
+
+
+def scenario_restore_seconds(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """Save, then restore with the exchange that resolves the ref held 1 s on rank 0: the report counts it."""
+    cache.save(node_state(rank, 1), step=1, group=dist.group.WORLD).wait("durable")
+
+    def slow(tag: str, posted_by: int) -> None:
+        if posted_by == 0 and tag.startswith("restore/") and tag.endswith("/resolve"):
+            time.sleep(1.0)
+
+    with failpoints.hooked("group.posted", slow):
+        got = cache.restore("main", group=dist.group.WORLD)
+    out["equal"] = _restored_equal(got, node_state(rank, 1))
+    assert cache.last_restore is not None
+    out["seconds"] = cache.last_restore.seconds
+
+
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
     disk = cache.repo.durable["disk"]
@@ -425,7 +505,8 @@ def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: 
 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
-             "dcp_nodes": scenario_dcp_nodes,
+             "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
+             "nodes_disk_full": scenario_nodes_disk_full, "restore_seconds": scenario_restore_seconds,
              "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
              "nodes_restore_fault": scenario_nodes_restore_fault,
@@ -481,7 +562,11 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     found = importlib.import_module(module).SCENARIOS if module else SCENARIOS  # "module:name" for other workers
     found[name](cache, rank, world, out, work)
     (work / f"rank{rank}.json").write_text(json.dumps(out))
-    cache.close()  # (rank 0 hosts the store: it lingers until the others read the last verdicts)
+    try:
+        cache.close()  # (rank 0 hosts the store: it lingers until the others read the last verdicts)
+    except tiercache.TierCacheError as e:  # a version the scenario failed on purpose is raised here, as promised
+        out["close_error"] = [type(e).__name__, str(e)]
+        (work / f"rank{rank}.json").write_text(json.dumps(out))
     if scenario not in _BROKEN and not opts.get("broken"):  # a peer is gone: a teardown would wait for it
         dist.destroy_process_group()
 

@@ -73,6 +73,41 @@ def test_one_disk_per_node_survives_the_loss_of_a_node_with_peer_copies(tmp_path
         assert rank_out(tmp_path / "load", r)["equal"] == {"main": [2, True, True], "main~1": [1, True, True]}
 
 
+def test_a_save_aborted_by_one_rank_fails_alike_everywhere_and_the_next_saves_go_through(
+        tmp_path: Path, s3_config: S3Config) -> None:
+    # Three nodes with their own disks and S3; node b refuses every write during the first dcp.save.
+    from test_nodes import base_config, node_env
+
+    config = base_config(s3=s3_config.model_dump(mode="json"))
+    work = tmp_path / "save"
+    assert run_ranks("dcp_abort", 3, work, config, env=node_env(tmp_path, ["a", "b", "c"]),
+                     opts={"timeout": 5}) == [0, 0, 0]
+    outs = [rank_out(work, r) for r in range(3)]
+    v1 = outs[0]["aborted"][0]
+    failed = ["GroupSaveError", f"version {v1} at staging failed: rank 1 (node b): StorageError: injected: node b "
+              "refuses the write"]
+    no_peers = ["ConfigError", "no 'replicated' level: [peers] copies is 0 (set it to 1 or more)"]
+
+    def levels(each: object) -> dict[str, object]:
+        return {"local": each, "replicated": no_peers, "remote": each, "durable": each}
+
+    v2, v3, w = outs[0]["dcp"][0], outs[0]["group"][0], outs[0]["plan_aborted"][0]
+    for out in outs:
+        assert out["abort"] == [1]  # DCP names the rank at fault
+        # Every level of the aborted version settled, with one error naming the rank and its cause.
+        assert out["aborted"] == [v1, levels(failed)]
+        # Rank 1's DCP step failed before it wrote (it has no round): the others give up on it.
+        assert out["plan_abort"] == [1]
+        late = ["GroupSaveError", f"version {w} at staging failed: rank 0 (node a), rank 1 (node b) did not answer "
+                "within 5s"]
+        assert out["plan_aborted"] == ([None, None] if out["rank"] == 1 else [w, levels(late)])
+        assert out["dcp"] == [v2, levels(v2)] and out["group"] == [v3, levels(v3)]
+        assert out["equal"] == [2, True, True]  # the next checkpoint restores bit-exact
+        assert out["last_restore"] == v2
+    with one_tier(config, "s3") as cache:
+        assert cache.manifest("main").parent == v2 and cache.manifest(v2).parent is None
+
+
 def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path / "d")}, "chunk_bytes": "64KiB", "pack_below": "4KiB"}) as c:
         base = {"frozen": torch.arange(65536, dtype=torch.float32), "head": torch.ones(8), "note": "hi"}
@@ -85,8 +120,12 @@ def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> Non
         assert [p.chunk for p in frozen[0].pieces] and {v2.chunks[p.chunk].id for p in frozen[0].pieces} <= {
             ch.id for ch in v1.chunks} <= chunks_after_first
         out = {"frozen": torch.zeros(65536), "head": torch.zeros(8), "note": ""}
+        assert c.last_restore is None
         dcp.load(out, storage_reader=TierCacheStorageReader(c, "main"), no_dist=True)
         assert torch.equal(out["frozen"], base["frozen"]) and torch.equal(out["head"], torch.full((8,), 2.0))
+        # Reported as a restore is: every chunk of v2 was read once, from the disk.
+        assert c.last_restore is not None and c.last_restore.version == v2.id
+        assert c.last_restore.nbytes == {"disk": sum(ch.nbytes for ch in v2.chunks)}
         assert out["note"] == "hi"
         # A DCP version restores through the plain API as its flat shards.
         flat = c.restore("main")

@@ -158,6 +158,18 @@ def test_a_dead_rank_breaks_the_group_once_and_later_phases_fail_at_once(store: 
     assert isinstance(ranks[0].broken, GroupBrokenError)
 
 
+def test_the_coordinator_does_not_linger_at_close_for_a_rank_that_is_gone(store: dist.TCPStore) -> None:
+    ranks = group(store, 3)
+    assert [v.ok for v in run(ranks, lambda c: c.channel().exchange("v1/parts", OK, what="v1"))] == [True] * 3
+    ranks[2].close()  # killed before it read the verdict of v2
+    out = run(ranks[:2], lambda c: c.channel().exchange("v2/parts", OK, what="v2"))
+    assert [failure(v)[0] for v in out] == ["GroupBrokenError"] * 2
+    t0 = time.monotonic()
+    ranks[0].close(linger=60)  # the verdict of v2 stays unread by rank 2 for good
+    assert time.monotonic() - t0 < 30  # its heartbeat told, not the 60 s linger
+    ranks[1].close()
+
+
 def test_a_failing_decision_fails_the_phase_naming_rank_0_and_the_group_goes_on(store: dist.TCPStore) -> None:
     ranks = group(store, 2)
 

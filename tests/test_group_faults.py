@@ -94,3 +94,29 @@ def test_a_rank_that_raises_right_after_save_still_completes_the_version(tmp_pat
     assert out["v1"]["local"] == out["v1"]["durable"] and out["v1"]["local"][0] != "GroupSaveError"
     name, message = out["next"]
     assert name == "GroupBrokenError" and "rank 1 (node b) is gone" in message
+
+
+def test_versions_a_full_disk_loses_are_counted_and_raised_by_flush_on_every_rank(tmp_path: Path) -> None:
+    from test_multirank import rank_out, run_ranks
+    from test_nodes import base_config, node_env
+
+    work = tmp_path / "work"
+    assert run_ranks("nodes_disk_full", 2, work, base_config(), env=node_env(tmp_path, ["a", "b"]),
+                     opts={"timeout": 5}) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    v1, v2 = outs[0]["versions"]
+    for out in outs:
+        assert out["versions"] == [v1, v2] and out["lost"] == 2  # both counted, on every rank
+        # flush() raises the first, as the version's durable level says it failed.
+        assert out["flush"] == out["levels"][0]["durable"] == [
+            "GroupSaveError", f"version {v1} on disk failed: rank 1 (node b): TierFullError: injected: node b's "
+            "disk is full"]
+
+
+def test_a_group_restore_reports_the_time_of_its_exchanges_too(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    assert run_ranks("restore_seconds", 2, work, base_config(), env=node_env(tmp_path, ["a", "b"])) == [0, 0]
+    for r in range(2):
+        out = rank_out(work, r)
+        # At least the second the resolving exchange was held (the reads alone take far less).
+        assert out["equal"] is True and out["seconds"] >= 1.0

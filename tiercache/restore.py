@@ -195,7 +195,8 @@ class RestoreReport:
             ``s3``, and for a restore over a process group ``peer`` (received from another rank:
             from its node's copy, or read once from S3 for the whole group by that rank).
             Sources that gave nothing are left out.
-        seconds: How long the reads took.
+        seconds: How long the reads took; for a restore over a process group (and a DCP load),
+            from the call on, the group's exchanges (resolving the ref, finding the parts) included.
     """
 
     version: str

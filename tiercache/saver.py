@@ -102,6 +102,14 @@ class Saver(Protocol):
         """Drop the RAM copies of chunks no version in flight needs; return bytes freed."""
         ...
 
+    def record_loss(self, version_id: str, step: int, err: BaseException) -> None:
+        """Count a version that reached no durable tier (``stats()``), for ``flush()``/``close()`` to raise.
+
+        The pipeline records its own; a multi-rank version's outcome is the group's, which records
+        it here when the group failed it on every durable tier (:mod:`tiercache.group.round`).
+        """
+        ...
+
     def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
         """Wait until every version staged so far has settled; raise the first unreported loss."""
         ...

@@ -364,11 +364,15 @@ class AgentSaver:
         return handle
 
     def _record_loss(self, job: _Job, err: BaseException) -> None:
+        self.record_loss(job.version, job.staged.step, err)
+
+    def record_loss(self, version_id: str, step: int, err: BaseException) -> None:
+        """See :meth:`tiercache.saver.Saver.record_loss`."""
         with self._cv:
             self._losses.append(err)
             self.errors_total += 1
-            self.recent_errors.append(f"{job.version}: reached no durable tier: {type(err).__name__}: {err}")
-        log.error("version %s (step %d) reached no durable tier: %s", job.version, job.staged.step, err)
+            self.recent_errors.append(f"{version_id}: reached no durable tier: {type(err).__name__}: {err}")
+        log.error("version %s (step %d) reached no durable tier: %s", version_id, step, err)
 
     # ------------------------------------------------------------------ the agent's word
 

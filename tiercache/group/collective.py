@@ -145,6 +145,8 @@ class Collective:
         self._store = store
         self._lock = threading.Lock()
         self._broken: GroupBrokenError | None = None
+        #: Ranks found gone (they never read a verdict again).
+        self._dead: set[int] = set()
         self._closed = threading.Event()
         #: Verdicts this rank (the coordinator) published that some rank may not have read yet.
         self._published: list[str] = []
@@ -177,6 +179,7 @@ class Collective:
                       "was committed); the store must outlive the ranks: launch with torchrun, whose agent hosts "
                       "it, not with a store rank 0 hosts (mp.spawn, init_method='tcp://'); restart the job")
         with self._lock:
+            self._dead |= set(dead)
             if self._broken is None:
                 self._broken = GroupBrokenError(reason)
                 log.error("%s", reason)
@@ -200,14 +203,23 @@ class Collective:
         """Stop the heartbeat (the group's other ranks will take this rank for gone).
 
         The coordinator first waits up to ``linger`` seconds for the ranks to read the verdicts
-        it published: its process may host the store, which goes with it.
+        it published: its process may host the store, which goes with it. Not for ranks that are
+        gone (known so, or whose heartbeat stops while it waits): they will never read.
         """
         end = time.monotonic() + linger
         with self._lock:
             tags = list(self._published)
+        watch = Channel(self)
+        others = [r for r in range(self.world) if r != self.rank]
+        gone: set[int] = set()
+        looked = 0.0
         try:
             while tags and time.monotonic() < end:
-                tags = [t for t in tags if self._store.check([f"v/{t}"])]
+                if time.monotonic() - looked >= self.heartbeat:  # heartbeats move that often, no faster
+                    looked = time.monotonic()
+                    gone = self._dead | set(watch._gone(others))
+                tags = [t for t in tags if self._store.check([f"v/{t}"])
+                        and int(self._store.add(f"v/{t}/read", 0)) < self.world - len(gone)]
                 time.sleep(0.01)
         except Exception as e:  # the store is gone already: nobody is left to read
             log.debug("not waiting for verdicts to be read: %s", _first_line(e))
@@ -318,6 +330,18 @@ class Channel:
         failpoint("group.posted", tag, self.group.rank)
         if int(store.add(f"x/{tag}/n", 1)) == self.group.world:
             store.set(f"x/{tag}/all", b"1")
+
+    def posted(self, tag: str) -> list[Status | None]:
+        """The statuses the ranks posted so far for phase ``tag`` (``None``: not yet), before its verdict.
+
+        For a rank whose own status waits on the others' (the coordinator of a DCP checkpoint
+        learns there that another rank's write failed, and DCP will never call its ``finish``).
+        """
+        return self._records(tag)
+
+    def decided(self, tag: str) -> bool:
+        """Whether the verdict of phase ``tag`` is claimed already (by the coordinator or a rank that gave up)."""
+        return bool(self._client().check([f"c/{tag}"]))
 
     def _records(self, tag: str) -> list[Status | None]:
         store = self._client()

@@ -30,10 +30,12 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from tiercache.errors import TierCacheError
+from tiercache.errors import GroupSaveError, TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.hashing import trade
@@ -105,7 +107,7 @@ class Phases:
         view = self.view
         try:
             failpoint("group.parts", f"{rnd.vid}/parts")
-            own = rnd.own_manifest()
+            own = self._coordinator_part(rnd, ch) if rnd.local is None and view.rank == 0 else rnd.own_manifest()
         except Exception as e:
             own = Status.of(e)
         if rnd.trade and isinstance(own, Status) and (rnd.stage_error is not None or rnd.published is None):
@@ -130,6 +132,41 @@ class Phases:
                 rnd.owners[tier].set_result(frozenset(own.chunks[i].id for i in positions))
         finally:
             rnd.parts_done.set()  # the tier phases go on (or skip the version) from here, on every rank alike
+
+    def _coordinator_part(self, rnd: Round, ch: Channel) -> Version | Status:
+        """Rank 0's part of a DCP checkpoint, published in ``finish()``, or why there will be none.
+
+        DCP calls ``finish()`` on its coordinator only once every rank's ``write_data`` went
+        well; after an abort it never does. So while waiting, watch what the others posted for
+        the ``parts`` phase: once one failed, the checkpoint is aborted (rank 0 skips, and the
+        group's verdict names that rank and its error); once all posted ``ok``, ``finish()`` is
+        due within the group's timeout, or DCP aborted in its own step (a planner's error); and
+        once a rank gave up on the phase (one never came), its failure is the verdict.
+        """
+        view = self.view
+        published = rnd.published
+        assert published is not None
+        tag = f"{rnd.vid}/parts"
+        since: float | None = None
+        while True:
+            with contextlib.suppress(FutureTimeout):
+                published.result(timeout=max(view.collective.poll, 0.05))
+            if published.done():
+                return rnd.own_manifest()
+            if view.collective.broken is not None:
+                return Status.of(view.collective.broken)
+            others = ch.posted(tag)[1:]
+            # A rank whose DCP step failed before write_data never opens the round: the others
+            # give up on the phase after the timeout, and that is the verdict.
+            if ch.decided(tag) or any(s is not None and not s.ok for s in others):
+                return Status("skip", message=f"dcp.save was aborted: DCP never finished version {rnd.vid} here",
+                              extra={"follows": True})
+            if all(s is not None for s in others):
+                since = since if since is not None else time.monotonic()
+                if time.monotonic() - since >= view.collective.timeout:
+                    return Status.of(GroupSaveError(
+                        f"dcp.save did not finish version {rnd.vid} within {view.collective.timeout:g}s of the "
+                        "other ranks' writes (DCP aborted it after every rank wrote its part)"))
 
     def _assign(self, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""

@@ -29,7 +29,9 @@ Bytes are reported per source (``ram``, ``disk``, ``peer``, ``s3``) in ``cache.l
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -76,6 +78,7 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
         StateMismatchError: If some rank's ``into=`` does not match its part (naming the rank).
         IntegrityError: If some chunk has no good copy anywhere (on every rank).
     """
+    t0 = time.perf_counter()
     ch = view.channel
     cache = view.cache
     tag = f"restore/{slot}"
@@ -93,6 +96,8 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
     fill = GroupFill(view, ch, tag, what)
     out = cache.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict,
                                 fill=fill)
+    if cache.last_restore is not None:  # the group's exchanges took part of the time: count them too
+        cache.last_restore = dataclasses.replace(cache.last_restore, seconds=time.perf_counter() - t0)
     if resume:
         cache.note_restored(ref, version)
     return out

@@ -96,6 +96,7 @@ class Round:
         self.parts_done = threading.Event()
         self._lock = threading.Lock()
         self._settled: dict[str, BaseException | None] = {}
+        self._lost = False
 
     # -- the engine's side (hasher and writer threads) --
 
@@ -183,6 +184,13 @@ class Round:
 
     def settle(self, tier: str, err: BaseException | None) -> None:
         """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict)."""
+        with self._lock:
+            self._settled[tier] = err
+            lost = (not self._lost and len(self._settled) == len(self.outcome)
+                    and all(e is not None for e in self._settled.values()))
+            self._lost = self._lost or lost
+        if lost:
+            self._record_loss()
         for f in (self.owners[tier], self.outcome[tier]):
             if f.done():
                 continue
@@ -208,9 +216,25 @@ class Round:
                 # A version the group failed everywhere is no branch head in this process's view,
                 # before anyone waiting for the level hears of it.
                 self.view.cache.catalog.retract(self.ref)
-                # The first failed tier in tier order, not in the order they settled here, so
-                # every rank reports the same error.
-                durable.set_exception(next(e for t in self.outcome if (e := self._settled[t]) is not None))
+                durable.set_exception(self._durable_error())
+
+    def _record_loss(self) -> None:
+        """Count the version as lost, as the pipeline counts a single process's (``stats()``, ``flush()``).
+
+        Before the engine's writer hears the verdict (it then ends the job, and ``flush()``
+        returns): a ``flush()`` that waited for the version raises its loss. Neither a skip (the
+        policy's choice) nor a DCP checkpoint (``dcp.save`` raises the error on every rank itself)
+        is counted.
+        """
+        err = self._durable_error()
+        if self.local is None or isinstance(err, SkippedError):
+            return
+        self.view.cache.engine.record_loss(self.vid, self.step, err)
+
+    def _durable_error(self) -> BaseException:
+        # The first failed tier in tier order, not in the order they settled here, so every rank
+        # reports the same error.
+        return next(e for t in self.outcome if (e := self._settled.get(t)) is not None)
 
     def handle(self) -> SaveHandle:
         """The handle ``save()`` returns: this rank's ``staged``, the group's other levels.

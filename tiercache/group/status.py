@@ -34,7 +34,8 @@ class Status:
             class name, which is rebuilt as :class:`~tiercache.errors.GroupSaveError`).
         message: The error's message, or why the version was skipped.
         extra: Small JSON-able facts a failed verdict carries to every rank (``dead``: ranks that
-            are gone, ``missing``: ranks that did not answer).
+            are gone, ``missing``: ranks that did not answer, ``follows``: this rank fails only
+            because another did, see :func:`first_failure`).
     """
 
     kind: Kind = "ok"
@@ -136,11 +137,16 @@ OK = Status()
 
 
 def first_failure(statuses: list[Status | None]) -> tuple[int, Status] | None:
-    """The first error in rank order, else the first skip, else ``None`` (missing answers are not failures)."""
-    for kind in ("error", "skip"):
-        for rank, s in enumerate(statuses):
-            if s is not None and s.kind == kind:
-                return rank, s
+    """The first error in rank order, else the first skip, else ``None`` (missing answers are not failures).
+
+    A failure marked ``follows`` (a rank that fails only because another did) is the cause only
+    if no other rank failed.
+    """
+    for follows in (False, True):
+        for kind in ("error", "skip"):
+            for rank, s in enumerate(statuses):
+                if s is not None and s.kind == kind and bool(s.extra.get("follows")) == follows:
+                    return rank, s
     return None
 
 

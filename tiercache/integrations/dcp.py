@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from tiercache.layout import plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, check_meta, new_version_id, utcnow
 from tiercache.names import check_name
 from tiercache.parts import part_of
-from tiercache.restore import empty_aligned
+from tiercache.restore import RestoreReport, empty_aligned
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
@@ -261,6 +262,10 @@ class TierCacheStorageWriter(StorageWriter):
         rnd = self._round = view.open_round(plan.storage_data) if view is not None else None
         if rnd is not None:
             self.version_id, self.handle = rnd.vid, rnd.handle()
+            owner, cache = self._owner, self.cache
+            # Whatever the outcome (committed, failed, or DCP aborted the checkpoint): the group
+            # settles every level, and the chunks leased for it are free then.
+            rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(owner))
         try:
             items = list(plan.items)
             blobs, kinds = [], []
@@ -292,7 +297,6 @@ class TierCacheStorageWriter(StorageWriter):
         own = self._entries.version(id=rnd.vid, parent=None, branch=rnd.ref.name, step=rnd.step,
                                     created_at=rnd.created_at, hash_algo=cache.config.hash)
         rnd.published.set_result(own)
-        rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(self._owner))
         part = part_of(own, self._rank)
         for tier in cache.repo.durable:
             try:
@@ -310,14 +314,20 @@ class TierCacheStorageWriter(StorageWriter):
                 group's error, naming the rank).
         """
         cache = self.cache
-        # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
-        metadata.storage_data = {wr.index: (wr.storage_data.rank, wr.storage_data.index)
-                                 for rank_results in results for wr in rank_results}
-        blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
-                                dtype=torch.uint8)
-        (stored,) = put_blobs(cache, [blob], self._owner)
-        self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
         rnd = self._round
+        try:
+            # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
+            metadata.storage_data = {wr.index: (wr.storage_data.rank, wr.storage_data.index)
+                                     for rank_results in results for wr in rank_results}
+            blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
+                                    dtype=torch.uint8)
+            (stored,) = put_blobs(cache, [blob], self._owner)
+            self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
+        except BaseException as e:
+            if rnd is not None:
+                assert rnd.published is not None
+                rnd.published.set_exception(e)  # the group fails the version naming rank 0 and this error
+            raise
         if rnd is not None:
             self._publish(rnd)
             rnd.futures["durable"].result()  # the group's outcome: raises its error
@@ -393,6 +403,7 @@ class TierCacheStorageReader(StorageReader):
         self.version: Version | None = None
         self.storage_data: dict[MetadataIndex, tuple[int, int]] = {}
         self._source: _Source | None = None
+        self._t0 = 0.0
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Start a new load; ``checkpoint_id``, if given, replaces the ref."""
@@ -408,6 +419,7 @@ class TierCacheStorageReader(StorageReader):
             VersionNotFoundError: If the ref resolves to nothing (on every rank).
             InvalidArgumentError: If the version was not saved through DCP.
         """
+        self._t0 = time.perf_counter()
         view = _view(self.cache, self.group)
         self._source = _Local(self.cache, self.ref) if view is None else _Group(view, self.ref)
         where = self._source.metadata()
@@ -446,6 +458,10 @@ class TierCacheStorageReader(StorageReader):
                                      f"the plan wants {list(target.size())}")
             target.copy_(src)
             planner.commit_tensor(req, target)
+        # As a restore reports it: what this rank read, per source, and the load's time from the
+        # ref's resolution on (the group's exchanges included).
+        self.cache.last_restore = RestoreReport(self._source.vid, dict(self._source.nbytes),
+                                                time.perf_counter() - self._t0)
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -482,6 +498,12 @@ class _Source(ABC):
     """Where a load reads a DCP checkpoint's entries from (:class:`_Local` or :class:`_Group`)."""
 
     vid: str
+    #: Raw chunk bytes read so far, per source (``ram``, ``disk``, ``peer``, ``s3``).
+    nbytes: dict[str, int]
+
+    def _count(self, read: Mapping[str, int]) -> None:
+        for source, n in read.items():
+            self.nbytes[source] = self.nbytes.get(source, 0) + n
 
     @abstractmethod
     def metadata(self) -> StoredItem | None:
@@ -499,6 +521,7 @@ class _Local(_Source):
         self.cache = cache
         self.version = cache.catalog.get(cache.resolve(ref))
         self.vid = self.version.id
+        self.nbytes = {}
 
     def _entry(self, item: StoredItem) -> TensorEntry:
         v = self.version
@@ -516,7 +539,7 @@ class _Local(_Source):
     def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
         version = _select([(self._entry(s), self.version.chunks) for s in items], self.vid, self.version.hash_algo)
         dests = _tensors(version)
-        self.cache.reader.read_version(version, dests)
+        self._count(self.cache.reader.read_version(version, dests))
         return dests
 
 
@@ -531,6 +554,7 @@ class _Group(_Source):
         self.tag = f"dcp-load/{slot}"
         self.what = f"the group's DCP load of {ref!r}"
         self._reads = 0
+        self.nbytes = {}
         found = resolve(view, view.channel, self.tag, self.what, ref)
         self.vid = found["id"]
         self.world = found["world"]
@@ -563,5 +587,5 @@ class _Group(_Source):
                           self.header.hash_algo)
         dests = _tensors(version)
         fill = GroupFill(self.view, self.view.channel, f"{self.tag}/{self._reads}", self.what)
-        fill(version, dests, None)
+        self._count(fill(version, dests, None))
         return dests

@@ -662,12 +662,15 @@ class Engine:
         return SkippedError(f"version {job.version_id} reached no durable tier")
 
     def _record_loss(self, job: Job, err: BaseException) -> None:
+        self.record_loss(job.version_id, job.step, err)
+
+    def record_loss(self, version_id: str, step: int, err: BaseException) -> None:
         """Count a version that reached no durable tier; ``flush()``/``close()`` (or ``save()``) report it."""
         with self.jobs.lock:
             self._losses.append(err)
             self.errors_total += 1
-            self.recent_errors.append(f"{job.version_id}: reached no durable tier: {type(err).__name__}: {err}")
-        log.error("version %s (step %d) reached no durable tier: %s", job.version_id, job.step, err)
+            self.recent_errors.append(f"{version_id}: reached no durable tier: {type(err).__name__}: {err}")
+        log.error("version %s (step %d) reached no durable tier: %s", version_id, step, err)
 
     def _lost(self, job: Job) -> None:
         """Make a version that reached no durable tier invisible as a parent and as a branch head."""
