@@ -143,6 +143,9 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
         found, unrepairable = _repair(repo, versions, found, wanted)
     else:
         unrepairable = _without_good_copy(found, wanted)
+    holes = _holes(repo, versions, tiers)
+    found += holes
+    unrepairable = [*unrepairable, *(d.key for d in holes)]
     for d in found:
         log.warning("verify: %s copy of %s on %s: %s%s", d.problem, d.key, d.tier, d.detail,
                     f" (repaired from {d.repaired_from})" if d.repaired_from else "")
@@ -150,6 +153,26 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False) -> Veri
     copies = len(wanted) + len(parts) + sum(cat.manifest_on(n, v.id) for v in versions for n in tiers)
     return VerifyReport(len(versions), len(chunks), copies, tuple(sorted(found, key=lambda d: (d.tier, d.key))),
                         tuple(sorted(unrepairable)))
+
+
+def _holes(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[Damage]:
+    """Parents no tier holds that no recorded rule deleted (a pruned one is explained): damage.
+
+    ``gc`` keeps every ancestor of what it keeps and capacity eviction keeps last copies, so a
+    parent missing from every tier, with no pruned record, was lost.
+    """
+    if not tiers or len(tiers) < len(repo.durable):
+        return []  # a tier that is down may hold the parent
+    cat = repo.catalog
+    known = {v.id for v in cat.all(whole=False)}
+    where = next(iter(tiers))
+    out = []
+    for v in versions:
+        p = v.parent
+        if p is not None and p not in known and cat.pruned_record(p) is None:
+            out.append(Damage(where, version_key(p), "missing",
+                              f"version {p}, parent of {v.id}, is on no tier and no recorded rule pruned it"))
+    return out
 
 
 def _held_ranks(tier: Any, v: Version, node: str) -> list[int]:
