@@ -25,6 +25,7 @@ from tiercache.config import S3Config
 from tiercache.errors import SkippedError, TierFullError, VersionNotFoundError
 from tiercache.testing import ThrottledProxy
 
+KIB = 1 << 10
 MIB = 1 << 20
 LINK_BPS = 4_000_000  # saves arrive at ~40 MB/s: S3 falls behind at once
 
@@ -151,11 +152,22 @@ def test_a_version_the_users_retention_pruned_is_visible_everywhere(
         assert cache.resolve("main~2") == ids[2]
         with pytest.raises(VersionNotFoundError, match=f"'main~3': version {ids[1]} was pruned by retention"):
             cache.resolve("main~3")
-    assert runner.invoke(app, [*cli, "verify"]).exit_code == 0  # a hole a rule explains is no damage
-    # A parent lost with no rule to explain it is damage.
-    (store / "versions" / f"{ids[2]}.json").unlink()
-    report = runner.invoke(app, [*cli, "verify", "--json"])
-    assert report.exit_code != 0
-    damage = json.loads(report.stdout)["damage"]
-    assert [d["detail"] for d in damage] == [
-        f"version {ids[2]}, parent of {ids[3]}, is on no tier and no recorded rule pruned it"]
+    assert runner.invoke(app, [*cli, "verify"]).exit_code == 0  # a gap a rule explains is no damage
+
+
+def test_verify_reports_a_parent_no_tier_holds_and_no_rule_pruned(
+    tmp_path: Path, s3_config: S3Config, _s3_admin: Any
+) -> None:
+    cfg = {"disk": {"path": str(tmp_path / "disk")}, "s3": s3_config.model_dump()}
+    with tiercache.open(cfg) as cache:
+        ids = [cache.save(_state(i, 64 * KIB), step=i).wait("durable") for i in range(3)]
+        assert cache.verify().ok
+    # ids[1] is lost from every tier, and nothing recorded why.
+    (tmp_path / "disk" / "versions" / f"{ids[1]}.json").unlink()
+    _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/versions/{ids[1]}.json")
+    with tiercache.open(cfg) as cache:
+        report = cache.verify()
+    assert not report.ok
+    assert [(d.key, d.problem, d.detail) for d in report.damage] == [
+        (f"versions/{ids[1]}.json", "missing",
+         f"version {ids[1]}, parent of {ids[2]}, is on no tier and no recorded rule pruned it")]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tiercache.config import this_node
 from tiercache.errors import IntegrityError, TierCacheError
+from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import Version
 from tiercache.names import PARTS, VERSIONS, chunk_key, part_key, version_key
 from tiercache.parts import check_part
@@ -159,10 +160,12 @@ def _holes(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[D
     """Parents no tier holds that no recorded rule deleted (a pruned one is explained): damage.
 
     ``gc`` keeps every ancestor of what it keeps and capacity eviction keeps last copies, so a
-    parent missing from every tier, with no pruned record, was lost.
+    parent missing from every tier, with no pruned record, was lost. Asked only with a remote
+    tier configured and every tier answering: a disk read alone (a config without the bucket)
+    lacks what was evicted from it to S3.
     """
-    if not tiers or len(tiers) < len(repo.durable):
-        return []  # a tier that is down may hold the parent
+    if len(tiers) < len(repo.durable) or not any(TIER_LEVEL.get(n) == "remote" for n in tiers):
+        return []
     cat = repo.catalog
     known = {v.id for v in cat.all(whole=False)}
     where = next(iter(tiers))
