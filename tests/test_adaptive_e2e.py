@@ -12,6 +12,7 @@ was shown, and save/remote-completion timestamps (compared with the configured b
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import torch
 
 import tiercache
 from tiercache.config import S3Config
-from tiercache.errors import SkippedError
+from tiercache.errors import SkippedError, VersionNotFoundError
 from tiercache.policy.base import OnFull, Placement, PolicyContext, VersionView
 from tiercache.policy.builtin import ThroughputAdaptive, WriteThrough
 from tiercache.testing import ThrottledProxy
@@ -256,13 +257,16 @@ def _disk_versions(root: Path) -> set[str]:
     return {p.name[: -len(".json")] for p in (root / "versions").glob("*.json")}
 
 
-def test_a_full_disk_evicts_the_oldest_unpinned_versions_and_keeps_tags(tmp_path: Path) -> None:
+def test_a_full_disk_prunes_what_the_users_retention_does_not_keep_and_keeps_tags(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = {
         "ram": {"capacity": 32 * MIB},
         "disk": {"path": str(tmp_path / "disk"), "capacity": _THREE_VERSIONS},
-        "policy": {"name": "throughput-adaptive", "params": {"compression": "off"}},
+        "policy": {"name": "throughput-adaptive", "params": {"compression": "off", "retention": {"latest": 1}}},
     }
     states = [_small_state(i) for i in range(6)]
+    caplog.set_level(logging.WARNING, logger="tiercache")
     with tiercache.open(cfg) as cache:
         ids = []
         for i, s in enumerate(states):
@@ -277,9 +281,19 @@ def test_a_full_disk_evicts_the_oldest_unpinned_versions_and_keeps_tags(tmp_path
         stats = cache.stats()["tiers"]["disk"]
     # v1, v2, v3 went oldest first as v3, v4, v5 needed room; the tag (v0) and the head stayed.
     assert on_disk == {ids[0], ids[4], ids[5]}
-    assert [("disk" in tiers[v]) for v in ids] == [True, False, False, False, True, True]
+    assert [("disk" in tiers.get(v, ())) for v in ids] == [True, False, False, False, True, True]
     assert all(torch.equal(first[k], states[0][k]) for k in states[0])
     assert stats["used_bytes"] <= _THREE_VERSIONS
+    # The user's rule deleted their last copy: said at WARNING, and recorded (in a fresh process too).
+    warned = [r.getMessage() for r in caplog.records if "pruned from disk by retention latest = 1" in r.getMessage()]
+    assert sorted(v for m in warned for v in ids[1:4] if v in m) == sorted(ids[1:4])
+    with tiercache.open(cfg) as cache:
+        assert [r.version for r in cache.catalog.pruned()] == ids[1:4]
+        with pytest.raises(VersionNotFoundError, match=rf"version {ids[2]} was pruned by retention latest = 1 at "):
+            cache.restore(ids[2])
+        with pytest.raises(VersionNotFoundError, match="pruned by retention latest = 1"):
+            cache.resolve("main~2")  # main -> v4 -> v3 (pruned): the lineage walks past pruned versions
+        assert cache.resolve("main~5") == ids[0]
 
 
 def test_a_disk_full_of_tags_sends_the_next_version_ram_to_s3_directly(

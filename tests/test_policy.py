@@ -268,6 +268,9 @@ def test_write_through_places_everything_raw_and_keeps_newest_n() -> None:
     assert p.place(ver(5), c) == Placement((TierPlan("disk"), TierPlan("s3")))
     assert p.evict("disk", c) == ["V001"]  # V002 is beyond the newest 2 but pinned
     assert p.evict("s3", c) == []
+    # A keep the user did not set prunes nothing: only copies another durable tier holds go.
+    assert WriteThrough().evict("disk", c) == [] and WriteThrough().retention_rule is None
+    assert p.retention_rule == "write-through keep = 2"
     assert p.on_full(1, c) == "wait"
     assert WriteThrough(on_full="skip").on_full(1, c) == "skip"
 
@@ -388,11 +391,17 @@ def test_a_full_disk_is_bypassed_unless_eviction_makes_room() -> None:
     full = ctx([disk(cap=20 * MB, used=16 * MB), s3()], vs)
     plan = p.place(ver(2), full).plan_for("disk")
     assert plan.skip and plan.reason == (
-        "disk full (16000000 of 20000000 bytes used, 0 evictable): RAM -> s3 directly"
+        "disk full (16000000 of 20000000 bytes used, 0 evictable; eviction keeps branch heads, tags and versions "
+        "no other durable tier holds): RAM -> s3 directly"
     )
-    vs = [ver(0, tiers={"disk"}), ver(1, tiers={"disk", "s3"}, pinned=True), ver(2)]
+    vs = [ver(0, tiers={"disk", "s3"}), ver(1, tiers={"disk", "s3"}, pinned=True), ver(2)]
     roomy = ctx([disk(cap=20 * MB, used=16 * MB), s3()], vs)
     assert not p.place(ver(2), roomy).plan_for("disk").skip
+    # A version only the disk holds is no room: the keep rule keeps it (without a retention the user set).
+    vs = [ver(0, tiers={"disk"}), ver(1, tiers={"disk", "s3"}, pinned=True), ver(2)]
+    sole = ctx([disk(cap=20 * MB, used=16 * MB), s3()], vs)
+    assert p.place(ver(2), sole).plan_for("disk").skip
+    assert not ThroughputAdaptive(retention={"latest": 1}).place(ver(2), sole).plan_for("disk").skip
 
 
 def test_without_a_remote_tier_the_disk_is_never_bypassed() -> None:
@@ -458,12 +467,19 @@ def test_evicts_oldest_unpinned_first_only_as_much_as_the_next_version_needs() -
         ver(4, tiers={"disk"}),
         ver(5, pending={"disk"}),
     ]
+    # Without a retention the user set, only versions another durable tier holds go (the keep rule).
     c = ctx([disk(cap=40 * MB, used=36 * MB), s3()], vs)
-    assert p.evict("disk", c) == ["V002"]  # 36 + 8 > 40: one version's worth
+    assert p.evict("disk", c) == ["V003"]
     c = ctx([disk(cap=40 * MB, used=41 * MB), s3()], vs)
-    assert p.evict("disk", c) == ["V002", "V003"]
+    assert p.evict("disk", c) == ["V003"]
+    # With one, the oldest versions it does not keep go first, even a last copy (pruned).
+    q = ThroughputAdaptive(retention={"latest": 1})
+    c = ctx([disk(cap=40 * MB, used=36 * MB), s3()], vs)
+    assert q.evict("disk", c) == ["V002"]  # 36 + 8 > 40: one version's worth
+    c = ctx([disk(cap=40 * MB, used=41 * MB), s3()], vs)
+    assert q.evict("disk", c) == ["V002", "V003"]
     c = ctx([disk(cap=80 * MB, used=32 * MB), s3()], vs)
-    assert p.evict("disk", c) == []
+    assert p.evict("disk", c) == q.evict("disk", c) == []
     assert p.evict("s3", c) == []  # no budget: never under pressure
 
 

@@ -47,7 +47,16 @@ from tiercache.errors import (
     VersionNotFoundError,
 )
 from tiercache.handle import TIER_LEVEL, SaveHandle
-from tiercache.manifest import MoveReason, RefMove, RefRecord, Version, VersionInfo, check_meta, parse_ref
+from tiercache.manifest import (
+    MoveReason,
+    RefMove,
+    RefRecord,
+    TierState,
+    Version,
+    VersionInfo,
+    check_meta,
+    parse_ref,
+)
 from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
@@ -619,6 +628,21 @@ class TierCache:
                        else self._link.pending_tiers(v.id) if self._link is not None else ())
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
                                    self.catalog.residency(v), self.repo.states(v, self.tier_names, pending)))
+        return out
+
+    def pruned(self) -> list[VersionInfo]:
+        """Versions a rule the user set (a retention) deleted from their last durable tier, oldest first.
+
+        They hold no tier; each tier's state is ``pruned``, its reason ``pruned by <rule> at
+        <time>``. ``versions()`` leaves them out; ``restore`` of one raises
+        :class:`~tiercache.errors.VersionNotFoundError` with that reason.
+        """
+        self.check_open()
+        out = []
+        for rec in self.catalog.pruned():
+            states = {t: TierState("pruned", rec.why(), rec.at) for t in self.tier_names if t != "ram"}
+            out.append(VersionInfo(rec.version, rec.step, rec.branch, rec.parent, rec.created_at, rec.nbytes, {},
+                                   (), states))
         return out
 
     def reflog(self, branch: str | None = None) -> list[RefMove]:

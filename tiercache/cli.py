@@ -320,8 +320,8 @@ def _info(cache: "TierCache", version_id: str) -> "VersionInfo":
 
 
 def _lineage(cache: "TierCache", ref: str | None) -> "list[VersionInfo]":
-    """Versions newest first: all of them, or ``ref`` and its ancestors."""
-    versions = cache.versions()
+    """Versions newest first: all of them, or ``ref`` and its ancestors (pruned ones included, marked)."""
+    versions = _with_pruned(cache)
     if ref is None:
         return versions[::-1]
     by_id = {v.id: v for v in versions}
@@ -331,6 +331,16 @@ def _lineage(cache: "TierCache", ref: str | None) -> "list[VersionInfo]":
         chain.append(by_id[current])
         current = by_id[current].parent
     return chain
+
+
+def _with_pruned(cache: "TierCache") -> "list[VersionInfo]":
+    """Every version, oldest first, with those a user-set rule pruned (their states say so)."""
+    return sorted([*cache.versions(), *cache.pruned()], key=lambda v: v.id)
+
+
+def _pruned_why(v: "VersionInfo") -> str:
+    """``pruned by <rule> at <time>`` for a pruned version, else the empty string."""
+    return next((st.reason for st in v.states.values() if st.state == "pruned"), "")
 
 
 def _history(cache: "TierCache", branch: str) -> "list[VersionInfo]":
@@ -376,7 +386,8 @@ def _version_json(v: "VersionInfo", refs: Mapping[str, str]) -> dict[str, Any]:
 
 
 #: How ``ls`` marks a version's state on a tier (held, or why not).
-_MARKS = {"held": "✓", "pending": "…", "skipped": "skipped", "failed": "failed", "evicted": "evicted", "absent": ""}
+_MARKS = {"held": "✓", "pending": "…", "skipped": "skipped", "failed": "failed", "evicted": "evicted",
+          "pruned": "pruned", "absent": ""}
 #: Versions whose reasons ``ls`` prints under its table, newest first.
 _WHY_SHOWN = 8
 
@@ -555,7 +566,7 @@ def ls(
     BRANCH` walks.
     """
     with _session(ctx) as cache:
-        versions = cache.versions() if branch is None else _history(cache, branch)
+        versions = _with_pruned(cache) if branch is None else _history(cache, branch)
         refs = cache.refs()
         tiers = [t for t in cache.tier_names if t != "ram" or cache.agent is not None]
     if as_json:
@@ -579,7 +590,7 @@ def ls(
             *(_MARKS[states[t]] for t in tiers),
         )
         why += [f"  {v.id[:width]} {t} {st.state}: {st.reason}" for t, st in v.states.items()
-                if t in tiers and st.state in ("skipped", "failed", "evicted") and st.reason]
+                if t in tiers and st.state in ("skipped", "failed", "evicted", "pruned") and st.reason]
     console = _console(highlight=False)
     console.print(table)
     if why:
@@ -625,13 +636,15 @@ def log(
                 typer.echo(row.graph)
             else:
                 v = by_id[row.node]
-                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}")
+                gone = f" [{_pruned_why(v)}]" if _pruned_why(v) else ""  # the gap in the lineage, marked
+                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}{gone}")
         return
     for v in versions:
         meta = json.dumps(v.meta, sort_keys=True)
+        gone = f"  [{_pruned_why(v)}]" if _pruned_why(v) else ""
         typer.echo(
             f"{v.id}  {_where(v)}  parent {v.parent or '-'}  meta {meta}"
-            f"{_decoration(labels.get(v.id, []))}"
+            f"{_decoration(labels.get(v.id, []))}{gone}"
         )
 
 

@@ -317,6 +317,47 @@ class VersionStatus(_Stored):
     _what: ClassVar[str] = "status record"
 
 
+class PrunedRecord(_Stored):
+    """The content of ``pruned/<id>.json``: a version a user-set rule deleted from its last durable tier.
+
+    It keeps the version's place in its lineage (``NAME~N`` walks past it) and says why it is
+    gone (``restore`` of it names the rule and the time).
+
+    Attributes:
+        version: The version id.
+        branch: Its branch.
+        step: Its step.
+        parent: Its parent's id.
+        nbytes: Its tensor bytes.
+        created_at: When it was saved.
+        rule: The rule that deleted it (``retention latest = 3``...).
+        tier: The tier it was deleted from last.
+        at: When (UTC).
+    """
+
+    schema_version: Literal[1] = MANIFEST_SCHEMA
+    version: str
+    branch: str
+    step: int
+    parent: str | None
+    nbytes: int
+    created_at: datetime
+    rule: str
+    tier: str
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    @model_validator(mode="after")
+    def _check(self) -> PrunedRecord:
+        check_name(self.version, "version id")
+        return self
+
+    _what: ClassVar[str] = "pruned record"
+
+    def why(self) -> str:
+        """``pruned by <rule> at <time>`` (the time in UTC, to the second)."""
+        return f"pruned by {self.rule} at {self.at.strftime('%Y-%m-%d %H:%M:%S')} UTC"
+
+
 #: Why a branch or tag moved somewhere its history does not simply continue.
 MoveReason = Literal["save", "rollback", "resume", "branch", "tag"]
 
@@ -371,7 +412,7 @@ def _first_error(e: Exception) -> str:
     return str(e)
 
 
-TierStateName = Literal["held", "pending", "skipped", "failed", "evicted", "absent"]
+TierStateName = Literal["held", "pending", "skipped", "failed", "evicted", "pruned", "absent"]
 
 
 @dataclass(frozen=True)
@@ -381,7 +422,8 @@ class TierState:
     Attributes:
         state: ``held`` (the tier holds every chunk and the manifest), ``pending`` (this
             process is still writing it there), ``skipped`` (the policy skipped it there),
-            ``failed`` (the write failed), ``evicted`` (dropped there later), or ``absent``
+            ``failed`` (the write failed), ``evicted`` (dropped there later), ``pruned`` (a
+            rule the user set deleted it from its last durable tier: see ``TierCache.pruned``), or ``absent``
             (not there, for no recorded reason: another process wrote it, or a record was lost).
         reason: Why, in words (empty for ``held`` and ``pending``).
         at: When that happened, where known.

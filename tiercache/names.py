@@ -25,6 +25,8 @@ STATUS = "status/"
 REFLOG = "reflog/"
 #: The ranks' part manifests of multi-rank versions (see :mod:`tiercache.parts`).
 PARTS = "parts/"
+#: Versions a user-set rule deleted from their last durable tier (which rule, when, their lineage).
+PRUNED = "pruned/"
 
 
 def check_name(name: object, what: str = "name") -> str:
@@ -107,6 +109,12 @@ def status_key(version_id: str) -> str:
     """Storage key of a version's outcome record: ``status/<id>.json``."""
     check_name(version_id, "version id")
     return f"{STATUS}{version_id}.json"
+
+
+def pruned_key(version_id: str) -> str:
+    """Storage key of a pruned version's record: ``pruned/<id>.json``."""
+    check_name(version_id, "version id")
+    return f"{PRUNED}{version_id}.json"
 
 
 def reflog_key(kind: str, name: str, entry_id: str) -> str:

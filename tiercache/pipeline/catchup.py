@@ -14,6 +14,11 @@ moved elsewhere, or its copy failed. ``close()`` fails what still waits, with th
 A local tier (the disk) is not caught up: what it lacks is on S3 already, and ``promote``
 copies it when wanted; so a version that misses the disk fails its ``local`` level at once.
 
+Catch-up also *drains* a local tier with a ``capacity`` that is full of versions no other durable
+tier holds (capacity eviction keeps those, see :meth:`tiercache.repo.Repo.evict`): its next run
+copies the oldest of them to the remote tier, about as many bytes as the tier lacks, so that
+eviction may drop them there and room comes back (:meth:`CatchUp.drain`).
+
 Catch-up runs on a thread per tier, when the tier comes back, on this process's first save (a
 tier an earlier process could not reach lacks its newest versions), and when a version starts
 waiting while the tier is up. Requests made while a run is under way start one more run after it.
@@ -79,6 +84,8 @@ class CatchUp:
         }
         self._wanted: set[str] = set()
         self._running: set[str] = set()
+        #: Per local tier to drain: about how many bytes of its sole copies to copy onward.
+        self._drain: dict[str, int] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ which levels wait
@@ -205,16 +212,64 @@ class CatchUp:
         except TierCacheError as e:
             log.info("could not record why version %s is not on %s: %s", version_id, name, e)
 
+    # ------------------------------------------------------------------ draining a full tier
+
+    def drain(self, local: str, nbytes: int) -> None:
+        """Have the remote tier copy the oldest versions only ``local`` holds, about ``nbytes`` of them.
+
+        On the remote tier's catch-up thread, ahead of any catch-up run; nothing without a
+        remote tier (then nothing can take them).
+        """
+        if not self._waiting:
+            return
+        with self._cv:
+            self._drain[local] = max(self._drain.get(local, 0), nbytes)
+        self.request(next(iter(self._waiting)), refs=False)
+
+    def _drain_into(self, name: str) -> None:
+        """Copy onto ``name`` the oldest sole copies of each local tier asked to drain (see :meth:`drain`)."""
+        eng = self._engine
+        with self._cv:
+            wanted, self._drain = self._drain, {}
+        for local, nbytes in wanted.items():
+            pinned = {r.version for r in eng.repo.catalog.refs().values()}
+            copied, ids = 0, []
+            for v in eng.repo.sole_copies(local):
+                if copied >= nbytes or self._closed or not eng.health.available(name):
+                    break
+                if v.id in pinned or eng.jobs.get(v.id) is not None:
+                    continue  # a head or tag is never evicted (catch-up copies it); a pending one is busy
+                try:
+                    eng.repo.copy_version(v, name, eng.read_object)
+                except TierCacheError as e:
+                    if is_outage(e):
+                        eng.health.mark_down(name, e)
+                        return
+                    log.warning("copying version %s from %s to %s to make room failed: %s", v.id, local, name, e)
+                    continue
+                eng.repo.catalog.clear_outcome(v.id, name)
+                copied += v.nbytes
+                ids.append(v.id)
+            if ids:
+                log.info("copied %d version(s) only %s held to %s (%d bytes), so %s may evict them: %s", len(ids),
+                         local, name, copied, local, ", ".join(ids))
+
     # ------------------------------------------------------------------ runs
 
-    def request(self, name: str) -> None:
-        """Catch tier ``name`` up on a thread of its own (one more run if one is under way)."""
+    def request(self, name: str, *, refs: bool = True) -> None:
+        """Catch tier ``name`` up on a thread of its own (one more run if one is under way).
+
+        Args:
+            name: The tier.
+            refs: Run a whole catch-up (else only the drain asked for by :meth:`drain`).
+        """
         if name not in self._waiting:
             return  # a local tier is never caught up
         with self._cv:
             if self._closed:
                 return
-            self._wanted.add(name)
+            if refs:
+                self._wanted.add(name)
             if name in self._running:
                 return
             self._running.add(name)
@@ -223,13 +278,16 @@ class CatchUp:
     def _loop(self, name: str) -> None:
         while True:
             with self._cv:
-                if self._closed or name not in self._wanted:
+                if self._closed or (name not in self._wanted and not self._drain):
                     self._running.discard(name)
                     self._cv.notify_all()
                     return
+                refs = name in self._wanted
                 self._wanted.discard(name)
             try:
-                self._run(name)
+                self._drain_into(name)
+                if refs:
+                    self._run(name)
             except Exception as e:  # a run that fails unexpectedly must not stop the next
                 log.error("catching %s up failed: %s", name, e)
                 self._fail_all(name, e)

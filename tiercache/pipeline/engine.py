@@ -600,6 +600,8 @@ class Engine:
                 # An available tier first; else one that is down, rather than losing the version
                 # (if it answers, it is up again).
                 untried = [n for n in job.order if n in job.skipped and n not in job.failed]
+                # A tier full of versions no other tier holds takes it only if no other one can.
+                untried.sort(key=lambda n: n in self.placement.full)
                 fallback = next((n for n in untried if self.health.available(n)), untried[0] if untried else None)
             if fallback is not None:
                 why = job.skipped.pop(fallback)

@@ -46,6 +46,8 @@ class Placement:
         self._remote = frozenset(n for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote")
         # A multi-rank version is never skipped on the first durable tier (see :meth:`must_write`).
         self._anchor = next(iter(engine.repo.durable), None)
+        # Tiers full of versions no other durable tier holds (warned about once, see tier_full).
+        self._full: set[str] = set()
 
     # ------------------------------------------------------------------ what the policy sees
 
@@ -163,6 +165,14 @@ class Placement:
                     if job.committer is not None:  # the group waits for this level now (no fallback)
                         skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
+        for name in tiers:
+            # A tier the policy bypassed for being full: its versions have no other copy (or
+            # eviction would have made room), so catch-up drains the oldest of them onward.
+            cap = tiers[name].capacity
+            if name not in targets and cap is not None and name not in self._remote:
+                short = tiers[name].used_bytes() + job.nbytes - cap
+                if short > 0:
+                    self.tier_full(name, short)
         self.coalesce(job)
         return targets
 
@@ -230,7 +240,14 @@ class Placement:
             self.engine.settle(job)
 
     def make_room(self, name: str, job: Job) -> bool:
-        """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot."""
+        """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot.
+
+        The storage layer refuses to drop a version's last durable copy unless the policy follows
+        a retention the user set (then that version is pruned, and one WARNING says how many, by
+        which rule). When the tier is full of versions no other durable tier holds, ``job``
+        skips it, catch-up copies the oldest of them onward, and one WARNING says so (see
+        :meth:`tier_full`).
+        """
         eng = self.engine
         tier = eng.repo.durable[name]
         if tier.capacity is None:
@@ -241,12 +258,55 @@ class Placement:
         new = {c.id: c.nbytes for c in manifest.chunks if c.id not in have}
         # Raw size plus header: an upper bound, as encoding only ever stores a chunk smaller.
         need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(manifest.to_json())
-        while tier.used_bytes() + need > tier.capacity:
-            dropped = [vid for vid in self.policy.evict(name, self.context())
-                       if eng.repo.evict(vid, name, by="policy") is not None]
-            if not dropped:
-                return False
+        rule = getattr(self.policy, "retention_rule", None)
+        pruned: list[str] = []
+        try:
+            while tier.used_bytes() + need > tier.capacity:
+                dropped = [vid for vid in self.policy.evict(name, self.context())
+                           if eng.repo.evict(vid, name, by="policy", rule=rule) is not None]
+                pruned += [vid for vid in dropped if not eng.repo.committed_on(vid)]
+                if not dropped:
+                    self.tier_full(name, tier.used_bytes() + need - tier.capacity)
+                    return False
+        finally:
+            if pruned:
+                log.warning("%d version(s) pruned from %s by %s, their last durable copy: %s", len(pruned), name,
+                            rule, ", ".join(pruned))
+        self.room_back(name)
         return True
+
+    @property
+    def full(self) -> frozenset[str]:
+        """Tiers full of versions no other durable tier holds now (see :meth:`tier_full`)."""
+        return frozenset(self._full)
+
+    def tier_full(self, name: str, short: int) -> None:
+        """Tier ``name`` lacks ``short`` bytes and holds nothing it may drop: drain it onward.
+
+        Catch-up copies the oldest versions only ``name`` holds to the remote tier until about
+        ``short`` bytes of them have another copy (capacity eviction may then drop them). One
+        WARNING per episode, until :meth:`room_back`.
+        """
+        eng = self.engine
+        with eng.jobs.lock:
+            first = name not in self._full
+            self._full.add(name)
+        if first:
+            remotes = [n for n in eng.repo.durable if n in self._remote]
+            onward = (f"new versions skip it until catch-up has copied the oldest of them to {'/'.join(remotes)}"
+                      if remotes else "new versions skip it (no other durable tier to copy them to): free room, "
+                      "raise its capacity, or set a retention")
+            log.warning("%s is full of versions no other durable tier holds (capacity %d bytes): %s", name,
+                        eng.repo.durable[name].capacity or 0, onward)
+        eng.catchup.drain(name, short)
+
+    def room_back(self, name: str) -> None:
+        """Tier ``name`` took a version again after :meth:`tier_full` (said once, at INFO)."""
+        with self.engine.jobs.lock:
+            if name not in self._full:
+                return
+            self._full.discard(name)
+        log.info("%s has room again: new versions are written to it", name)
 
     def cancel_oldest_pending(self) -> bool:
         """Drop the oldest staged version no writer has started on (``on_full="evict"``).

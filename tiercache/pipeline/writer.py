@@ -116,9 +116,11 @@ class TierWriter:
                                        "the version was not written there")
         plan = TierPlan(name) if forced else eng.placement.plan(job, name)
         if not plan.skip and not eng.placement.make_room(name, job):
+            # Capacity eviction keeps a version no other durable tier holds (the keep rule).
+            full = f"{name} is full and nothing on it may be evicted: no other durable tier holds its versions yet"
             if forced:
-                raise TierFullError(f"{name} is full and the policy names nothing to evict")
-            plan = TierPlan(name, skip=True, reason=f"{name} is full and the policy names nothing to evict")
+                raise TierFullError(full)
+            plan = TierPlan(name, skip=True, reason=full)
         if plan.skip:
             eng.placement.skip_tier(name, job, plan.reason or "policy decision", writing=True)
             return

@@ -11,7 +11,10 @@ Call order and threads:
 * ``on_full(needed_bytes, ctx)`` is called on the training thread inside ``save()`` when the RAM
   arena has no room for the new version.
 * ``evict(tier, ctx)`` is called by the engine when a tier is over its capacity; the engine
-  re-checks every answer and never drops the last durable copy of a chunk, a branch head or a tag.
+  re-checks every answer and never drops a branch head or a tag, nor a version's last durable
+  copy (the keep rule, docs/design.md section 3) unless the policy has a ``retention_rule``: a
+  ``str`` naming the retention the user configured (``None`` or absent: none), under which the
+  versions it names may be pruned.
 
 All three may be called concurrently from different threads and must not mutate shared state
 without their own lock.

@@ -71,7 +71,9 @@ class WriteThrough:
 
     Args:
         keep: Versions kept per tier when a tier is over capacity (branch heads and tags are
-            always kept on top of these).
+            always kept on top of these). Set (as the shipped preset does), it is a retention
+            the user chose: it may prune a version's last durable copy. Left out, a tier over
+            capacity drops only versions another durable tier holds (the keep rule).
         on_full: What ``save()`` does when the RAM arena is full: ``wait`` (default) for older
             versions to finish writing, or ``skip`` this version.
 
@@ -79,10 +81,12 @@ class WriteThrough:
         ConfigError: If a parameter is invalid.
     """
 
-    def __init__(self, keep: int = 3, on_full: OnFull = "wait") -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    def __init__(self, keep: int | None = None, on_full: OnFull = "wait") -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"write-through: field 'params.keep': expected an int >= 1, got {keep!r}")
-        self.keep = keep
+        self.keep = 3 if keep is None else keep
+        #: The user-set rule under which :meth:`evict` may name a last durable copy (see :class:`Policy`).
+        self.retention_rule: str | None = None if keep is None else f"write-through keep = {keep}"
         self._on_full: OnFull = _check_on_full(on_full, "write-through")
 
     def place(self, version: VersionView, ctx: PolicyContext) -> Placement:
@@ -91,14 +95,19 @@ class WriteThrough:
         return Placement(tuple(TierPlan(t.name) for t in durable))
 
     def evict(self, tier: str, ctx: PolicyContext) -> list[str]:
-        """Oldest unpinned versions on ``tier`` beyond the newest ``keep``."""
+        """Oldest unpinned versions on ``tier`` beyond the newest ``keep`` (unless ``keep`` was set: held elsewhere)."""
         on_tier = [v for v in ctx.versions if tier in v.tiers]
         excess = on_tier[: max(0, len(on_tier) - self.keep)]
-        return [v.id for v in excess if not v.pinned]
+        return [v.id for v in excess if not v.pinned and (self.retention_rule or _elsewhere(v, tier, ctx))]
 
     def on_full(self, needed_bytes: int, ctx: PolicyContext) -> OnFull:
         """Wait for the engine to free arena space (or skip, if configured)."""
         return self._on_full
+
+
+def _elsewhere(v: VersionView, tier: str, ctx: PolicyContext) -> bool:
+    """Whether a durable tier other than ``tier`` holds ``v`` whole."""
+    return any(n != tier and n in ctx.tiers and ctx.tiers[n].durable for n in v.tiers)
 
 
 def _mbps(nbytes: int, seconds: float) -> str:
@@ -142,8 +151,9 @@ class ThroughputAdaptive:
       the codec is measured, the first versions are encoded for the slowest tier (the remote
       one) as a probe. ``bgzstd/1`` is the candidate for mostly floating-point versions,
       ``zstd/1`` otherwise, unless ``codec`` names one.
-    * Under capacity pressure a tier drops the oldest versions its ``retention`` does not keep,
-      then the oldest retained ones that have another durable copy; never a pinned one.
+    * Under capacity pressure a tier drops the oldest versions another durable tier also holds;
+      with a ``retention`` set, also the oldest versions it does not keep, first, even a last
+      durable copy (they are pruned). Never a pinned one.
 
     Args:
         max_remote_lag_s: Bound on the time the remote tier may go without a copy of a version
@@ -156,8 +166,9 @@ class ThroughputAdaptive:
         direct_to_remote: Allow skipping the disk (RAM -> S3 directly) when it is full or slower.
         disk_probe_s: Seconds between probe writes to a disk that is bypassed for being slower.
         ingest_window: How many recent saves the save rate is measured over (>= 2).
-        retention: A retention table (see :mod:`tiercache.policy.retention`), or ``None`` to
-            keep only branch heads and tags under pressure.
+        retention: A retention table (see :mod:`tiercache.policy.retention`): the user's rule,
+            which may prune versions it does not keep. ``None``: a tier under pressure drops
+            only copies another durable tier holds.
         on_full: What ``save()`` does when the RAM arena is full (``wait``, ``skip``, ``evict``).
 
     Raises:
@@ -200,6 +211,9 @@ class ThroughputAdaptive:
             self.retention: KeepAny = retention_from_params(retention, field="params.retention")
         except ConfigError as e:
             raise ConfigError(f"{self.name}: {e}") from None
+        #: The user-set rule under which :meth:`evict` may name a last durable copy (see :class:`Policy`).
+        self.retention_rule: str | None = None if retention is None else "retention " + ", ".join(
+            f"{k} = {v}" for k, v in retention.items())
         self._on_full: OnFull = _check_on_full(on_full, self.name)
 
     @classmethod
@@ -283,7 +297,8 @@ class ThroughputAdaptive:
             evictable = sum(x.nbytes for x in self._eviction_order(t.name, ctx))
             room = t.capacity - t.used_bytes + evictable
             if v.nbytes > room:
-                return (f"{t.name} full ({t.used_bytes} of {t.capacity} bytes used, {evictable} evictable): "
+                return (f"{t.name} full ({t.used_bytes} of {t.capacity} bytes used, {evictable} evictable; "
+                        "eviction keeps branch heads, tags and versions no other durable tier holds): "
                         f"RAM -> {r.name} directly")
         mine, theirs = self.eta(v, t, ctx), self.eta(v, r, ctx)
         # Only a disk that is both slower for this version and not keeping up with the saves is
@@ -403,19 +418,16 @@ class ThroughputAdaptive:
         on_tier = [v for v in ctx.versions if tier in v.tiers and tier not in v.pending]
         kept = self.retention.keep(on_tier)
         unpinned = [v for v in on_tier if not v.pinned]
-        expendable = [v for v in unpinned if v.id not in kept]
-
-        def elsewhere(v: VersionView) -> bool:
-            return any(n != tier and n in ctx.tiers and ctx.tiers[n].durable for n in v.tiers)
-
-        spare = [v for v in unpinned if v.id in kept and elsewhere(v)]
+        # Without a user-set retention, only copies another durable tier holds go (the keep rule).
+        expendable = [v for v in unpinned if v.id not in kept and (self.retention_rule or _elsewhere(v, tier, ctx))]
+        spare = [v for v in unpinned if v.id in kept and _elsewhere(v, tier, ctx)]
         return expendable + spare
 
     def evict(self, tier: str, ctx: PolicyContext) -> list[str]:
         """Versions to drop from ``tier`` so that the next pending version fits, oldest first.
 
-        First the oldest versions the retention does not keep, then the oldest retained ones
-        that another durable tier also holds; never a branch head or a tag.
+        With a user-set retention, first the oldest versions it does not keep; then the oldest
+        ones another durable tier also holds; never a branch head or a tag.
         """
         stats = ctx.tiers.get(tier)
         if stats is None or stats.capacity is None:

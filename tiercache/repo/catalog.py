@@ -26,6 +26,7 @@ from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, S
 from tiercache.failpoints import failpoint
 from tiercache.manifest import (
     MoveReason,
+    PrunedRecord,
     RefMove,
     RefRecord,
     TierOutcome,
@@ -37,11 +38,13 @@ from tiercache.manifest import (
 )
 from tiercache.names import (
     CHUNKS,
+    PRUNED,
     REFLOG,
     REFS,
     STATUS,
     VERSIONS,
     part_key,
+    pruned_key,
     ref_key,
     reflog_key,
     status_key,
@@ -120,6 +123,8 @@ class Catalog:
         # Why a version is not on some tier, per version (read lazily from status/ records).
         self._outcomes: dict[str, dict[str, TierOutcome]] = {}
         self._status_listed: set[str] | None = None
+        # Versions a user-set rule deleted from their last durable tier (see note_pruned).
+        self._pruned: dict[str, PrunedRecord] = {}
         self._loaded = False
 
     @property
@@ -207,6 +212,17 @@ class Catalog:
             cur = self._refs.get((rec.kind, rec.name))
             if cur is None or rec.seq > cur.seq:
                 self._refs[(rec.kind, rec.name)] = rec
+        for key in tier.list(PRUNED):
+            vid = key[len(PRUNED) : -len(".json")]
+            if vid in self._pruned or not key.endswith(".json"):
+                continue
+            data = tier.get(key)
+            if data is None:
+                continue
+            try:
+                self._pruned[vid] = PrunedRecord.from_json(data, source=f"{name}:{key}")
+            except IntegrityError as e:
+                log.warning("ignoring damaged pruned record: %s", e)
         for key in tier.list(REFLOG):
             entry_id = key.rsplit("/", 1)[-1][: -len(".json")]
             if (name, entry_id) in self._logged or not key.endswith(".json"):
@@ -267,6 +283,35 @@ class Catalog:
                 self._residency.pop(vid, None)
                 for held in self._on_tier.values():
                     held.discard(vid)
+
+    def note_pruned(self, record: PrunedRecord) -> None:
+        """Record that a user-set rule deleted a version from its last durable tier.
+
+        The record goes to every available durable tier first (a small object, so the lineage
+        and the reason survive whichever tier is read later); then the version leaves the
+        catalog (listing sees it through :meth:`pruned`, resolution names the rule).
+        """
+        body = record.to_json()
+        for name in self._durable:
+            if self.available(name):
+                with contextlib.suppress(StorageError):  # the other tiers keep the record
+                    self._tiers[name].put(pruned_key(record.version), body)
+        with self._lock:
+            self._pruned[record.version] = record
+        self.forget([record.version])
+
+    def pruned(self) -> list[PrunedRecord]:
+        """Versions a user-set rule deleted (and that no tier holds again), oldest first."""
+        self.load()
+        with self._lock:
+            return sorted((r for vid, r in self._pruned.items() if vid not in self._versions),
+                          key=lambda r: r.version)
+
+    def pruned_record(self, version_id: str) -> PrunedRecord | None:
+        """The record of a pruned version (``None`` if it is not one)."""
+        self.load()
+        with self._lock:
+            return self._pruned.get(version_id) if version_id not in self._versions else None
 
     def mark_on(self, tier: str, version_id: str, present: bool = True) -> None:
         """Record that ``tier`` now holds (or no longer holds) the manifest of a version."""
@@ -798,11 +843,16 @@ class Catalog:
             if spec.step is not None:
                 return self._at_step(vid, spec.base, spec.step, ref)
             for i in range(spec.back):
-                v = self._versions.get(vid)
-                if v is None or v.parent is None:
+                # A pruned version keeps its place in the lineage.
+                v = self._versions.get(vid) or self._pruned.get(vid)
+                parent = v.parent if v is not None else None
+                if parent is None:
                     raise VersionNotFoundError(f"{ref!r}: history of {spec.base!r} has only {i + 1} versions")
-                vid = v.parent
+                vid = parent
             if vid not in self._versions:
+                gone = self._pruned.get(vid)
+                if gone is not None:
+                    raise VersionNotFoundError(f"{ref!r}: version {vid} was {gone.why()}")
                 raise VersionNotFoundError(f"{ref!r} points at version {vid}, which no tier holds")
             return vid
 
@@ -810,6 +860,9 @@ class Catalog:
         if prefix in self._versions:
             return prefix
         hits = [v for v in self._versions if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
+        if not hits and len(prefix) >= _MIN_PREFIX:
+            # A pruned version resolves (for ~N) to itself; resolve() then says why it is gone.
+            hits = [v for v in self._pruned if v.startswith(prefix.upper())]
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:

@@ -34,7 +34,7 @@ from typing import Literal
 from tiercache.config import CacheConfig
 from tiercache.errors import IntegrityError, LastCopyError, TierCacheError, TierUnavailableError
 from tiercache.failpoints import failpoint
-from tiercache.manifest import MoveReason, RefRecord, TierOutcome, TierState, Version
+from tiercache.manifest import MoveReason, PrunedRecord, RefRecord, TierOutcome, TierState, Version
 from tiercache.names import PARTS, chunk_key, part_key, status_key, version_key
 from tiercache.parts import part_of
 from tiercache.repo.catalog import Catalog
@@ -337,16 +337,28 @@ class Repo:
 
     # ------------------------------------------------------------------ deletion
 
-    def evict(self, version_id: str, tier: str, *, by: Literal["user", "policy"]) -> int | None:
+    def evict(self, version_id: str, tier: str, *, by: Literal["user", "policy"],
+              rule: str | None = None) -> int | None:
         """Drop ``tier``'s copy of a version: its manifest, then the chunks nothing else there needs.
 
         The rules, the same for the user's ``evict`` and the policy's eviction (``gc`` uses the
         same primitives): a version still being written is never dropped; a chunk that another
         version with a manifest on ``tier`` names, or that a pending version leases, stays. The
         user's evict never drops the only durable copy of a chunk (:class:`LastCopyError`: it
-        moves data, it does not delete it). The policy's eviction is the retention under a tier's
-        budget: it may drop a version's last copy, but never a branch head or a tag, nor the
-        newest version of a branch on that tier.
+        moves data, it does not delete it).
+
+        The policy's eviction (a tier's ``capacity``) keeps the keep rule (docs/design.md
+        section 3): it drops only a copy another durable tier holds whole (manifest and every
+        chunk), never a branch head or a tag, nor the newest version of a branch on that tier.
+        Only with ``rule``, a retention the user configured (its name, e.g. ``retention
+        latest = 3``), may it drop a version's last durable copy: that version is *pruned*, and
+        the catalog records by which rule and when (:meth:`~tiercache.repo.catalog.Catalog.note_pruned`).
+
+        Args:
+            version_id: The version.
+            tier: The tier to drop it from.
+            by: ``"user"`` (the CLI's or API's ``evict``) or ``"policy"`` (capacity eviction).
+            rule: The user-set retention rule the policy's eviction follows, or ``None``.
 
         Returns:
             Bytes freed, or ``None`` if the policy's eviction was refused.
@@ -362,13 +374,13 @@ class Repo:
             if by == "policy":
                 return None
             raise LastCopyError(f"version {version_id} is still being written: wait for it, then evict it")
+        others = [n for n in self._durable if n != tier]
         if by == "policy":
             pinned = {r.version for r in cat.refs().values()}
             staying = [v for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id)]
             newest = not any(v.branch == version.branch and v.id > version_id for v in staying)
             if version_id in pinned or newest or not cat.manifest_on(tier, version_id):
                 return None
-        others = [n for n in self._durable if n != tier]
         keep = {c for v in cat.all() if v.id != version_id and cat.manifest_on(tier, v.id) for c in cat.chunks_of(v)}
         ids = cat.chunks_of(version) & cat.chunks_on(tier)
         lonely = [i for i in ids - keep if not any(i in cat.chunks_on(n) for n in others)]
@@ -377,12 +389,35 @@ class Repo:
                 f"evicting {version_id} from {tier} would drop the last durable copy of {len(lonely)} chunk(s): "
                 f"promote it to another tier first"
             )
+        elsewhere = not lonely and any(cat.manifest_on(n, version_id) for n in others)
+        if by == "policy" and not elsewhere and rule is None:
+            return None  # the keep rule: capacity alone never drops a last copy
+        if by == "policy" and not elsewhere:
+            # Pruned: the record of it (rule, time, lineage) is written before anything goes.
+            cat.note_pruned(PrunedRecord(version=version_id, branch=version.branch, step=version.step,
+                                         parent=version.parent, nbytes=version.nbytes,
+                                         created_at=version.created_at, rule=str(rule), tier=tier))
         # Reverse write order: the manifest (and its status record) first, then the chunks.
         self.drop_manifests(tier, [version_id])
         freed = sum(self.drop_chunks(tier, ids - keep).values())
-        self.catalog.record_outcomes(version_id, {tier: TierOutcome(state="evicted", reason=f"evicted by the {by}")})
-        log.info("evicted version %s from %s (%d bytes freed)", version_id, tier, freed)
+        if elsewhere or by == "user":
+            cat.record_outcomes(version_id, {tier: TierOutcome(state="evicted", reason=f"evicted by the {by}")})
+            log.info("evicted version %s from %s (%d bytes freed)", version_id, tier, freed)
+        else:
+            log.info("pruned version %s from %s by %s (%d bytes freed)", version_id, tier, rule, freed)
         return freed
+
+    def sole_copies(self, tier: str) -> list[Version]:
+        """Versions whose only durable copy is on ``tier``, oldest first (capacity eviction keeps them).
+
+        What catch-up copies onward, oldest first, when ``tier`` is full of them (see
+        :meth:`evict`); a multi-rank version (whose parts a node-local tier holds only in part)
+        is left out, as no single process can copy it.
+        """
+        cat = self.catalog
+        others = [n for n in self._durable if n != tier]
+        return [v for v in cat.all(whole=False) if cat.manifest_on(tier, v.id) and not v.ranks
+                and not any(cat.manifest_on(n, v.id) for n in others)]
 
     def drop_manifests(self, tier: str, version_ids: Iterable[str]) -> None:
         """Delete manifests (and their status records) from ``tier``; the first step of any deletion."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tiercache.config import this_node
 from tiercache.errors import IntegrityError, TierCacheError
+from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import Version
 from tiercache.names import PARTS, VERSIONS, chunk_key, part_key, version_key
 from tiercache.parts import check_part
@@ -171,6 +172,9 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample:
         found, unrepairable = _repair(repo, versions, found, wanted)
     else:
         unrepairable = _without_good_copy(found, wanted)
+    holes = _holes(repo, versions, tiers)
+    found += holes
+    unrepairable = [*unrepairable, *(d.key for d in holes)]
     for d in found:
         log.warning("verify: %s copy of %s on %s: %s%s", d.problem, d.key, d.tier, d.detail,
                     f" (repaired from {d.repaired_from})" if d.repaired_from else "")
@@ -179,6 +183,28 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample:
     copies -= len(wanted) - len(todo)
     return VerifyReport(len(versions), len(chunks), copies, tuple(sorted(found, key=lambda d: (d.tier, d.key))),
                         tuple(sorted(unrepairable)), len(todo) if len(todo) < len(wanted) else None, len(wanted))
+
+
+def _holes(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[Damage]:
+    """Parents no tier holds that no recorded rule deleted (a pruned one is explained): damage.
+
+    ``gc`` keeps every ancestor of what it keeps and capacity eviction keeps last copies, so a
+    parent missing from every tier, with no pruned record, was lost. Asked only with a remote
+    tier configured and every tier answering: a disk read alone (a config without the bucket)
+    lacks what was evicted from it to S3.
+    """
+    if len(tiers) < len(repo.durable) or not any(TIER_LEVEL.get(n) == "remote" for n in tiers):
+        return []
+    cat = repo.catalog
+    known = {v.id for v in cat.all(whole=False)}
+    where = next(iter(tiers))
+    out = []
+    for v in versions:
+        p = v.parent
+        if p is not None and p not in known and cat.pruned_record(p) is None:
+            out.append(Damage(where, version_key(p), "missing",
+                              f"version {p}, parent of {v.id}, is on no tier and no recorded rule pruned it"))
+    return out
 
 
 def _held_ranks(tier: Any, v: Version, node: str) -> list[int]:
