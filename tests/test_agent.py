@@ -180,6 +180,8 @@ def test_an_auto_started_agent_outlives_its_trainer_and_stops_on_request(
     assert os.getsid(pid) == pid  # a session of its own: not in the trainer's process group
     arena = Path(stats["arena"]["path"])
     assert arena.parent == shm_dir and arena.stat().st_mode & 0o777 == 0o600
+    # Its config came through a pipe: no file next to the socket another user could have swapped.
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["a.sock", "a.sock.lock", "a.sock.log"]
     with tiercache.open(cfg) as cache:
         _assert_state(cache.restore("main"), 1)
         assert set(cache.last_restore.nbytes) == {"ram"}  # type: ignore[union-attr]

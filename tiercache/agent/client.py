@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache.agent import naming
 from tiercache.agent.arena import map_shared
 from tiercache.agent.protocol import PROTOCOL_VERSION, Connection, ProtocolError, error_from_wire
+from tiercache.agent.rundir import check_private_dir
 from tiercache.config import AgentConfig, CacheConfig
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
 from tiercache.handle import TIER_LEVEL
@@ -65,11 +67,13 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
     """A connection to the agent at ``place``, or ``None`` if none listens there.
 
     Raises:
-        AgentUnavailableError: If the socket belongs to another user.
+        AgentUnavailableError: If the socket, or the process listening on it, is another user's.
+        ConfigError: If the socket's directory is not this user's alone (:mod:`tiercache.agent.rundir`).
     """
     path = place.socket
+    check_private_dir(path.parent)
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
     if st.st_uid != os.getuid():
@@ -82,6 +86,12 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
     except OSError:  # a socket file left by a dead agent, or one still starting
         sock.close()
         return None
+    # Who listens, as the kernel says (the file's owner may be swapped after the check above).
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.getuid():
+        sock.close()
+        raise AgentUnavailableError(f"the process listening on {path} runs as uid {uid}, not this user "
+                                    f"({os.getuid()}): set [agent] socket to a path of your own")
     sock.settimeout(None)
     return Connection(sock)
 
