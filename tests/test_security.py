@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,13 +22,16 @@ from typer.testing import CliRunner
 import tiercache
 from tiercache.agent import naming
 from tiercache.agent.arena import sweep
+from tiercache.agent.client import AgentLink, connect
 from tiercache.cli import app
 from tiercache.config import DiskConfig, S3Config, load_config
 from tiercache.errors import (
     ConfigError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     TierCacheError,
+    TierFullError,
     UnsupportedStateError,
     VersionNotFoundError,
 )
@@ -35,7 +39,7 @@ from tiercache.manifest import RefRecord, Version
 from tiercache.tiers.disk import DiskTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _agent import shm_place, short_dir  # helpers next to the tests
+from _agent import AgentProcess, agent_config, shm_place, short_dir  # helpers next to the tests
 
 FAKE_SECRET = "tcFAKEsecret0123456789abcdefGHIJKLmnopQR"  # planted, then looked for in every output
 
@@ -291,3 +295,59 @@ def test_the_sweep_names_and_leaves_a_file_another_user_planted_and_arena_names_
         names = {place.arena().name for _ in range(3)}
     assert len(names) == 3
     assert all(re.fullmatch(rf"tiercache-{uid}-k{{16}}-[0-9a-f]+-[0-9a-f]{{16}}\.arena", n) for n in names), names
+
+
+def test_sizes_from_a_client_are_checked_against_the_arena_first_and_the_agent_still_serves(
+    tmp_path: Path
+) -> None:
+    sock = short_dir()
+    try:
+        with shm_place() as shm:
+            cfg = agent_config(tmp_path, sock, shm_dir=str(shm))
+            agent = AgentProcess(cfg, tmp_path / "agent.log")
+            try:
+                config = load_config(cfg)
+                place = naming.place(config)
+                conn = connect(place, 5.0)
+                assert conn is not None and config.agent is not None
+                link = AgentLink(conn, place, config.agent)
+                link.hello(place.key)
+                tib4 = 4 << 40
+                with pytest.raises(TierFullError) as full:  # a 4 TiB tensor
+                    link.request("structure", sid="huge", metas=[["w", "uint8", [tib4], tib4]], items=[1],
+                                 chunk_bytes=64 << 20)
+                assert str(full.value) == (f"a version needs {tib4} bytes of RAM arena but ram.capacity is "
+                                           f"{32 << 20}: raise ram.capacity")
+                with pytest.raises(TierFullError, match=f"keeping these chunks needs {tib4} bytes of RAM arena"):
+                    link.request("keep", chunks=[["ab" * 16, tib4]], hash_algo="xxh3-128")
+                bad = {"chunk_bytes": ({"metas": [["w", "uint8", [8], 8]], "items": [1], "chunk_bytes": 1},
+                                       f"chunk_bytes 1 is not a multiple of 4096 of at least {64 << 10}"),
+                       "negative": ({"metas": [["w", "uint8", [-8], -8]], "items": [1], "chunk_bytes": 64 << 10},
+                                    "a tensor's size and shape cannot be negative"),
+                       "items": ({"metas": [["w", "uint8", [8], 8]], "items": [1 << 40], "chunk_bytes": 64 << 10},
+                                 "an item size must be 1 to 16 bytes")}
+                for sid, (fields, message) in bad.items():
+                    with pytest.raises(InvalidArgumentError) as info:
+                        link.request("structure", sid=sid, **fields)
+                    assert str(info.value) == message
+                # A number JSON has no room for (NaN, 1e400) is a malformed frame: that client is dropped.
+                raw = connect(place, 5.0)
+                assert raw is not None
+                frame = b'{"op":"flush","id":1,"within":NaN}'
+                raw.sock.settimeout(60)
+                raw.sock.sendall(struct.pack("<I", len(frame)) + frame)
+                assert raw.recv() is None
+                raw.close()
+                assert link.request("stats")["pid"] == agent.pid  # the first client was never dropped
+                link.close()
+                # The agent still serves: a save through it, restored bit-exact.
+                state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(5))}
+                with tiercache.open(cfg) as cache:
+                    cache.save(state, step=1).wait("local")
+                    assert type(cache.engine).__name__ == "AgentSaver"
+                with tiercache.open(cfg) as cache:
+                    assert torch.equal(cache.restore("main")["w"], state["w"])
+            finally:
+                assert agent.stop() == 0
+    finally:
+        shutil.rmtree(sock)
