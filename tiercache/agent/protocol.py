@@ -16,7 +16,7 @@ Requests (client -> agent):
 ========== =====================================================================================
 op         fields -> answer
 ========== =====================================================================================
-hello      ``proto``, ``pid``, ``cache`` (key) -> ``agent`` (pid), ``arena`` (or null), ``config``
+hello      ``proto``, ``pid``, ``cache`` (key) -> ``agent`` (pid), ``arena`` (or null), ``settings``
 map        -> ``arena`` {``size``, ``path``}, with the arena's descriptor (``fds``: 1)
 structure  ``sid``, ``metas`` [[path, dtype, shape, nbytes]...], ``chunk_bytes`` -> {} (cached)
 reserve    ``sid`` -> ``rid``, ``regions`` [[offset, nbytes]...] | ``skip``: reason

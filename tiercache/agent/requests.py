@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from tiercache.agent.arena import SharedArena, free_bytes
-from tiercache.agent.client import LAYOUT_FIELDS
+from tiercache.agent.client import shared_settings
 from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.peering import PeerPort
@@ -175,7 +175,7 @@ class Requests:
             raise AgentUnavailableError(f"this agent serves cache {self.place.key}, not {msg.get('cache')}")
         client.pid = int(msg.get("pid", 0))
         return {"agent": os.getpid(), "arena": self._arena_info(),
-                "config": {f: getattr(self.inner, f) for f in LAYOUT_FIELDS}}
+                "settings": shared_settings(self.inner)}
 
     def _arena_info(self) -> dict[str, Any] | None:
         shared = self.shared
