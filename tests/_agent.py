@@ -1,8 +1,8 @@
 """Helpers for the node agent's tests: a real agent process, and configs that use it.
 
 An :class:`AgentProcess` is ``python -m tiercache agent --spec-fd 0`` (the config on its stdin) run
-from the repository root (so it runs this checkout's code), as an operator or a sidecar would run it. Its socket lives in a
-short directory of its own (a Unix socket path has at most 107 bytes, and pytest's tmp paths can
+from the repository root (so it runs this checkout's code), as an operator or a sidecar would run
+it. Its socket lives in a short directory of its own (a Unix socket path has at most 107 bytes, and pytest's tmp paths can
 be longer than that).
 """
 
