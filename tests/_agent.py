@@ -2,8 +2,8 @@
 
 An :class:`AgentProcess` is ``python -m tiercache agent --spec-fd 0`` (the config on its stdin) run
 from the repository root (so it runs this checkout's code), as an operator or a sidecar would run
-it. Its socket lives in a short directory of its own (a Unix socket path has at most 107 bytes, and pytest's tmp paths can
-be longer than that).
+it. Its socket lives in a short directory of its own (a Unix socket path has at most 107 bytes,
+and pytest's tmp paths can be longer than that).
 """
 
 from __future__ import annotations
