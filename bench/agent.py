@@ -74,12 +74,13 @@ class _Agent:
 
     def __init__(self, config: dict[str, Any], log: Path) -> None:
         self.config = config
-        spec = log.with_suffix(".json")
-        spec.write_text(json.dumps(config))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tiercache", "agent", "--spec", str(spec)], cwd=ROOT,
-                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tiercache", "agent", "--spec-fd", "0"], cwd=ROOT,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=log.open("ab"))
+        assert self.proc.stdin is not None
+        with self.proc.stdin:  # the config through a pipe, as an auto-started agent gets it
+            self.proc.stdin.write(json.dumps(config).encode())
         sock = Path(config["agent"]["socket"])
         deadline = time.monotonic() + 300
         while not listening(sock):

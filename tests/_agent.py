@@ -1,9 +1,9 @@
 """Helpers for the node agent's tests: a real agent process, and configs that use it.
 
-An :class:`AgentProcess` is ``python -m tiercache agent --spec FILE`` run from the repository root
-(so it runs this checkout's code), as an operator or a sidecar would run it. Its socket lives in a
-short directory of its own (a Unix socket path has at most 107 bytes, and pytest's tmp paths can
-be longer than that).
+An :class:`AgentProcess` is ``python -m tiercache agent --spec-fd 0`` (the config on its stdin) run
+from the repository root (so it runs this checkout's code), as an operator or a sidecar would run
+it. Its socket lives in a short directory of its own (a Unix socket path has at most 107 bytes,
+and pytest's tmp paths can be longer than that).
 """
 
 from __future__ import annotations
@@ -81,13 +81,14 @@ class AgentProcess:
         self.cfg = cfg
         self.sock = Path(cfg["agent"]["socket"])
         self.log = log
-        spec = self.sock.with_name(self.sock.name + ".spec.json")
-        spec.write_text(json.dumps(cfg))
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = str(ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tiercache", "agent", "--spec", str(spec)],
-                                     cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tiercache", "agent", "--spec-fd", "0"],
+                                     cwd=ROOT, env=full_env, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+        assert self.proc.stdin is not None
+        with self.proc.stdin:
+            self.proc.stdin.write(json.dumps(cfg).encode())
         self.wait_listening()
 
     @property

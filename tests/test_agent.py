@@ -181,6 +181,8 @@ def test_an_auto_started_agent_outlives_its_trainer_and_stops_on_request(
     assert os.getsid(pid) == pid  # a session of its own: not in the trainer's process group
     arena = Path(stats["arena"]["path"])
     assert arena.parent == shm_dir and arena.stat().st_mode & 0o777 == 0o600
+    # Its config came through a pipe: no file next to the socket another user could have swapped.
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["a.sock", "a.sock.lock", "a.sock.log"]
     with tiercache.open(cfg) as cache:
         _assert_state(cache.restore("main"), 1)
         assert set(cache.last_restore.nbytes) == {"ram"}  # type: ignore[union-attr]
@@ -228,6 +230,27 @@ def test_a_process_with_other_chunk_settings_saves_in_process(
         h.wait("local")
         assert type(cache.engine).__name__ == "Engine"
     assert "chunk_bytes = 67108864 (here 131072)" in caplog.text
+    with tiercache.open(without_agent(cfg)) as cache:
+        _assert_state(cache.restore("main"), 1)
+
+
+def test_a_second_job_with_other_settings_is_told_which_and_saves_in_process(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))  # job A: 32 MiB, write-through
+    agents(cfg)
+    # Job B: the same disk path (so the same agent), its own arena size and policy.
+    other = {**cfg, "ram": {"capacity": "512MiB"}, "policy": {"name": "throughput-adaptive"},
+             "agent": {**cfg["agent"], "request_timeout": 60}}  # a setting of its own process: no matter
+    with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(other) as cache:
+        cache.save(state_for(1), step=1).wait("local")
+        assert type(cache.engine).__name__ == "Engine"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        f"no node agent: the node agent at {sock_dir / 'a.sock'} runs this cache with other settings: "
+        "policy.name = 'write-through' (here 'throughput-adaptive'), ram.capacity = 33554432 (here 536870912): "
+        "give every process of the cache the same settings, or this one an [agent] socket of its own; "
+        "saving in this process"]
     with tiercache.open(without_agent(cfg)) as cache:
         _assert_state(cache.restore("main"), 1)
 

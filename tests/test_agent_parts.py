@@ -265,13 +265,14 @@ def test_this_machines_cgroup_limit_reads_without_error() -> None:
     assert got is None or (got[0] > 0 and Path(got[1]).is_file())
 
 
-def test_a_socket_directory_others_may_write_to_is_refused(tmp_path: Path, shm: Path) -> None:
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o755])
+def test_a_socket_directory_that_is_not_0700_is_refused(tmp_path: Path, shm: Path, mode: int) -> None:
     place = _place(tmp_path, shm)
-    place.socket.parent.chmod(0o777)
+    place.socket.parent.chmod(mode)
     problems = check_environment(_cfg(tmp_path, "auto"), place, proc_cgroup=tmp_path / "none")
-    assert problems == [f"the agent socket's directory {place.socket.parent} may be written by other users: "
-                        "make it 0700 or set [agent] socket elsewhere"]
-    place.socket.parent.chmod(0o1777)  # sticky, as /tmp: others cannot replace our socket
+    assert problems == [f"the agent's directory {place.socket.parent} has mode {mode:04o}, not 0700: remove it, "
+                        "or set XDG_RUNTIME_DIR or [agent] socket to a directory of your own (mode 0700)"]
+    place.socket.parent.chmod(0o700)
     assert check_environment(_cfg(tmp_path, "auto"), place, proc_cgroup=tmp_path / "none") == []
 
 

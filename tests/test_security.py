@@ -5,26 +5,41 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import stat
+import struct
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache.agent import naming
+from tiercache.agent.arena import sweep
+from tiercache.agent.client import AgentLink, connect
 from tiercache.cli import app
 from tiercache.config import DiskConfig, S3Config, load_config
 from tiercache.errors import (
     ConfigError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     TierCacheError,
+    TierFullError,
     UnsupportedStateError,
     VersionNotFoundError,
 )
 from tiercache.manifest import RefRecord, Version
 from tiercache.tiers.disk import DiskTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _agent import AgentProcess, agent_config, shm_place, short_dir  # helpers next to the tests
 
 FAKE_SECRET = "tcFAKEsecret0123456789abcdefGHIJKLmnopQR"  # planted, then looked for in every output
 
@@ -170,3 +185,169 @@ def test_environment_of_this_process_is_untouched_by_open(tmp_path: Path) -> Non
     before = dict(os.environ)
     _save_one(tmp_path)
     assert dict(os.environ) == before
+
+
+# ------------------------------------------------------------------------ other users of the node
+# Tests run as root here: "another user" is a file or directory chown'ed to uid 1002, a symlink,
+# or a mode others may write to, in the places another user could have made them first.
+
+OTHER_UID = 1002
+_REFUSED = ("remove it, or set XDG_RUNTIME_DIR or [agent] socket to a directory of your own (mode 0700); "
+            "saving in this process")
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A stand-in for /tmp (the agent's default directory is ``<tmp>/tiercache-<uid>`` without XDG_RUNTIME_DIR)."""
+    tmp = short_dir()
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    yield tmp
+    shutil.rmtree(tmp)
+
+
+def _agent_cfg(root: Path, shm: Path) -> dict[str, Any]:
+    return {"ram": {"capacity": "8MiB"}, "disk": {"path": str(root / "disk")}, "pack_below": "4KiB",
+            "agent": {"start": "auto", "shm_dir": str(shm), "idle_exit": 1}}
+
+
+def _saves_in_process_with_one_warning(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Save through a cache whose agent is refused: in process, bit-exact; return the warnings."""
+    state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(3)), "i": torch.arange(7), "n": 5}
+    with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(cfg) as cache:
+        cache.save(state, step=1).wait("local")
+        assert type(cache.engine).__name__ == "Engine"
+    with tiercache.open({k: v for k, v in cfg.items() if k != "agent"}) as cache:
+        got = cache.restore("main")
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["i"], state["i"]) and got["n"] == 5
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("kind", ["mode 0777", "mode 0755", "another user's", "a symlink", "a file"])
+def test_an_agent_directory_another_user_could_have_made_is_refused_and_saves_stay_in_process(
+    tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    d = runtime / f"tiercache-{os.getuid()}"
+    elsewhere = runtime / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if kind == "a symlink":
+        d.symlink_to(elsewhere)
+        why = "is a symlink"
+    elif kind == "a file":
+        d.write_text("")
+        why = "is not a directory"
+    else:
+        d.mkdir()
+        mode = {"mode 0777": 0o777, "mode 0755": 0o755}.get(kind, 0o700)
+        d.chmod(mode)
+        if kind == "another user's":
+            os.chown(d, OTHER_UID, OTHER_UID)
+            why = f"belongs to uid {OTHER_UID}, not this user ({os.getuid()})"
+        else:
+            why = f"has mode {mode:04o}, not 0700"
+    with shm_place() as shm:
+        warnings = _saves_in_process_with_one_warning(_agent_cfg(tmp_path, shm), caplog)
+        assert list(shm.iterdir()) == []  # no agent started
+    assert warnings == [f"no node agent: the agent's directory {d} {why}: {_REFUSED}"]
+    # Nothing was written where the other user could read or swap it.
+    assert list(elsewhere.iterdir()) == []
+    if d.is_dir() and not d.is_symlink():
+        assert list(d.iterdir()) == []
+
+
+def test_a_symlink_at_the_agents_log_is_not_followed(
+    tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's own file\n")
+    with shm_place() as shm:
+        cfg = _agent_cfg(tmp_path, shm)
+        place = naming.place(load_config(cfg))
+        place.socket.parent.mkdir(mode=0o700)
+        place.log.symlink_to(precious)
+        warnings = _saves_in_process_with_one_warning(cfg, caplog)
+        assert list(shm.iterdir()) == []
+    assert warnings == [f"no node agent: the agent's file {place.log} is a symlink: remove it; saving in this process"]
+    assert precious.read_text() == "the user's own file\n"
+    assert sorted(p.name for p in place.socket.parent.iterdir()) == [place.log.name]
+
+
+def test_the_sweep_names_and_leaves_a_file_another_user_planted_and_arena_names_are_random(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    uid = os.getuid()
+    with shm_place() as shm:
+        planted = shm / f"tiercache-{uid}-0000000000000000-00000000.arena"
+        planted.write_bytes(b"")
+        os.chown(planted, OTHER_UID, OTHER_UID)
+        link = shm / f"tiercache-{uid}-1111111111111111-00000000.arena"
+        link.symlink_to(planted)
+        mine = shm / f"tiercache-{uid}-2222222222222222-00000000-0123456789abcdef.arena"  # another boot's
+        mine.write_bytes(b"")
+        with caplog.at_level(logging.WARNING, "tiercache"):
+            assert sweep(shm) == [mine]
+        assert planted.exists() and link.is_symlink()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"left {planted} alone: named like an arena of uid {uid} but owned by uid {OTHER_UID}",
+            f"left {link} alone: named like an arena of uid {uid} but not a regular file",
+        ]
+        place = naming.AgentPlace(key="k" * 16, socket=Path("/nonexistent/a.sock"), shm_dir=shm)
+        names = {place.arena().name for _ in range(3)}
+    assert len(names) == 3
+    assert all(re.fullmatch(rf"tiercache-{uid}-k{{16}}-[0-9a-f]+-[0-9a-f]{{16}}\.arena", n) for n in names), names
+
+
+def test_sizes_from_a_client_are_checked_against_the_arena_first_and_the_agent_still_serves(
+    tmp_path: Path
+) -> None:
+    sock = short_dir()
+    try:
+        with shm_place() as shm:
+            cfg = agent_config(tmp_path, sock, shm_dir=str(shm))
+            agent = AgentProcess(cfg, tmp_path / "agent.log")
+            try:
+                config = load_config(cfg)
+                place = naming.place(config)
+                conn = connect(place, 5.0)
+                assert conn is not None and config.agent is not None
+                link = AgentLink(conn, place, config.agent)
+                link.hello(place.key)
+                tib4 = 4 << 40
+                with pytest.raises(TierFullError) as full:  # a 4 TiB tensor
+                    link.request("structure", sid="huge", metas=[["w", "uint8", [tib4], tib4]], items=[1],
+                                 chunk_bytes=64 << 20)
+                assert str(full.value) == (f"a version needs {tib4} bytes of RAM arena but ram.capacity is "
+                                           f"{32 << 20}: raise ram.capacity")
+                with pytest.raises(TierFullError, match=f"keeping these chunks needs {tib4} bytes of RAM arena"):
+                    link.request("keep", chunks=[["ab" * 16, tib4]], hash_algo="xxh3-128")
+                bad = {"chunk_bytes": ({"metas": [["w", "uint8", [8], 8]], "items": [1], "chunk_bytes": 1},
+                                       f"chunk_bytes 1 is not a multiple of 4096 of at least {64 << 10}"),
+                       "negative": ({"metas": [["w", "uint8", [-8], -8]], "items": [1], "chunk_bytes": 64 << 10},
+                                    "a tensor's size and shape cannot be negative"),
+                       "items": ({"metas": [["w", "uint8", [8], 8]], "items": [1 << 40], "chunk_bytes": 64 << 10},
+                                 "an item size must be 1 to 16 bytes")}
+                for sid, (fields, message) in bad.items():
+                    with pytest.raises(InvalidArgumentError) as info:
+                        link.request("structure", sid=sid, **fields)
+                    assert str(info.value) == message
+                # A number JSON has no room for (NaN, 1e400) is a malformed frame: that client is dropped.
+                raw = connect(place, 5.0)
+                assert raw is not None
+                frame = b'{"op":"flush","id":1,"within":NaN}'
+                raw.sock.settimeout(60)
+                raw.sock.sendall(struct.pack("<I", len(frame)) + frame)
+                assert raw.recv() is None
+                raw.close()
+                assert link.request("stats")["pid"] == agent.pid  # the first client was never dropped
+                link.close()
+                # The agent still serves: a save through it, restored bit-exact.
+                state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(5))}
+                with tiercache.open(cfg) as cache:
+                    cache.save(state, step=1).wait("local")
+                    assert type(cache.engine).__name__ == "AgentSaver"
+                with tiercache.open(cfg) as cache:
+                    assert torch.equal(cache.restore("main")["w"], state["w"])
+            finally:
+                assert agent.stop() == 0
+    finally:
+        shutil.rmtree(sock)

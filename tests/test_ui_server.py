@@ -42,8 +42,13 @@ def serving(app: Any) -> Iterator[str]:
         sock.close()
 
 
+TOKEN = "t0ken-for-the-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, headers=headers or {})
+    """GET ``url`` with the test token (``headers`` replace it: pass ``{}`` for none)."""
+    req = urllib.request.Request(url, headers=AUTH if headers is None else headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as res:
             return res.status, {k.lower(): v for k, v in res.headers.items()}, res.read()
@@ -62,7 +67,7 @@ def cache_cfg(tmp_path: Path) -> tuple[Any, list[str]]:
 
 def test_endpoints_serve_the_views_of_the_cache(cache_cfg: tuple[Any, list[str]]) -> None:
     cfg, ids = cache_cfg
-    with serving(create_app(Source(cfg, refresh=60.0, mttf=3600.0), token=None)) as url:
+    with serving(create_app(Source(cfg, refresh=60.0, mttf=3600.0), token=TOKEN)) as url:
         status, headers, body = get(f"{url}/api/overview")
         assert status == 200 and headers["content-type"] == "application/json"
         assert "default-src 'self'" in headers["content-security-policy"]
@@ -92,9 +97,14 @@ def test_endpoints_serve_the_views_of_the_cache(cache_cfg: tuple[Any, list[str]]
         for name in ("app.js", "app.css"):
             assert get(f"{url}/static/{name}")[2] == (STATIC / name).read_bytes()
         # A page of another site cannot reach the server through DNS rebinding.
-        refused = get(f"{url}/api/overview", {"Host": "attacker.example:80"})
+        refused = get(f"{url}/api/overview", {**AUTH, "Host": "attacker.example:80"})
         assert refused[0] == 403 and json.loads(refused[2]) == {
             "error": "this server answers only requests to a loopback host name"}
+        # Another user of the node, on loopback, without the token: no data.
+        for path in ("/", "/api/overview", "/api/lineage", "/api/status", "/static/app.js"):
+            status, _, body = get(url + path, {})
+            assert status == 401 and json.loads(body) == {
+                "error": "a token is required: open the URL tiercache ui printed"}, path
 
 
 def test_assets_load_nothing_from_elsewhere() -> None:
@@ -131,24 +141,25 @@ def test_is_loopback() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("no-such-host.invalid")
 
 
-def test_a_non_loopback_host_requires_the_printed_token(tmp_path: Path, cache_cfg: tuple[Any, list[str]]) -> None:
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+def test_the_ui_requires_the_printed_token(tmp_path: Path, cache_cfg: tuple[Any, list[str]], host: str) -> None:
     cfg_file = tmp_path / "tiercache.toml"
     cfg_file.write_text(f'[disk]\npath = "{tmp_path / "cache"}"\n')
-    proc, url = ui_process(cfg_file, "--host", "0.0.0.0")
+    proc, url = ui_process(cfg_file, "--host", host)
     try:
-        m = re.fullmatch(r"http://0\.0\.0\.0:(\d+)/\?token=([A-Za-z0-9_-]{32})", url)
+        m = re.fullmatch(rf"http://{re.escape(host)}:(\d+)/\?token=([A-Za-z0-9_-]{{32}})", url)
         assert m, url
         base, token = f"http://127.0.0.1:{m.group(1)}", m.group(2)
-        for path in ("/", "/api/overview", "/api/lineage", "/static/app.js"):
-            status, _, body = get(base + path)  # over loopback, but without the token
+        for path in ("/", "/api/overview", "/api/lineage", "/api/status", "/static/app.js"):
+            status, _, body = get(base + path, {})  # over loopback, but without the token
             assert status == 401, path
             assert json.loads(body) == {"error": "a token is required: open the URL tiercache ui printed"}
-        assert get(f"{base}/api/overview?token={'x' * 32}")[0] == 401
+        assert get(f"{base}/api/overview?token={'x' * 32}", {})[0] == 401
         assert get(f"{base}/api/overview", {"Authorization": "Bearer nope"})[0] == 401
         status, _, body = get(f"{base}/api/overview", {"Authorization": f"Bearer {token}"})
         assert status == 200 and json.loads(body)["versions"] == 2
         # Opening the printed URL sets a cookie, which then carries the page's own requests.
-        status, headers, _ = get(f"{base}/?token={token}")
+        status, headers, _ = get(f"{base}/?token={token}", {})
         assert status == 200
         assert headers["set-cookie"] == f"tiercache_token={token}; Path=/; HttpOnly; SameSite=Strict"
         assert get(f"{base}/api/lag", {"Cookie": f"tiercache_token={token}"})[0] == 200

@@ -181,6 +181,8 @@ class TierCache:
         self.repo = Repo(config, self._tiers, self.health)
         self._seed_meter()
         self._engine: Saver | None = None
+        #: Why the node agent refused this cache (one warning said so; it is not asked again).
+        self._agent_refusal: TierCacheError | None = None
         #: The connection to the node agent (``[agent]``), once attached.
         self._link: AgentLink | None = self._attach_agent(start=False) if config.agent is not None else None
         self._reader: Reader | None = None
@@ -252,12 +254,19 @@ class TierCache:
                       make_arena=self._make_arena)
 
     def _attach_agent(self, *, start: bool) -> AgentLink | None:
-        """Connect to the node agent (start one if ``start``); ``None``, with a warning, if that fails."""
+        """Connect to the node agent (start one if ``start``); ``None``, with a warning, if that fails.
+
+        A refusal (another user's directory, other settings...) is warned about once: later
+        calls return ``None`` without asking again.
+        """
         from tiercache.agent.client import attach
 
+        if self._agent_refusal is not None:
+            return None
         try:
             return attach(self.config, self.repo, start=start)
         except TierCacheError as e:
+            self._agent_refusal = e
             log.warning("no node agent: %s; saving in this process", e)
             return None
 

@@ -1114,13 +1114,13 @@ def plan(
 
 
 @app.command("ui", epilog=_examples("tiercache ui", "tiercache ui --port 9000 --mttf 3h",
-                                    "tiercache ui --host 0.0.0.0        # prints a token every request needs"))
+                                    "tiercache ui --host 0.0.0.0        # the printed URL carries the token"))
 def ui(
     ctx: typer.Context,
     port: Annotated[int | None, typer.Option("--port", help="Port (default: [ui] port, 8765; 0 picks a free one).",
                                              show_default=False)] = None,
-    host: Annotated[str | None, typer.Option("--host", help="Address (default: 127.0.0.1); any other than "
-                                             "loopback requires the printed token.", show_default=False)] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address (default: 127.0.0.1). Every request "
+                                             "needs the token the printed URL carries.", show_default=False)] = None,
     refresh: Annotated[float | None, typer.Option("--refresh", help="Seconds between refreshes (default: [ui] "
                                                   "refresh, 2).", show_default=False)] = None,
     mttf: _MttfOption = None,

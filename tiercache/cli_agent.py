@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,18 +40,22 @@ agent_app = typer.Typer(
 )
 
 
-def _agent_config(opts: _Options, spec: Path | None) -> CacheConfig:
-    """The config the agent runs: ``--spec`` (written by a process that started it), else the global one.
+def _agent_config(opts: _Options, spec_fd: int | None) -> CacheConfig:
+    """The config the agent runs: from ``--spec-fd`` (a process that started it), else the global one.
 
-    A config without an ``[agent]`` table gets the defaults: ``tiercache agent`` itself says to run one.
+    The spec comes through a descriptor the starting process holds the other end of (a pipe),
+    never a file: another user could swap a file (see :mod:`tiercache.agent.rundir`). A config
+    without an ``[agent]`` table gets the defaults: ``tiercache agent`` itself says to run one.
     """
     from tiercache.config import AgentConfig, load_config
+    from tiercache.errors import ConfigError
 
-    if spec is not None:
+    if spec_fd is not None:
         try:
-            data = json.loads(spec.read_text())
+            with os.fdopen(spec_fd, "rb", closefd=True) as fh:
+                data = json.loads(fh.read())
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"cannot read agent spec {spec}: {e}") from None
+            raise ConfigError(f"cannot read the agent's spec from descriptor {spec_fd}: {e}") from None
         cfg = load_config(data, env={})  # the trainer's config, its environment applied already
     else:
         cfg = _config(opts)
@@ -62,7 +67,7 @@ def agent(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", help="Cache config TOML (as the global --config).",
                                                 metavar="FILE", show_default=False)] = None,
-    spec: Annotated[Path | None, typer.Option("--spec", hidden=True)] = None,
+    spec_fd: Annotated[int | None, typer.Option("--spec-fd", hidden=True)] = None,
     exist_ok: Annotated[bool, typer.Option("--exist-ok", hidden=True)] = False,
 ) -> None:
     """Run the node agent of the cache in the foreground until SIGTERM, SIGINT or `tiercache agent stop`."""
@@ -74,7 +79,7 @@ def agent(
     with _cli_errors(opts.debug):
         from tiercache.agent.server import run
 
-        cfg = _agent_config(opts, spec)
+        cfg = _agent_config(opts, spec_fd)
         raise typer.Exit(run(cfg, exist_ok=exist_ok, echo=lambda line: typer.echo(line, err=True)))
 
 

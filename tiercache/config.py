@@ -30,6 +30,8 @@ SCHEMA_VERSION = 1
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+#: The smallest ``chunk_bytes``: it bounds the number of chunks of a state.
+MIN_CHUNK_BYTES = 64 * KIB
 
 log = logging.getLogger("tiercache.config")
 
@@ -444,7 +446,7 @@ class CacheConfig(_Model):
     @field_validator("chunk_bytes")
     @classmethod
     def _check_chunk(cls, v: int) -> int:
-        if v < 64 * KIB or v % 4096:
+        if v < MIN_CHUNK_BYTES or v % 4096:
             raise ValueError("chunk_bytes must be a multiple of 4096 and at least 64KiB")
         return v
 

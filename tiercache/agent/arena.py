@@ -3,7 +3,8 @@
 Lifecycle (the agent side, :class:`SharedArena`):
 
 1. created ``0600`` with ``O_EXCL`` in ``[agent] shm_dir`` (``/dev/shm``) under the name
-   :meth:`AgentPlace.arena <tiercache.agent.naming.AgentPlace.arena>` gives it;
+   :meth:`AgentPlace.arena <tiercache.agent.naming.AgentPlace.arena>` gives it (random: another
+   user cannot create it first);
 2. its pages reserved with ``posix_fallocate`` (a ``/dev/shm`` too small fails here with one clear
    error, never later with a ``SIGBUS`` in a trainer), mapped shared and pre-faulted;
 3. locked (``flock``, exclusive) for as long as the agent lives: the kernel drops the lock when
@@ -15,7 +16,8 @@ the file again through ``/proc/self/fd`` (a new open file description: their map
 hold the agent's lock, or a dead agent's arena would look alive) and map it shared.
 
 :func:`sweep` runs when an agent starts: it unlinks the user's arenas of other boots and those
-whose lock nobody holds (their agent died), so node memory never leaks across crashes.
+whose lock nobody holds (their agent died), so node memory never leaks across crashes; a file
+that only looks like one of the user's arenas (another user's) is named and left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 from pathlib import Path
 
 from tiercache.agent.naming import ARENA_PREFIX, ARENA_SUFFIX, boot_id
@@ -122,7 +125,8 @@ def sweep(shm_dir: Path, *, uid: int | None = None, boot: str | None = None) -> 
     """Unlink this user's stale arenas in ``shm_dir``: of another boot, or whose agent is gone.
 
     Only files named like an arena of user ``uid`` are looked at; a live agent's arena (its
-    lock held) is never touched.
+    lock held) is never touched, nor a file of that name that is not this user's own regular
+    file (another user may create any name in ``/dev/shm``): it is named in a warning and left.
 
     Returns:
         The files unlinked.
@@ -139,14 +143,23 @@ def sweep(shm_dir: Path, *, uid: int | None = None, boot: str | None = None) -> 
         if not (name.startswith(prefix) and name.endswith(ARENA_SUFFIX)):
             continue
         path = shm_dir / name
-        other_boot = not name[: -len(ARENA_SUFFIX)].endswith(f"-{boot}")
+        # <key>-<boot>[-<random>]: the random part is absent from arenas of earlier versions.
+        fields = name[len(prefix) : -len(ARENA_SUFFIX)].split("-")
+        other_boot = len(fields) < 2 or fields[1] != boot
         try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                log.warning("left %s alone: named like an arena of uid %d but %s", path, uid,
+                            "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}")
+                continue
             if other_boot or _stale(path):
                 path.unlink()
                 gone.append(path)
                 log.info("swept stale arena %s (%s)", path, "another boot" if other_boot else "its agent is gone")
         except FileNotFoundError:
             continue
+        except PermissionError as e:
+            log.warning("left %s alone: %s", path, e.strerror)
     return gone
 
 

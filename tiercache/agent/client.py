@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from tiercache.agent import naming
 from tiercache.agent.arena import map_shared
 from tiercache.agent.protocol import PROTOCOL_VERSION, Connection, ProtocolError, error_from_wire
-from tiercache.config import AgentConfig, CacheConfig
+from tiercache.agent.rundir import check_private_dir
+from tiercache.config import AgentConfig, CacheConfig, RamConfig
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
 from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import RefRecord, Version
@@ -48,6 +50,10 @@ log = logging.getLogger("tiercache.agent.client")
 
 #: Fields of the config that shape chunks: the agent and its clients must agree on them.
 LAYOUT_FIELDS = ("chunk_bytes", "pack_below", "hash", "allow_pickle")
+#: Tables of the config the agent acts on for every client (its arena, policy, tiers, peer copies).
+_AGENT_TABLES = ("ram", "disk", "s3", "policy", "peers")
+#: Fields of those tables only a trainer reads (it copies into the arena): they may differ.
+_TRAINER_FIELDS = frozenset({"ram.copy_threads", "ram.pin_memory"})
 _TIER_OF_LEVEL = {lvl: tier for tier, lvl in TIER_LEVEL.items()}
 #: Manifests of recent versions kept to apply the agent's level events (a bounded memory).
 _KEEP_MANIFESTS = 256
@@ -65,11 +71,13 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
     """A connection to the agent at ``place``, or ``None`` if none listens there.
 
     Raises:
-        AgentUnavailableError: If the socket belongs to another user.
+        AgentUnavailableError: If the socket, or the process listening on it, is another user's.
+        ConfigError: If the socket's directory is not this user's alone (:mod:`tiercache.agent.rundir`).
     """
     path = place.socket
+    check_private_dir(path.parent)
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
     if st.st_uid != os.getuid():
@@ -82,8 +90,38 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
     except OSError:  # a socket file left by a dead agent, or one still starting
         sock.close()
         return None
+    # Who listens, as the kernel says (the file's owner may be swapped after the check above).
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.getuid():
+        sock.close()
+        raise AgentUnavailableError(f"the process listening on {path} runs as uid {uid}, not this user "
+                                    f"({os.getuid()}): set [agent] socket to a path of your own")
     sock.settimeout(None)
     return Connection(sock)
+
+
+def shared_settings(config: CacheConfig) -> dict[str, Any]:
+    """The settings every process of a cache and its agent must share, flattened (``"policy.name": ...``).
+
+    The chunk-shaping fields, and the tables the agent acts on for every client (its arena, its
+    policy, its tiers, its peer copies), as the agent runs them: no ``[ram]`` table is the default
+    one, the disk path is resolved.
+    """
+    data = config.model_dump(mode="json", include={*LAYOUT_FIELDS, *_AGENT_TABLES})
+    data["ram"] = data.get("ram") or RamConfig().model_dump(mode="json")
+    if config.disk is not None:
+        data["disk"]["path"] = str(config.disk.path.expanduser().resolve())
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif prefix not in _TRAINER_FIELDS:
+            flat[prefix] = value
+
+    walk("", data)
+    return flat
 
 
 def listening(path: os.PathLike[str] | str) -> bool:
@@ -121,7 +159,8 @@ class AgentLink:
         self.lost: BaseException | None = None
         self.agent_pid = 0
         self.arena: dict[str, Any] | None = None
-        self.layout: dict[str, Any] = {}
+        #: The agent's :func:`shared_settings`.
+        self.settings_of_agent: dict[str, Any] = {}
         self._mapping: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self._populated = threading.Event()
@@ -143,7 +182,7 @@ class AgentLink:
         got = self.request("hello", proto=PROTOCOL_VERSION, pid=os.getpid(), cache=cache_key)
         self.agent_pid = int(got.get("agent", 0))
         self.arena = got.get("arena")
-        self.layout = dict(got.get("config", {}))
+        self.settings_of_agent = dict(got.get("settings", {}))
 
     def request(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send one request and return its answer (descriptors it carried under ``"_fds"``).
@@ -572,12 +611,14 @@ def attach(config: CacheConfig, repo: Repo | None, *, start: bool) -> AgentLink 
     link = AgentLink(conn, place, settings)
     try:
         link.hello(naming.cache_key(config))
-        differ = [f"{f} = {link.layout.get(f)!r} (here {getattr(config, f)!r})" for f in LAYOUT_FIELDS
-                  if link.layout.get(f) != getattr(config, f)]
-        if differ:
-            raise AgentUnavailableError(f"the node agent at {place.socket} runs this cache with {', '.join(differ)}: "
-                                        "give trainers and the agent the same config")
         if repo is not None:
+            theirs, mine = link.settings_of_agent, shared_settings(config)
+            differ = [f"{k} = {theirs.get(k)!r} (here {mine.get(k)!r})" for k in sorted(theirs.keys() | mine.keys())
+                      if theirs.get(k) != mine.get(k)]
+            if differ:
+                raise AgentUnavailableError(
+                    f"the node agent at {place.socket} runs this cache with other settings: {', '.join(differ)}: "
+                    "give every process of the cache the same settings, or this one an [agent] socket of its own")
             link.bind(repo)
     except BaseException:
         link.close()

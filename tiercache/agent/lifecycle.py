@@ -3,8 +3,9 @@
 **Start** (:func:`start_detached`): the first process on a node that saves with ``[agent] start =
 "auto"`` and finds no agent runs ``python -m tiercache agent`` as a new session
 (``start_new_session``: not in the trainer's process group, so it outlives the trainer and a
-signal to the trainer's group), with no file of the trainer open, its output to the agent's log,
-and the trainer's config written next to the socket (``0600``). It never forks the trainer's
+signal to the trainer's group), with no file of the trainer open, its output to the agent's log
+(opened without following a symlink, in a directory only this user may touch: :mod:`tiercache.agent.rundir`),
+and the trainer's config on its stdin (a pipe: no file another user could swap). It never forks the trainer's
 interpreter: the child execs at once. Two processes starting one at the same moment are fine: the
 second agent finds the first one's lock and exits quietly.
 
@@ -14,7 +15,8 @@ second agent finds the first one's lock and exits quietly.
   64 MB unless ``--shm-size`` says otherwise);
 * the memory limit of the agent's cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``, the
   smallest on the way up) holds the arena and the agent (``/dev/shm`` pages count against it);
-* the socket path is not another user's, nor in a directory others may write to.
+* the socket path is not another user's, and its directory is this user's alone
+  (:func:`tiercache.agent.rundir.dir_problem`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from tiercache.agent.arena import free_bytes, shm_too_small
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.protocol import Connection
+from tiercache.agent.rundir import dir_problem, open_private, private_dir
 from tiercache.config import CacheConfig
 from tiercache.errors import AgentUnavailableError
 
@@ -117,7 +120,7 @@ def _socket_problems(sock: Path) -> list[str]:
     uid = os.getuid()
     out = []
     try:
-        st = os.stat(sock)
+        st = os.lstat(sock)
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -126,16 +129,9 @@ def _socket_problems(sock: Path) -> list[str]:
         if st.st_uid != uid:
             out.append(f"agent socket {sock} is in use by another user (uid {st.st_uid}): set [agent] socket "
                        "to a path of your own")
-    try:
-        st = os.stat(sock.parent)
-    except FileNotFoundError:
-        return out
-    if st.st_uid != uid:
-        out.append(f"the agent socket's directory {sock.parent} belongs to another user (uid {st.st_uid}): "
-                   "set [agent] socket to a path of your own")
-    elif st.st_mode & 0o022 and not st.st_mode & 0o1000:
-        out.append(f"the agent socket's directory {sock.parent} may be written by other users: make it 0700 "
-                   "or set [agent] socket elsewhere")
+    problem = dir_problem(sock.parent)
+    if problem is not None:
+        out.append(problem)
     return out
 
 
@@ -162,27 +158,37 @@ def start_detached(config: CacheConfig, place: AgentPlace, connect: Callable[[],
         A connection to the agent (this one, or one another process started meanwhile).
 
     Raises:
+        ConfigError: If the socket's directory or the log is not this user's alone (one line:
+            the trainer then saves in process).
         AgentUnavailableError: If it exits without listening (the message is the last line of
             its log: a failed environment check, say) or does not listen within
             ``[agent] connect_timeout``.
     """
     assert config.agent is not None
-    place.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = place.spec.with_name(f".{place.spec.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(spec_of(config, place), fh)
-    os.replace(tmp, place.spec)
-    log_fd = os.open(place.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    private_dir(place.socket.parent)
+    log_fd = open_private(place.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         start = os.fstat(log_fd).st_size
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache", "agent", "--spec", str(place.spec), "--exist-ok"],
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True, start_new_session=True,
+            [sys.executable, "-m", "tiercache", "agent", "--spec-fd", "0", "--exist-ok"],
+            stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, close_fds=True, start_new_session=True,
             cwd="/", env=_same_code_env(),
         )
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError), proc.stdin:  # an agent that died at once: its log says why
+            proc.stdin.write(json.dumps(spec_of(config, place)).encode())
+    except BaseException:
+        os.close(log_fd)
+        raise
+    try:
+        return _wait_listening(config, place, proc, connect, log_fd, start)
     finally:
         os.close(log_fd)
+
+
+def _wait_listening(config: CacheConfig, place: AgentPlace, proc: subprocess.Popen[bytes],
+                    connect: Callable[[], Connection | None], log_fd: int, start: int) -> Connection:
+    assert config.agent is not None
     deadline = time.monotonic() + config.agent.connect_timeout
     while True:
         conn = connect()
@@ -190,7 +196,7 @@ def start_detached(config: CacheConfig, place: AgentPlace, connect: Callable[[],
             return conn
         code = proc.poll()
         if code not in (None, 0):
-            raise AgentUnavailableError(f"the node agent could not start: {_last_line(place.log, start)} "
+            raise AgentUnavailableError(f"the node agent could not start: {_last_line(log_fd, start)} "
                                         f"(exit {code}; log {place.log})")
         if time.monotonic() >= deadline:
             with contextlib.suppress(OSError):
@@ -214,11 +220,11 @@ def _same_code_env() -> dict[str, str]:
     return env
 
 
-def _last_line(log: Path, start: int) -> str:
+def _last_line(log_fd: int, start: int) -> str:
+    """The last line the agent wrote to its log (read through the descriptor it was given)."""
     try:
-        with log.open("rb") as fh:
-            fh.seek(start)
-            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+        data = os.pread(log_fd, max(0, os.fstat(log_fd).st_size - start), start)
     except OSError:
         return "(no log)"
+    lines = [ln.strip() for ln in data.decode(errors="replace").splitlines() if ln.strip()]
     return lines[-1] if lines else "(nothing logged)"

@@ -6,9 +6,10 @@ its storage (the disk tier's resolved path, the S3 url) and the node's name when
 that opens the same cache finds the same socket; two caches never share an agent.
 
 Files next to the socket (``agent-<key>.sock`` in :func:`tiercache.config.agent_runtime_dir`, or
-the configured ``[agent] socket``): ``.lock`` (held by the running agent: only one starts),
-``.log`` (the agent's log when it was started detached), ``.json`` (the config it was started
-with). The arena is ``tiercache-<uid>-<key>-<boot>.arena`` in ``[agent] shm_dir``.
+the configured ``[agent] socket``, in a directory of this user's alone: :mod:`tiercache.agent.rundir`):
+``.lock`` (held by the running agent: only one starts) and ``.log`` (the agent's log when it was
+started detached). The arena is ``tiercache-<uid>-<key>-<boot>-<random>.arena`` in ``[agent] shm_dir``:
+the random part (chosen by each agent) keeps another user from taking its name first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +71,10 @@ class AgentPlace:
         """The log of an agent started detached."""
         return self.socket.with_name(self.socket.name + ".log")
 
-    @property
-    def spec(self) -> Path:
-        """The config an agent was started detached with (``0600``)."""
-        return self.socket.with_name(self.socket.name + ".json")
-
     def arena(self, boot: str | None = None) -> Path:
-        """The arena file of this cache for this user on this boot."""
-        return self.shm_dir / f"{ARENA_PREFIX}{os.getuid()}-{self.key}-{boot or boot_id()}{ARENA_SUFFIX}"
+        """A new name for the arena file of this cache for this user on this boot (random: nobody can guess it)."""
+        return (self.shm_dir
+                / f"{ARENA_PREFIX}{os.getuid()}-{self.key}-{boot or boot_id()}-{secrets.token_hex(8)}{ARENA_SUFFIX}")
 
 
 def place(config: CacheConfig) -> AgentPlace:

@@ -16,7 +16,7 @@ Requests (client -> agent):
 ========== =====================================================================================
 op         fields -> answer
 ========== =====================================================================================
-hello      ``proto``, ``pid``, ``cache`` (key) -> ``agent`` (pid), ``arena`` (or null), ``config``
+hello      ``proto``, ``pid``, ``cache`` (key) -> ``agent`` (pid), ``arena`` (or null), ``settings``
 map        -> ``arena`` {``size``, ``path``}, with the arena's descriptor (``fds``: 1)
 structure  ``sid``, ``metas`` [[path, dtype, shape, nbytes]...], ``chunk_bytes`` -> {} (cached)
 reserve    ``sid`` -> ``rid``, ``regions`` [[offset, nbytes]...] | ``skip``: reason
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import struct
@@ -138,7 +139,7 @@ class Connection:
                     raw = bytes(self._buf[_HEADER.size : _HEADER.size + n])
                     del self._buf[: _HEADER.size + n]
                     try:
-                        msg = json.loads(raw)
+                        msg = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
                     except ValueError as e:
                         raise ProtocolError(f"malformed message: {e}") from None
                     if not isinstance(msg, dict):
@@ -168,6 +169,17 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this protocol takes")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def error_to_wire(e: BaseException) -> dict[str, str]:

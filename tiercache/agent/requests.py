@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from tiercache.agent.arena import SharedArena
-from tiercache.agent.client import LAYOUT_FIELDS
+from tiercache.agent.arena import SharedArena, free_bytes
+from tiercache.agent.client import shared_settings
 from tiercache.agent.committer import Calls, TrainerCommitter
 from tiercache.agent.keep import LIMIT, KeptParts
 from tiercache.agent.naming import AgentPlace
@@ -35,13 +35,14 @@ from tiercache.agent.protocol import (
     staged_from_wire,
 )
 from tiercache.cache import TierCache
-from tiercache.config import CacheConfig
+from tiercache.config import MIN_CHUNK_BYTES, CacheConfig
 from tiercache.errors import (
     AgentUnavailableError,
     ConflictError,
     GroupBrokenError,
     InvalidArgumentError,
     TierCacheError,
+    TierFullError,
 )
 from tiercache.format import TensorMeta
 from tiercache.group.copies import PeerFiles
@@ -173,7 +174,7 @@ class Requests:
             raise AgentUnavailableError(f"this agent serves cache {self.place.key}, not {msg.get('cache')}")
         client.pid = int(msg.get("pid", 0))
         return {"agent": os.getpid(), "arena": self._arena_info(),
-                "config": {f: getattr(self.inner, f) for f in LAYOUT_FIELDS}}
+                "settings": shared_settings(self.inner)}
 
     def _arena_info(self) -> dict[str, Any] | None:
         shared = self.shared
@@ -193,12 +194,39 @@ class Requests:
         items = [int(x) for x in msg["items"]]
         if len(items) != len(metas):
             raise ProtocolError("a structure needs one item size per tensor")
-        plan = self._plans.for_sizes(sid, [m.nbytes for m in metas], items, int(msg["chunk_bytes"]))
+        chunk_bytes = int(msg["chunk_bytes"])
+        # Every size is checked before anything is planned: the plan loops over chunks and slices.
+        if chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % 4096:
+            raise InvalidArgumentError(f"chunk_bytes {chunk_bytes} is not a multiple of 4096 of at least "
+                                       f"{MIN_CHUNK_BYTES}")
+        if any(not 1 <= n <= 16 for n in items):
+            raise InvalidArgumentError("an item size must be 1 to 16 bytes")
+        sizes = [m.nbytes for m in metas]
+        if any(n < 0 for n in sizes) or any(d < 0 for m in metas for d in m.shape):
+            raise InvalidArgumentError("a tensor's size and shape cannot be negative")
+        self._check_room("a version", sum(sizes))
+        plan = self._plans.for_sizes(sid, sizes, items, chunk_bytes)
         with self._lock:
             if len(self._structures) > 64:
                 self._structures.clear()
             self._structures[sid] = (metas, plan.layout)
         return {}
+
+    def _check_room(self, what: str, nbytes: int) -> None:
+        """Refuse a request for more bytes of the arena than it has, or could ever have.
+
+        Raises:
+            TierFullError: One line naming the bytes asked for and the arena's size.
+        """
+        capacity = self.engine.ramcache.capacity
+        if capacity is None:  # "auto": the first save sizes it to two versions, within the room there is
+            free = free_bytes(self.place.shm_dir) or 0
+            if 2 * nbytes > free:
+                raise TierFullError(f"{what} needs {nbytes} bytes of RAM arena but ram.capacity is 'auto' (two "
+                                    f"versions) and {self.place.shm_dir} has {free} bytes free: set ram.capacity")
+        elif nbytes > capacity:
+            raise TierFullError(f"{what} needs {nbytes} bytes of RAM arena but ram.capacity is {capacity}: "
+                                "raise ram.capacity")
 
     def _layout(self, sid: Any) -> tuple[tuple[TensorMeta, ...], Layout]:
         with self._lock:
@@ -506,6 +534,9 @@ class Requests:
     def _keep(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.cache is not None
         chunks = [(str(c), int(n)) for c, n in msg.get("chunks", ())]
+        if any(n < 0 for _, n in chunks):
+            raise InvalidArgumentError("a chunk's size cannot be negative")
+        self._check_room("keeping these chunks", sum(n for _, n in chunks))
         return {"nbytes": self.cache.keep_in_ram(chunks, str(msg["hash_algo"]))}
 
     def _evict(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:

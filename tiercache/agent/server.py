@@ -45,6 +45,7 @@ from tiercache.agent.protocol import (
     error_to_wire,
 )
 from tiercache.agent.requests import HANDLERS, Client, Requests, Tracked
+from tiercache.agent.rundir import open_private, private_dir
 from tiercache.cache import TierCache
 from tiercache.config import CacheConfig, RamConfig
 from tiercache.errors import (
@@ -121,11 +122,12 @@ class AgentServer(Requests):
         """Check the environment, take the lock, sweep stale arenas, open the cache, listen.
 
         Raises:
-            ConfigError: If the environment cannot host the agent (one line per problem).
+            ConfigError: If the environment cannot host the agent (one line per problem), or the
+                socket's directory is not this user's alone.
             AgentRunningError: If another agent serves this cache on this node.
         """
-        self.place.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.place.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        private_dir(self.place.socket.parent)  # before any file is made there: see rundir
+        self._lock_fd = open_private(self.place.lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

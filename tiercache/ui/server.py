@@ -5,10 +5,11 @@ closes it again; it takes a new capture at most once per ``refresh`` seconds, wh
 number of requests, so the page sees a trainer's new versions without the server holding the
 cache open. It never writes: opening, listing and reading status write nothing.
 
-Access: on a loopback address, only requests whose ``Host`` is a loopback name are served (a web
-page elsewhere cannot reach the server through DNS rebinding). On any other address, a random
-token is printed at start and required on every request (``?token=``, ``Authorization: Bearer``,
-or the cookie the page gets when it is opened with ``?token=``); anything else gets 401.
+Access: a random token is printed at start (in the URL, as notebook servers do) and required on
+every request (``?token=``, ``Authorization: Bearer``, or the cookie the page gets when it is opened
+with ``?token=``), compared in constant time; anything else gets 401 and no data: another user of
+the node cannot read the cache's versions, steps, meta or pids. On a loopback address, requests
+whose ``Host`` is not a loopback name are refused as well (403: DNS rebinding).
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ class Guard:
 
     Args:
         app: The application to guard.
-        token: The token every request must carry, or ``None`` on a loopback address.
+        token: The token every request must carry.
+        loopback: Also refuse requests whose ``Host`` is not a loopback name (the server listens on one).
     """
 
-    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, loopback: bool) -> None:
         self.app = app
         self.token = token
+        self.loopback = loopback
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection, or refuse it."""
@@ -85,27 +88,24 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        set_cookie = False
-        if self.token is None:
-            if not _loopback_name(headers.get("host", "")):
-                await _refuse(scope, receive, send, 403, "this server answers only requests to a loopback host name")
-                return
-        else:
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
-            bearer = headers.get("authorization", "")
-            bearer = bearer[7:] if bearer.lower().startswith("bearer ") else ""
-            cookie = SimpleCookie(headers.get("cookie", "")).get(COOKIE)
-            given = query or bearer or (cookie.value if cookie is not None else "")
-            if not secrets.compare_digest(given.encode(), self.token.encode()):
-                await _refuse(scope, receive, send, 401, "a token is required: open the URL tiercache ui printed")
-                return
-            set_cookie = bool(query)
+        if self.loopback and not _loopback_name(headers.get("host", "")):
+            await _refuse(scope, receive, send, 403, "this server answers only requests to a loopback host name")
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+        bearer = headers.get("authorization", "")
+        bearer = bearer[7:] if bearer.lower().startswith("bearer ") else ""
+        cookie = SimpleCookie(headers.get("cookie", "")).get(COOKIE)
+        given = query or bearer or (cookie.value if cookie is not None else "")
+        if not secrets.compare_digest(given.encode(), self.token.encode()):
+            await _refuse(scope, receive, send, 401, "a token is required: open the URL tiercache ui printed")
+            return
+        set_cookie = bool(query)
         token = self.token
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 extra = list(SECURITY_HEADERS)
-                if set_cookie and token is not None:
+                if set_cookie:
                     extra.append((b"set-cookie",
                                   f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict".encode("latin-1")))
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
@@ -164,12 +164,13 @@ class Source:
             return self._capture
 
 
-def create_app(source: Source, *, token: str | None) -> ASGIApp:
+def create_app(source: Source, *, token: str, loopback: bool = True) -> ASGIApp:
     """The web application: the page, its assets and the JSON endpoints (see ``docs/ui.md``).
 
     Args:
         source: Where the captures come from.
-        token: The token every request must carry, or ``None`` (loopback only).
+        token: The token every request must carry.
+        loopback: Refuse requests whose ``Host`` is not a loopback name (serving on loopback).
     """
 
     def endpoint(view: Callable[[views.Capture, Request], Any]) -> Callable[[Request], Response]:
@@ -198,7 +199,7 @@ def create_app(source: Source, *, token: str | None) -> ASGIApp:
         Route("/api/status", endpoint(lambda cap, r: {"status": cap.status})),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Guard(Starlette(routes=routes), token=token)
+    return Guard(Starlette(routes=routes), token=token, loopback=loopback)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -226,18 +227,17 @@ def serve(config: CacheConfig, *, host: str, port: int, refresh: float, mttf: fl
     """
     import uvicorn
 
-    token = None if is_loopback(host) else secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(24)
     source = Source(config, refresh=refresh, mttf=mttf)
     source.capture()  # a config that cannot be read fails here, in one line, not on the first request
     sock = bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
+    url = f"http://{shown}:{bound}/?token={token}"
     echo(f"tiercache ui: serving {url} (read-only; Ctrl-C stops it)")
-    if token is not None:
-        echo("a token is required on every request: the URL above carries it")
-    server = uvicorn.Server(uvicorn.Config(create_app(source, token=token), log_level="warning", access_log=False,
-                                           lifespan="off"))
+    echo("a token is required on every request: the URL above carries it")
+    app = create_app(source, token=token, loopback=is_loopback(host))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     server.run(sockets=[sock])
 
 
