@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # imported where used: they import torch, which reading node 
     from tiercache.pipeline.job import StagedVersion
 
 #: Bumped on any incompatible change; an agent refuses a client of another version.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _HEADER = struct.Struct("<I")
 #: Largest frame accepted (a manifest of a very large state is the biggest message).
 MAX_FRAME = 256 << 20
