@@ -189,11 +189,14 @@ def _holes(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[D
     """Parents no tier holds that no recorded rule deleted (a pruned one is explained): damage.
 
     ``gc`` keeps every ancestor of what it keeps and capacity eviction keeps last copies, so a
-    parent missing from every tier, with no pruned record, was lost. Asked only with a remote
-    tier configured and every tier answering: a disk read alone (a config without the bucket)
-    lacks what was evicted from it to S3.
+    parent missing from every tier, with no pruned record, was lost. Asked only with a local and
+    a remote tier configured and every tier answering: a disk read alone (a config without the
+    bucket) lacks what was evicted from it to S3, and S3 read alone lacks what the policy or an
+    outage kept on the disk only. A version saved on several nodes is left out: its parent may be
+    on the other nodes' disks only.
     """
-    if len(tiers) < len(repo.durable) or not any(TIER_LEVEL.get(n) == "remote" for n in tiers):
+    levels = {TIER_LEVEL.get(n) for n in tiers}
+    if len(tiers) < len(repo.durable) or not {"local", "remote"} <= levels:
         return []
     cat = repo.catalog
     known = {v.id for v in cat.all(whole=False)}
@@ -201,6 +204,8 @@ def _holes(repo: Repo, versions: list[Version], tiers: dict[str, Any]) -> list[D
     out = []
     for v in versions:
         p = v.parent
+        if len(v.nodes) > 1:
+            continue
         if p is not None and p not in known and cat.pruned_record(p) is None:
             out.append(Damage(where, version_key(p), "missing",
                               f"version {p}, parent of {v.id}, is on no tier and no recorded rule pruned it"))
