@@ -330,6 +330,11 @@ def test_sizes_from_a_client_are_checked_against_the_arena_first_and_the_agent_s
                     with pytest.raises(InvalidArgumentError) as info:
                         link.request("structure", sid=sid, **fields)
                     assert str(info.value) == message
+                for part, world in [(0, 1 << 40), (3, 2), (-1, 2), (0, "2"), (True, 2)]:  # checked before anything
+                    with pytest.raises(InvalidArgumentError) as info:
+                        link.request("publish", rid=1, sid="none", version={}, part=part, world=world)
+                    assert str(info.value) == (f"publish: part {part!r} of world {world!r}: expected "
+                                               f"0 <= part < world <= {1 << 20}")
                 # A number JSON has no room for (NaN, 1e400) is a malformed frame: that client is dropped.
                 raw = connect(place, 5.0)
                 assert raw is not None

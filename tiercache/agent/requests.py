@@ -268,6 +268,7 @@ class Requests:
         engine.ramcache.notify()
 
     def _publish(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        part = _rank_in_group(msg)  # before the reservation is taken: a refusal leaves it to the client
         metas, layout = self._layout(msg["sid"])
         staged = staged_from_wire(msg["version"], metas)
         with self._lock:
@@ -277,13 +278,12 @@ class Requests:
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         assert self.cache is not None
-        part = msg.get("part")
         if part is None:
             # Before the engine has it: its commit may then replace ``base`` and nothing else.
             self.cache.catalog.note_move(record, base, msg.get("why") or "save")
             handle = self.engine.adopt(staged, layout, regions)
         else:  # the group moves the branch, through the trainers
-            committer = TrainerCommitter(client.calls, staged.version_id, int(part), int(msg.get("world", 0)))
+            committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
             handle = self.engine.adopt(staged, layout, regions, committer)
             job = self.engine.jobs.get(staged.version_id)
             if job is not None:
@@ -291,9 +291,9 @@ class Requests:
             # Saved again: adopted by the restarted group (its chunks are this part's now).
             self._orphans.take(staged.version_id, self.engine.ramcache)
         tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,
-                          part=None if part is None else int(part))
+                          part=part)
         if part is not None:
-            tracked.adopt = {"v": staged.version_id.rsplit(".", 1)[0], "rank": int(part), "world": int(msg["world"]),
+            tracked.adopt = {"v": staged.version_id.rsplit(".", 1)[0], "rank": part, "world": msg["world"],
                              "branch": staged.branch, "step": staged.step, "created_at": staged.created_at,
                              "meta": staged.meta}
         with self._lock:
@@ -672,3 +672,23 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
 
 
 __all__ = ["HANDLERS", "Client", "Requests", "Tracked"]
+
+
+#: The largest group a publish may name (a bound on what a client's message can make the agent keep).
+MAX_WORLD = 1 << 20
+
+
+def _rank_in_group(msg: dict[str, Any]) -> int | None:
+    """A publish's ``part`` (the rank), checked with its ``world``; ``None`` for a version of one process.
+
+    Raises:
+        InvalidArgumentError: If they are not integers with ``0 <= part < world <= MAX_WORLD``.
+    """
+    part, world = msg.get("part"), msg.get("world")
+    if part is None:
+        return None
+    if (not isinstance(part, int) or isinstance(part, bool) or not isinstance(world, int) or isinstance(world, bool)
+            or not 0 <= part < world <= MAX_WORLD):
+        raise InvalidArgumentError(f"publish: part {part!r} of world {world!r}: expected 0 <= part < world <= "
+                                   f"{MAX_WORLD}")
+    return part
