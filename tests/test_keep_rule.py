@@ -149,6 +149,15 @@ def test_a_version_the_users_retention_pruned_is_visible_everywhere(
     gone = runner.invoke(app, [*cli, "restore", ids[1], "--out", str(tmp_path / "out.pt")])
     assert gone.exit_code != 0 and f"version {ids[1]} was pruned by retention latest = 1 at " in gone.output
     with tiercache.open(config) as cache:
+        from tiercache.ui import views  # the ui shows them too, in the lineage and the version's panel
+
+        cap = views.Capture.of(cache, mttf=None, now=time.time())
+        rows = {r["id"]: r["states"]["disk"] for r in views.lineage(cap)["versions"]}
+        assert [rows[v]["state"] for v in ids] == ["pruned", "pruned", "held", "held", "held"]
+        assert rows[ids[0]]["reason"] == states[ids[0]]["reason"]
+        panel = views.version_summary(cap, ids[1])
+        assert panel is not None and (panel["pruned"], panel["step"], panel["parent"]) == (
+            states[ids[1]]["reason"], 1, ids[0])
         assert cache.resolve("main~2") == ids[2]
         with pytest.raises(VersionNotFoundError, match=f"'main~3': version {ids[1]} was pruned by retention"):
             cache.resolve("main~3")

@@ -65,10 +65,12 @@ class Capture:
     def of(cls, cache: Any, *, mttf: float | None, now: float) -> Capture:
         """Read everything from an open cache (a :class:`~tiercache.TierCache` or a fake with its methods)."""
         versions = cache.versions()
+        # Versions a rule the user set pruned stay in the lineage, marked (their states say why).
+        everything = sorted([*versions, *cache.pruned()], key=lambda v: v.id)
         levels = list(cache.levels)
         return cls(
             at=now, tiers=list(cache.tier_names), levels=levels, policy=cache.config.policy.name,
-            versions=versions, refs=cache.refs(), reflog=list(cache.reflog()),
+            versions=everything, refs=cache.refs(), reflog=list(cache.reflog()),
             manifests={v.id: cache.manifest(v.id) for v in versions[-MAX_VERSIONS:]},
             status=cache.status(), stats=cache.stats(),
             inputs=cache.plan_inputs(advice_level(levels), mttf=mttf),
@@ -104,7 +106,7 @@ def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, An
 
     Returns:
         ``{tier: {"state", "reason", "at"}}``; ``state`` is one of ``held``, ``pending``,
-        ``skipped``, ``failed``, ``evicted``, ``absent`` (see :class:`tiercache.TierState`).
+        ``skipped``, ``failed``, ``evicted``, ``pruned``, ``absent`` (see :class:`tiercache.TierState`).
     """
     recorded = ((status or {}).get("versions") or {}).get(info.id) or {}
     levels = recorded.get("levels") or {}
@@ -196,7 +198,7 @@ def version_summary(cap: Capture, version_id: str) -> dict[str, Any] | None:
     """
     m = cap.manifests.get(version_id)
     if m is None:
-        return None
+        return _pruned_summary(cap, version_id)
     sizes = {c.id: c.nbytes for c in m.chunks}
     parent = cap.manifests.get(m.parent) if m.parent is not None else None
     # A parent that was collected (or is past the listed ones) shares nothing that can be shown.
@@ -216,6 +218,18 @@ def version_summary(cap: Capture, version_id: str) -> dict[str, Any] | None:
         "refs": sorted(k for k, v in cap.refs.items() if v == m.id),
         "states": tier_states(info, cap.tiers, cap.status) if info is not None else {},
     }
+
+
+def _pruned_summary(cap: Capture, version_id: str) -> dict[str, Any] | None:
+    """What is known of a version a user-set rule pruned (its record: no manifest is left), or ``None``."""
+    info = next((v for v in cap.versions if v.id == version_id), None)
+    states = tier_states(info, cap.tiers, cap.status) if info is not None else {}
+    why = next((s["reason"] for s in states.values() if s["state"] == "pruned"), None)
+    if info is None or why is None:
+        return None
+    return {"id": info.id, "step": info.step, "branch": info.branch, "parent": info.parent,
+            "created_at": _ts(info.created_at), "nbytes": info.nbytes, "meta": info.meta, "pruned": why,
+            "refs": sorted(k for k, v in cap.refs.items() if v == info.id), "states": states}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -206,6 +206,16 @@ async function showVersion(id, redraw) {
   const box = $("detail");
   let v;
   try { v = await getJSON(`/api/version/${encodeURIComponent(id)}`); } catch (e) { box.replaceChildren(el("p", { class: "error" }, e.message)); return; }
+  if (v.pruned) {
+    box.replaceChildren(el("h3", {}, "version"), el("dl", {},
+      el("dt", {}, "id"), el("dd", { class: "id" }, v.id),
+      el("dt", {}, "where"), el("dd", {}, `${v.branch}@${v.step}`),
+      el("dt", {}, "saved"), el("dd", {}, new Date(v.created_at * 1000).toLocaleString()),
+      el("dt", {}, "parent"), el("dd", { class: "id" }, v.parent || "-"),
+      el("dt", {}, "size"), el("dd", {}, bytes(v.nbytes)),
+      el("dt", {}, "pruned"), el("dd", { class: "pruned" }, v.pruned)));
+    return;
+  }
   const d = v.dedup;
   const dl = el("dl", {},
     el("dt", {}, "id"), el("dd", { class: "id" }, v.id),
