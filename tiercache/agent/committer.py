@@ -18,6 +18,7 @@ trainer that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -117,25 +118,20 @@ class TrainerCommitter:
             return None
         if got is None:
             return None
-        return _TrainerSplit(self, [int(i) for i in got["mine"]], [int(i) for i in got["theirs"]])
+        return _TrainerSplit(self)
 
 
 class _TrainerSplit:
     """A :class:`~tiercache.pipeline.job.HashSplit` whose trade of ids the trainer makes with the group."""
 
-    def __init__(self, committer: TrainerCommitter, mine: list[int], theirs: list[int]) -> None:
+    def __init__(self, committer: TrainerCommitter) -> None:
         self._committer = committer
-        self.mine = mine
-        self.theirs = theirs
 
-    def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Trade ids through the trainer; with the trainer gone, none (the hasher hashes the rest itself)."""
+    def exchange(self, ids: dict[int, str] | None) -> None:
+        """Trade ids through the trainer; with the trainer gone, nothing (its part fails without it)."""
         wire = None if ids is None else {str(i): c for i, c in ids.items()}
-        try:
-            got = self._committer._ask("exchange", ids=wire).result()
-        except _Gone:
-            return {}
-        return {int(i): str(c) for i, c in dict(got).items()}
+        with contextlib.suppress(_Gone):
+            self._committer._ask("exchange", ids=wire).result()
 
 
 class _Gone(AgentUnavailableError):
