@@ -338,7 +338,7 @@ def test_a_declared_replica_that_differs_fails_its_version_on_every_rank(
     r0, r1 = rank_out(work, 0), rank_out(work, 1)
     v1, v2, v3 = r0["versions"]
     assert r1["versions"] == r0["versions"]
-    message = (f"version {v2} failed at hashing: tensors ['model/w'] were declared replicated but ranks [1] hold "
+    message = (f"version {v2} at hashing failed: tensors ['model/w'] were declared replicated but ranks [1] hold "
                f"other bytes than rank 0; declare replicated= only for state that is the same on every rank")
     for out in (r0, r1):
         assert out["levels"] == [{"local": None, "durable": None},

@@ -118,7 +118,7 @@ def trade(channel: Channel, vid: str, split: Split | None, ids: dict[int, str] |
     verdict = channel.exchange(f"{vid}/trade", mine, what=f"version {vid} at hashing", decide=merge)
     verdict.raise_failure(wrap=True)
     if verdict.status.payload["differ"]:
-        raise GroupSaveError(f"version {vid} failed at hashing: {verdict.status.payload['differ']}")
+        raise GroupSaveError(f"version {vid} at hashing failed: {verdict.status.payload['differ']}")
     if split is not None:
         split.declared_writers = {cid: split._owners[int(i)] for i, cid in verdict.status.payload["ids"].items()}
 
