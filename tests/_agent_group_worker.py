@@ -64,7 +64,7 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
     cache.flush()
     rounds = [cache.distributed().round(h.version) for h in handles]  # type: ignore[attr-defined]
     # Chunks of "emb" (the same on every rank) this rank's agent hashed itself, per version.
-    out["hashed_by"] = [sorted(set(r.hashed_by().values())) if r is not None else None for r in rounds]
+    out["declared_writers"] = [sorted(set(r.declared_writers().values())) if r is not None else None for r in rounds]
     out["through_agent"] = _through_agent(cache)
     own = set()
     for h in handles:

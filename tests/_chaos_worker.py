@@ -57,7 +57,7 @@ def _error(e: BaseException) -> list[str]:
 def armed(fault: dict[str, Any] | None, delay: float) -> Iterator[list[bool]]:
     """Arm this rank's fault of a trial (if any); yields ``[fired]``."""
     fired = [False]
-    if fault is None or fault["kind"] == "bad":
+    if fault is None or fault["kind"] in ("bad", "replica"):  # faults of the call itself, not of a phase
         yield fired
         return
     where, kind, tier = fault["phase"], fault["kind"], fault.get("tier")
@@ -129,6 +129,9 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
                                       "replicated": ("model",) if trial["replicated"] else ()}
                 if mine is not None and mine["kind"] == "bad":
                     _bad_call(mine["variant"], st, kw)
+                    fired[0] = True
+                if mine is not None and mine["kind"] == "replica":
+                    st["model"]["w"] += 1
                     fired[0] = True
                 try:
                     h = cache.save(st, **kw)

@@ -130,6 +130,23 @@ def scenario_ddp_declared(cache: tiercache.TierCache, rank: int, world: int, out
     out["restored_equal"] = _restored_equal(got, ddp_state(rank, 1))
 
 
+def scenario_replica_differs(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                             work: Path) -> None:
+    """The model is declared replicated, but rank 1's weight differs at step 2; steps 1 and 3 are alike."""
+    group = dist.group.WORLD
+    handles = []
+    for step in (1, 2, 3):
+        state = ddp_state(rank, step)
+        if step == 2 and rank == 1:
+            state["model"]["w"] += 1
+        handles.append(cache.save(state, step=step, group=group, replicated=("model",)))
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [{lvl: _error(lambda h=h, lvl=lvl: h.wait(lvl)) for lvl in ("local", "durable")}
+                     for h in handles]
+    out["head"] = cache.resolve("main")
+    out["restored_equal"] = _restored_equal(cache.restore("main", group=group), ddp_state(rank, 3))
+
+
 def scenario_throttled(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """The store throttles rank 1's first chunk uploads; every rank's S3 pacing is reported."""
     from _s3faults import SlowDownChunks
@@ -507,7 +524,8 @@ SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": s
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
              "nodes_disk_full": scenario_nodes_disk_full, "restore_seconds": scenario_restore_seconds,
-             "ddp_declared": scenario_ddp_declared, "nodes_save": scenario_nodes_save,
+             "ddp_declared": scenario_ddp_declared, "replica_differs": scenario_replica_differs,
+             "nodes_save": scenario_nodes_save,
              "nodes_restore": scenario_nodes_restore, "nodes_restore_fails": scenario_nodes_restore_fails,
              "nodes_restore_fault": scenario_nodes_restore_fault,
              "ddp_save": scenario_ddp_save,

@@ -519,9 +519,9 @@ def test_a_group_saves_through_its_nodes_agents(tmp_path: Path, shm_dir: Path, a
             # Each node's part is also on the other node's disk (the agents sent the peer copies).
             assert levels["local"] == levels["replicated"] == levels["remote"] == levels["durable"] == vid
     for r, out in enumerate(outs):
-        # The ranks split the hashing of the replicated "emb" (each agent hashes its ranks' shares
-        # side by side) and traded ids: every version's shared chunks were hashed by several ranks.
-        assert all(len(ranks) > 1 for ranks in out["hashed_by"]), out["hashed_by"]
+        # The ranks traded the ids of the replicated "emb" (each agent hashes its ranks' parts side
+        # by side) and split its writing: every version's shared chunks have several writers.
+        assert all(len(ranks) > 1 for ranks in out["declared_writers"]), out["declared_writers"]
         assert out["through_agent"], f"rank {r} saved in its own process"
         # The trainer wrote no chunk at all: not its part's, not to S3, and not the peer copies of
         # the other node's part either (its agent received those from the other node's agent).

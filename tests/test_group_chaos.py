@@ -3,8 +3,9 @@
 Each run draws a world (2, 3 or 4 ranks on one or two simulated nodes, each node with its own disk,
 all sharing the real S3 server, peer copies between nodes) and a plan of trials: saves and
 restores, every other one with a fault for one rank at one phase (:data:`SAVE_PHASES`,
-:data:`RESTORE_PHASES`): it raises, skips the version, passes a bad input, or sleeps past the
-group's timeout; :func:`test_a_rank_killed_at_any_phase_breaks_the_group_once` SIGKILLs one.
+:data:`RESTORE_PHASES`): it raises, skips the version, passes a bad input, sleeps past the
+group's timeout, or saves a model declared replicated that differs from the other ranks';
+:func:`test_a_rank_killed_at_any_phase_breaks_the_group_once` SIGKILLs one.
 Per trial, every surviving rank must report the same outcome, within the timeout and a few
 seconds (a level not settled by then is a hang); a failure caused by the fault names its rank;
 the trial after a fault saves a new version on every rank; and every version any rank reported
@@ -42,7 +43,9 @@ def _fault(rng: random.Random, world: int, save: bool) -> dict[str, Any]:
     rank = rng.randrange(world)
     if not save:
         return {"rank": rank, "phase": rng.choice(RESTORE_PHASES), "kind": rng.choice(("raise", "delay"))}
-    kind = rng.choices(("raise", "skip", "bad", "delay"), weights=(3, 3, 3, 2))[0]
+    kind = rng.choices(("raise", "skip", "bad", "delay", "replica"), weights=(3, 3, 3, 2, 1))[0]
+    if kind == "replica":  # the rank's model, declared replicated, differs from the others'
+        return {"rank": rank, "phase": "group.trade", "kind": "replica"}
     if kind == "bad":
         return {"rank": rank, "phase": "group.save", "kind": "bad", "variant": rng.choice(BAD_INPUTS)}
     fault = {"rank": rank, "phase": rng.choice(SAVE_PHASES), "kind": kind}
@@ -60,7 +63,7 @@ def make_plan(rng: random.Random, world: int, faults: int) -> list[dict[str, Any
         trials += [trial, {"kind": "save"}]
     for n, t in enumerate(trials):
         t["step"] = n + 1
-        t["replicated"] = rng.random() < 0.5
+        t["replicated"] = rng.random() < 0.5 or t.get("fault", {}).get("kind") == "replica"
     return trials
 
 
@@ -130,6 +133,11 @@ def check_trial(trial: dict[str, Any], results: list[dict[str, Any]], bound: flo
         return
     if fault["phase"] == "group.save":  # refused in the first exchange: the same error on every rank
         assert len(raised) == len(results) and len(set(raised)) == 1, f"{where}: {raised}"
+    if fault["kind"] == "replica":  # the one error of the trade names the tensor and the ranks
+        differ = [fault["rank"]] if fault["rank"] else list(range(1, len(results)))
+        named = f"tensors ['model/w'] were declared replicated but ranks {differ} hold other bytes than rank 0"
+        assert failures[0] is not None and named in failures[0], f"{where}: {failures}"
+        return
     if failures[0] is not None and any(r["fired"] for r in results):
         named = f"rank {fault['rank']}" if fault.get("variant") != "step" else f"{fault['rank']}"
         assert any(named in (f or "") for f in failures), f"{where}: the failure does not name the rank: {failures}"

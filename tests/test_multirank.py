@@ -151,7 +151,7 @@ def test_ddp_two_ranks_all_tiers_dedup_failure_and_restore(tmp_path: Path, s3_co
         assert_state_equal(restored["v1_into"], ddp_state(rank, 1))
 
 
-def test_declared_replicated_chunks_are_hashed_and_written_once_in_the_group(
+def test_declared_replicated_chunks_are_hashed_on_every_rank_and_written_once_in_the_group(
     tmp_path: Path, s3_config: S3Config
 ) -> None:
     config = cache_config(tmp_path, s3_config)
@@ -164,14 +164,14 @@ def test_declared_replicated_chunks_are_hashed_and_written_once_in_the_group(
         whole = cache.restore("main")  # every chunk verified against its id: the traded ids are right
     for rank in range(2):
         assert_state_equal(whole[rank], ddp_state(rank, 1))
-    # The model's weight (256 KiB, two chunks) was hashed half by each rank; each rank hashed its
-    # own pack of small tensors (the bias and its rng) itself.
+    # Every rank hashed the whole weight (256 KiB, two chunks), so the ranks could compare its ids,
+    # and its own pack of small tensors (the bias and its rng).
     w = next(t for t in version.tensors if t.path == "0/model/w")
     packs = [next(t for t in version.tensors if t.path == f"{r}/rng").pieces[0].chunk for r in range(2)]
     assert len(w.pieces) == 2 and len(set(packs)) == 2
     for rank, out in enumerate((r0, r1)):
-        assert out["hashed"] == 128 * 1024 + version.chunks[packs[rank]].nbytes
-    # Each weight chunk was written to each tier by the rank that hashed it, and by no other.
+        assert out["hashed"] == 256 * 1024 + version.chunks[packs[rank]].nbytes
+    # Each weight chunk was written to each tier by its owner, and by no other.
     w_keys = {chunk_key(version.chunks[p.chunk].id) for p in w.pieces}
     for tier in ("disk", "s3"):
         mine = [{k.split(":", 1)[1] for k in out["puts"] if k.startswith(tier)} & w_keys for out in (r0, r1)]
@@ -319,3 +319,41 @@ def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:
     assert declared_chunks(layout, paths, ["model/"]) == shared and declared_chunks(layout, paths, ["mod"]) == []
     assert len(declared_chunks(layout, paths, ["model", "rng"])) == len(layout.chunks)
     assert owners_by_position([(0, 10), (1, 10), (2, 10), (3, 5)], 2) == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+@pytest.mark.parametrize("nodes", [["a", "a"], ["a", "b"]], ids=["one-node", "two-nodes"])
+@pytest.mark.parametrize("s3", [True, False], ids=["s3", "no-s3"])
+def test_a_declared_replica_that_differs_fails_its_version_on_every_rank(
+    tmp_path: Path, s3_config: S3Config, nodes: list[str], s3: bool
+) -> None:
+    # Rank 1 adds 1 to model.w at step 2 although the model is declared replicated. Before, every
+    # level of that version was ok: on two nodes its chunks were rank 1's bytes under rank 0's ids
+    # (IntegrityError at restore), on one node or S3 a restore mixed the ranks' rows.
+    config = cache_config(tmp_path, s3_config)
+    if not s3:
+        del config["s3"]
+    env = [{"TIERCACHE_NODE": n, "TIERCACHE_DISK__PATH": str(tmp_path / f"disk-{n}")} for n in nodes]
+    work = tmp_path / "work"
+    assert run_ranks("replica_differs", 2, work, config, env=env) == [0, 0]
+    r0, r1 = rank_out(work, 0), rank_out(work, 1)
+    v1, v2, v3 = r0["versions"]
+    assert r1["versions"] == r0["versions"]
+    message = (f"version {v2} at hashing failed: tensors ['model/w'] were declared replicated but ranks [1] hold "
+               f"other bytes than rank 0; declare replicated= only for state that is the same on every rank")
+    for out in (r0, r1):
+        assert out["levels"] == [{"local": None, "durable": None},
+                                 {"local": ["GroupSaveError", message], "durable": ["GroupSaveError", message]},
+                                 {"local": None, "durable": None}]
+        assert out["head"] == v3 and out["restored_equal"] is True
+    # Nothing of version 2 was committed on any tier; the next version restores bit-exact from each
+    # tier that holds every rank's part (a node's own disk holds its own ranks' parts only).
+    tiers = [{"disk": {"path": str(tmp_path / f"disk-{n}")}} for n in sorted(set(nodes))]
+    tiers += [{"s3": config["s3"]}] if s3 else []
+    for tier in tiers:
+        with tiercache.open(tier) as cache:
+            assert v2 not in {v.id for v in cache.versions()}
+            assert cache.manifest("main").parent == v1
+            if "s3" in tier or len(set(nodes)) == 1:
+                whole = cache.restore("main")
+                for rank in range(2):
+                    assert_state_equal(whole[rank], ddp_state(rank, 3))

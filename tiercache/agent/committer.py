@@ -141,25 +141,24 @@ class TrainerCommitter:
             return None
         if got is None:
             return None
-        return _TrainerSplit(self, [int(i) for i in got["mine"]], [int(i) for i in got["theirs"]])
+        return _TrainerSplit(self)
 
 
 class _TrainerSplit:
     """A :class:`~tiercache.pipeline.job.HashSplit` whose trade of ids the trainer makes with the group."""
 
-    def __init__(self, committer: TrainerCommitter, mine: list[int], theirs: list[int]) -> None:
+    def __init__(self, committer: TrainerCommitter) -> None:
         self._committer = committer
-        self.mine = mine
-        self.theirs = theirs
 
-    def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Trade ids through the trainer; with the trainer gone or the trade failed, none (the rest is hashed here)."""
+    def exchange(self, ids: dict[int, str] | None) -> None:
+        """Trade ids through the trainer, for the group to compare.
+
+        With the trainer gone, or the trade failed, the part stays whole all the same: every chunk
+        is hashed here, and the group's word on the version reaches the part by its own way.
+        """
         wire = None if ids is None else {str(i): c for i, c in ids.items()}
-        try:
-            got = self._committer._ask("exchange", ids=wire).result()
-        except Exception:  # the other ranks' ids only save hashing: this part stays whole without them
-            return {}
-        return {int(i): str(c) for i, c in dict(got).items()}
+        with contextlib.suppress(Exception):
+            self._committer._ask("exchange", ids=wire).result()
 
 
 class _Gone(AgentUnavailableError):

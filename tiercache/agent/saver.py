@@ -424,13 +424,12 @@ class AgentSaver:
                 committer.commit(tier, job.manifest.result()).result()  # the group's verdict
             elif call == "split":
                 job.split = committer.split_hashing(job.layout, [m.path for m in job.staged.metas])
-                result = None if job.split is None else {"mine": job.split.mine, "theirs": job.split.theirs}
+                result = None if job.split is None else {}
             elif call == "exchange":
                 if job.split is None:
                     raise ProtocolError(f"version {job.version}: no hashing split to trade ids for")
                 ids = msg.get("ids")
-                got = job.split.exchange(None if ids is None else {int(i): str(c) for i, c in dict(ids).items()})
-                result = {str(i): c for i, c in got.items()}
+                job.split.exchange(None if ids is None else {int(i): str(c) for i, c in dict(ids).items()})
             else:
                 raise ProtocolError(f"unknown question {call!r}")
         except Exception as e:

@@ -27,6 +27,7 @@ with the ranks, and no rank ever reads another rank's per-rank payload.
 Failures, each named in the verdict, the same on every rank:
 
 * a rank's error or skip: the first in rank order (``version V failed at <phase>: rank 1: ...``);
+  when every rank fails alike (the group's verdict of an earlier phase), that failure as it is;
 * a rank that does not answer within the timeout (``ranks [2] did not answer within 20s``);
 * a rank that stops beating its heartbeat (``rank 2 is gone``): the group is then *broken*, and
   every later exchange fails at once with that reason (:class:`GroupBrokenError`);
@@ -429,7 +430,10 @@ class Channel:
             if bad is not None:
                 rank, s = bad
                 said = f"{s.error}: {s.message}" if s.kind == "error" else s.message
-                failure = s.failed(f"{what} failed: {group.name(rank)}: {said}")
+                # Every rank failing alike is the group's verdict of an earlier phase: pass it on
+                # as it is, not as an error of the first rank.
+                alike = all(r == s for r in statuses)
+                failure = s if alike else s.failed(f"{what} failed: {group.name(rank)}: {said}")
         # Claim the verdict before deciding (deciding may commit the version): a rank that gave up
         # on this coordinator claimed it first, and then its failure is the group's outcome.
         store = self._client()

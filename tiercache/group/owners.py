@@ -4,8 +4,8 @@ The coordinator decides this once per version from every rank's list of chunk id
 :mod:`tiercache.group.phases` ``parts`` phase) and tells each rank its own share. A chunk only one
 rank holds is its own; a chunk several ranks hold (a replicated tensor: same bytes on every rank)
 goes to the holder with the fewest bytes assigned so far, so a replicated tensor cut into
-``world_size`` chunks is written slice ``r`` by rank ``r``, in parallel (FastPersist). A chunk
-one rank hashed for the group (see :mod:`tiercache.group.hashing`) is written by that rank.
+``world_size`` chunks is written slice ``r`` by rank ``r``, in parallel (FastPersist). A declared
+replicated chunk (see :mod:`tiercache.group.hashing`) is written by its owner.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def assign_owners(chunks: Sequence[RankChunks], preset: Mapping[str, int] | None
 
     Args:
         chunks: Per rank, its chunks.
-        preset: The writer of some chunks (the rank that hashed a replicated chunk), where that
+        preset: The writer of some chunks (the owner of a declared replicated chunk), where that
             rank holds it.
 
     Returns:
@@ -137,7 +137,7 @@ def plan_parts(parts: Sequence[Mapping[str, Any]], tiers: Sequence[str], node_lo
         tiers: The durable tiers.
         node_local: Those of them every node holds on its own (the nodes' disks).
         topology: The group's nodes.
-        preset: The writer of some chunks (the rank that hashed a replicated chunk).
+        preset: The writer of some chunks (the owner of a declared replicated chunk).
 
     The work is linear in the ranks' chunks (never in their tensors).
     """

@@ -172,7 +172,7 @@ class Phases:
         """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""
         view = self.view
         plan = plan_parts([s.payload for s in statuses], list(view.cache.repo.durable), view.node_local,
-                          view.topology, rnd.hashed_by())
+                          view.topology, rnd.declared_writers())
         rnd.plan.writers, rnd.plan.part_bytes, rnd.plan.sizes = plan.writers, plan.part_bytes, plan.sizes
         return Decision(plan.nbytes, plan.per_rank)
 

@@ -138,9 +138,9 @@ class Round:
             self.ready[tier].set_result(None)
         return self.outcome[tier]
 
-    def hashed_by(self) -> dict[str, int]:
-        """Replicated chunk id -> the rank that hashed it (empty if the ranks did not split hashing)."""
-        return self.split.hashed_by if self.split is not None else {}
+    def declared_writers(self) -> dict[str, int]:
+        """Declared replicated chunk id -> the rank that writes it (empty if no chunk holds only declared tensors)."""
+        return self.split.declared_writers if self.split is not None else {}
 
     # -- what this rank tells the group --
 

@@ -6,9 +6,10 @@ the copy keeps every core busy: then after the whole copy). Naming a chunk write
 place in the arena and hands the region to the RAM tier (:mod:`tiercache.pipeline.ramcache`),
 which completes the chunk's ``ready`` future: the writers start on it from there.
 
-A multi-rank version may split the hashing (:class:`~tiercache.pipeline.job.HashSplit`, see
-:mod:`tiercache.group.hashing`): chunks every rank holds alike are hashed by one rank, and the ids
-are traded once per version, always (with ``None`` after a failure), so no rank waits in vain.
+A multi-rank version whose caller declared chunks alike on every rank
+(:class:`~tiercache.pipeline.job.HashSplit`, see :mod:`tiercache.group.hashing`) trades their ids
+once per version, always (with ``None`` after a failure), so no rank waits in vain; the group fails
+the version if the ranks' ids differ.
 """
 
 from __future__ import annotations
@@ -70,36 +71,32 @@ class Hasher:
         hdr = codecs.HEADER_BYTES
         chunks = job.layout.chunks
         ids: list[str] = [""] * len(chunks)
-        # A multi-rank version may leave chunks every rank holds alike to one rank's hasher.
+        # A multi-rank version compares the ids of the chunks its ranks declared alike.
         split = job.committer.split_hashing(job.layout, [m.path for m in job.flat.metas]) if job.committer else None
-        theirs = frozenset(split.theirs) if split is not None else frozenset()
-        given: dict[int, str] = {}
         traded = split is None
 
-        def trade(mine: dict[int, str] | None) -> dict[int, str]:
+        def trade(mine: dict[int, str] | None) -> None:
             nonlocal traded
             traded = True
             assert split is not None
-            return split.exchange(mine)
+            split.exchange(mine)
 
         if self.wait_for_copy:
             # Every core is copying for the training thread: hashing now would only slow it.
             for e in job.copied:
                 e.wait()
         try:
-            for i in range(len(chunks)) if split is None else [*split.mine, *split.theirs]:
+            for i in range(len(chunks)):
                 job.copied[i].wait()
                 if job.copy_error is not None:
                     raise job.copy_error
                 region = job.regions[i]
                 assert region is not None
                 buf = ram.arena.buffer(region)
-                if not traded and i in theirs:
-                    given = trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
-                ids[i] = given.get(i) or codecs.content_id(buf[hdr : hdr + chunks[i].nbytes], algo)
+                ids[i] = codecs.content_id(buf[hdr : hdr + chunks[i].nbytes], algo)
                 self._name_chunk(job, i, ids[i], buf, region)
             if not traded:
-                trade({j: ids[j] for j in split.mine})  # type: ignore[union-attr]
+                trade(dict(enumerate(ids)))
         except BaseException:
             if not traded:
                 # The group's other hashers are waiting for this one's ids; this error is the one to report.

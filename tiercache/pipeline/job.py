@@ -66,23 +66,19 @@ class Committer(Protocol):
         ...
 
     def split_hashing(self, layout: Layout, paths: list[str]) -> HashSplit | None:
-        """Which chunks this process hashes itself (``None``: all); called once per version by the hasher."""
+        """The chunks declared alike in the group (``None``: none); called once per version by the hasher."""
         ...
 
 
 class HashSplit(Protocol):
-    """Chunks whose bytes are the same in every process of a group are hashed by one of them only.
+    """Chunks declared the same in every process of a group: their ids are compared, and one process writes each.
 
-    The hasher hashes :attr:`mine` (in that order), then trades ids with :meth:`exchange` and
-    takes the ids of :attr:`theirs` from the answer. ``exchange`` is called exactly once per
+    The hasher hashes every chunk, then trades the ids with :meth:`exchange`, exactly once per
     version, with ``None`` if hashing failed here, so the other processes never wait in vain.
     """
 
-    mine: list[int]
-    theirs: list[int]
-
-    def exchange(self, ids: dict[int, str] | None) -> dict[int, str]:
-        """Give the ids this process computed, get every id of :attr:`theirs`; raise if the group failed."""
+    def exchange(self, ids: dict[int, str] | None) -> None:
+        """Give the ids this process computed; raise if the group failed (ids of declared chunks differ included)."""
         ...
 
 
