@@ -15,7 +15,8 @@ room evicts them) until one of these, and nothing else, lets them go:
   older one, or none: it can never be adopted;
 * a new save could never fit in the arena beside the kept parts: the oldest go first, so no
   save waits forever for room they hold (the restarted group's own save of the version it
-  adopts may be that save: its bytes are then in the trainers already);
+  adopts may be that save: its bytes are then in the trainers already), logged at WARNING as
+  a version a restart could have adopted is gone (raise the arena to keep it);
 * more than :data:`LIMIT` are kept: the oldest goes (logged at WARNING).
 
 Every release is logged and counted (``tiercache agent status`` shows both counts).
@@ -108,7 +109,7 @@ class KeptParts:
                 if self._parts.pop(oldest[0], None) is None:
                     continue
             self._let_go([oldest], f"a new save of {nbytes} bytes could never fit beside the parts kept in the "
-                                   f"{arena.capacity}-byte arena", ram, level=logging.INFO)
+                                   f"{arena.capacity}-byte arena", ram, level=logging.WARNING)
 
     def _let_go(self, parts: Iterable[tuple[str, tuple[dict[str, Any], list[str]]]], why: str, ram: RamCache,
                 *, level: int) -> None:
