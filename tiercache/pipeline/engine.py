@@ -439,8 +439,9 @@ class Engine:
             if ram.grow(staged_bytes):
                 return
             if not said:
-                log.info("a version of %d bytes waits for the versions in flight to let the RAM arena grow",
-                         staged_bytes)
+                log.warning("save() waits for the versions in flight to finish on every tier so that the RAM "
+                            "arena can grow from %d bytes for a version of %d bytes (once per growth; set "
+                            "ram.capacity to size it up front)", ram.capacity or 0, staged_bytes)
                 said = True
             ram.wait_for_room(frees, timeout=1.0)
 
