@@ -110,5 +110,26 @@ def scenario_raise_after_save(cache: tiercache.TierCache, rank: int, world: int,
     out["next_seconds"] = time.monotonic() - t0
 
 
+def scenario_out_of_step(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """A training loop that saves steps 1 to 4, but rank 1 skips its save of step 2."""
+    group = dist.group.WORLD
+    out["calls"] = {}
+    for step in (1, 2, 3, 4):
+        if rank == 1 and step == 2:
+            continue
+        t0 = time.monotonic()
+        try:
+            h = cache.save(state(rank, step), step=step, group=group)
+            out["calls"][step] = {"vid": h.version, "levels": _levels(h)}
+        except Exception as e:
+            out["calls"][step] = {"raised": [type(e).__name__, str(e)]}
+        out["calls"][step]["seconds"] = time.monotonic() - t0
+    v4 = out["calls"][4]["vid"]
+    out["parent4"] = cache.manifest(v4).parent
+    out["head"] = cache.resolve("main")
+    out["v4_equal"] = equal(cache.restore("main", group=group, resume=False), state(rank, 4))
+
+
 SCENARIOS = {"arena_skip": scenario_arena_skip, "bad_input": scenario_bad_input,
-             "config_differs": scenario_config_differs, "raise_after_save": scenario_raise_after_save}
+             "config_differs": scenario_config_differs, "raise_after_save": scenario_raise_after_save,
+             "out_of_step": scenario_out_of_step}

@@ -120,3 +120,27 @@ def test_a_group_restore_reports_the_time_of_its_exchanges_too(tmp_path: Path) -
         out = rank_out(work, r)
         # At least the second the resolving exchange was held (the reads alone take far less).
         assert out["equal"] is True and out["seconds"] >= 1.0
+
+
+def test_a_rank_that_skips_a_save_fails_that_call_everywhere_naming_it_and_the_group_goes_on(tmp_path: Path
+                                                                                             ) -> None:
+    # Rank 1's loop skips its save of step 2. Before, its save of step 3 met the others' step 2,
+    # every error was prefixed "rank 0 (node a)", and each later call met the other ranks' call
+    # of the step before: the ranks stayed out of step for good.
+    work = tmp_path / "work"
+    assert _run("out_of_step", 3, work, base_config(), env=node_env(tmp_path, ["a", "b", "b"]),
+                opts={"timeout": 5}) == [0, 0, 0]
+    outs = [rank_out(work, r) for r in range(3)]
+    error = ["InvalidArgumentError", "the group's save of step 2 failed: rank 1 (node b): InvalidArgumentError: the "
+             "ranks save different versions (rank(s) 0, 2 step 2 on 'main'; rank(s) 1 step 3 on 'main'): every rank "
+             "must save the same step on the same branch (a rank skipped a save or made one more); a rank's own "
+             "later call of a step another rank saved in this call fails at once with this error, and the group "
+             "saves again from the first step every rank saves"]
+    v1, v4 = outs[0]["calls"]["1"]["vid"], outs[0]["calls"]["4"]["vid"]
+    for out in outs:
+        calls = out["calls"]
+        assert calls["1"]["levels"] == {"local": v1, "durable": v1}
+        # Every call of the steps rank 1 was out of step for fails with the one error.
+        assert [calls[s]["raised"] for s in ("2", "3") if s in calls] == ([error] if out["rank"] == 1 else [error] * 2)
+        assert calls["4"]["vid"] == v4 and calls["4"]["levels"] == {"local": v4, "durable": v4}
+        assert out["parent4"] == v1 and out["head"] == v4 and out["v4_equal"] is True

@@ -100,8 +100,27 @@ class Decision:
     per_rank: Sequence[Any] | None = None
 
 
+class Blame(Exception):
+    """Raised by a decider: the phase fails on every rank with ``error``, naming ``ranks`` as its cause.
+
+    The coordinator decides, but the fault it found may be another rank's (one out of step
+    with the others): the verdict's prefix names that rank, not the coordinator.
+
+    Args:
+        ranks: The ranks at fault.
+        error: The error every rank raises (its type and message).
+        extra: Small JSON-able facts the failed verdict carries to every rank (see :class:`Status`).
+    """
+
+    def __init__(self, ranks: Sequence[int], error: Exception, **extra: Any) -> None:
+        super().__init__(str(error))
+        self.ranks = list(ranks)
+        self.error = error
+        self.extra = extra
+
+
 #: ``decide(statuses)`` runs on the coordinator once every rank answered ``ok``; what it raises
-#: fails the phase on every rank (naming rank 0 and the error).
+#: fails the phase on every rank (naming rank 0 and the error, or the ranks a :class:`Blame` names).
 Decide = Callable[[list[Status]], Decision]
 
 
@@ -445,6 +464,10 @@ class Channel:
                 decision = decide([s for s in statuses if s is not None]) if decide is not None else Decision()
                 verdict = Status("ok", decision.payload)
                 per_rank = decision.per_rank
+            except Blame as b:  # another rank's fault, which the coordinator found
+                err = b.error
+                verdict = Status.of(err).failed(f"{what} failed: {_names(group, b.ranks)}: {type(err).__name__}: {err}",
+                                                **b.extra)
             except Exception as e:  # a local error of the coordinator fails the phase, never the group
                 log.error("%s: the coordinator's decision failed: %s", what, e)
                 verdict = Status.of(e).failed(f"{what} failed: {group.name(0)}: {type(e).__name__}: {e}")
@@ -551,4 +574,4 @@ def _is_store_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError)
 
 
-__all__ = ["Channel", "Collective", "Decide", "Decision", "Verdict"]
+__all__ = ["Blame", "Channel", "Collective", "Decide", "Decision", "Verdict"]

@@ -47,7 +47,7 @@ from tiercache.config import this_node
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
-from tiercache.group.collective import Collective, Decision
+from tiercache.group.collective import Blame, Collective, Decision
 from tiercache.group.hashing import SharedHashing, declared_chunks, signature
 from tiercache.group.peers import Replicator
 from tiercache.group.phases import Phases
@@ -174,6 +174,9 @@ class GroupView:
                 tier.pacer.share(len(self.topology.ranks(self.node)))
         self._rounds: dict[str, Round] = {}
         self._slot = 0
+        #: Saves other ranks made in a call that failed for being out of step, which this rank
+        #: makes later: each fails at once (see :meth:`_out_of_step`).
+        self._behind: dict[tuple[str, int], Status] = {}
         self._slots: dict[str, int] = {}
         self._closed = False
 
@@ -273,6 +276,9 @@ class GroupView:
         broken = self.collective.broken
         if broken is not None:
             raise broken
+        consumed = self._behind.pop((branch, step), None) if isinstance(step, int) and isinstance(branch, str) else None
+        if consumed is not None:  # the call another rank made already, which the group failed
+            raise consumed.error_object()
         slot = self._slot
         self._slot += 1
         what = f"the group's save of step {step}"
@@ -308,7 +314,10 @@ class GroupView:
                 vid, created = version if version is not None else (new_version_id(), utcnow())
                 payload["proposal"] = [vid, nxt.parent, nxt.seq, created.isoformat(), meta]
             verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what, decide=self._begin)
+            if not verdict.ok:
+                self._out_of_step(verdict.status, step, branch)
             verdict.raise_failure()
+            self._behind.clear()  # the ranks are in step
             rnd = self._stage(verdict.status.payload, flat, step, branch, tuple(replicated))
             staged = rnd.local.future("staged") if rnd.local is not None else None
             # Skipped here (the group then fails it everywhere): the branch does not move to it. On
@@ -323,20 +332,46 @@ class GroupView:
         return rnd.handle()
 
     def _begin(self, statuses: list[Status]) -> Decision:
-        """The coordinator's decision at ``save/<n>``: the same version on every rank, or why not."""
+        """The coordinator's decision at ``save/<n>``: the same version on every rank, or why not.
+
+        Ranks that save different steps or branches in one call are out of step (one skipped a
+        save, or made one more): the call fails on every rank, naming the ranks that differ from
+        the most (on a tie: from rank 0's), and the verdict lists what each rank saved (see
+        :meth:`_out_of_step`).
+        """
         tags: dict[tuple[int, str], list[int]] = {}
         for r, s in enumerate(statuses):
             tags.setdefault((s.payload["step"], s.payload["branch"]), []).append(r)
         if len(tags) > 1:
             sides = "; ".join(f"rank(s) {', '.join(map(str, ranks))} step {step} on {branch!r}"
                               for (step, branch), ranks in tags.items())
-            raise InvalidArgumentError(f"the ranks save different versions ({sides}): every rank must save the "
-                                       "same step on the same branch")
+            most = max(tags.values(), key=lambda ranks: (len(ranks), 0 in ranks))
+            err = InvalidArgumentError(
+                f"the ranks save different versions ({sides}): every rank must save the same step on the same "
+                "branch (a rank skipped a save or made one more); a rank's own later call of a step another rank "
+                "saved in this call fails at once with this error, and the group saves again from the first "
+                "step every rank saves")
+            raise Blame([r for r in range(len(statuses)) if r not in most], err,
+                        saves=[[s.payload["branch"], s.payload["step"]] for s in statuses])
         vid, parent, seq, created, meta = statuses[0].payload["proposal"]
         sigs = [s.payload["sig"] for s in statuses]
         return Decision({"vid": vid, "parent": parent, "seq": seq, "created": created, "meta": meta,
                          "chunk": self.chunk_bytes(max(s.payload["largest"] for s in statuses)),
                          "split": sigs[0] is not None and all(x == sigs[0] for x in sigs)})
+
+    def _out_of_step(self, verdict: Status, step: int, branch: str) -> None:
+        """Note the calls a failed ``save/<n>`` consumed on other ranks, which this rank has yet to make.
+
+        A rank that skipped a save meets the others' call with its next one: both calls fail.
+        The others' own next call is of the step the skipping rank saved already; left to the
+        exchange, it would meet that rank's following call, and the ranks would stay out of step
+        for good. So a rank behind fails that call at once, with the same error, and no exchange:
+        the ranks are in step again from the first step every rank saves (a successful
+        ``save/<n>`` forgets what is left).
+        """
+        for other_branch, other_step in verdict.extra.get("saves", ()):
+            if other_branch == branch and other_step > step:
+                self._behind[(other_branch, other_step)] = verdict
 
     def _stage(self, agreed: dict[str, Any], flat: Flat, step: int, branch: str, declared: tuple[str, ...]) -> Round:
         """Copy this rank's part into the arena as the version the group agreed on."""
