@@ -130,6 +130,28 @@ def scenario_out_of_step(cache: tiercache.TierCache, rank: int, world: int, out:
     out["v4_equal"] = equal(cache.restore("main", group=group, resume=False), state(rank, 4))
 
 
+def scenario_small_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Node b's disk holds far less than one version (its capacity); no S3.
+
+    On rank 1, each version's pipeline ends (its only tier full) before the group asks for its part.
+    """
+    group = dist.group.WORLD
+
+    def until_over(tag: str) -> None:
+        vid = tag.split("/")[0]
+        end = time.monotonic() + 20
+        while rank == 1 and vid in cache.engine.pending_jobs() and time.monotonic() < end:
+            time.sleep(0.01)
+
+    with failpoints.hooked("group.staged", until_over):
+        hs = [cache.save({**state(rank, s), "big": torch.full((256, 1024), float(rank + s))}, step=s, group=group)
+              for s in (1, 2, 3)]
+    out["versions"] = [h.version for h in hs]
+    out["levels"] = [_levels(h) for h in hs]
+    out["flush"] = _error(cache.flush)
+    out["lost"] = cache.stats()["errors"]["lost_versions"]
+
+
 SCENARIOS = {"arena_skip": scenario_arena_skip, "bad_input": scenario_bad_input,
              "config_differs": scenario_config_differs, "raise_after_save": scenario_raise_after_save,
-             "out_of_step": scenario_out_of_step}
+             "out_of_step": scenario_out_of_step, "small_disk": scenario_small_disk}

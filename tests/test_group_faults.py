@@ -144,3 +144,22 @@ def test_a_rank_that_skips_a_save_fails_that_call_everywhere_naming_it_and_the_g
         assert [calls[s]["raised"] for s in ("2", "3") if s in calls] == ([error] if out["rank"] == 1 else [error] * 2)
         assert calls["4"]["vid"] == v4 and calls["4"]["levels"] == {"local": v4, "durable": v4}
         assert out["parent4"] == v1 and out["head"] == v4 and out["v4_equal"] is True
+
+
+def test_a_disk_too_small_on_one_node_fails_every_rank_naming_the_rank_and_the_full_disk(tmp_path: Path) -> None:
+    # Node b's disk (its only durable tier) cannot hold a version. Before, the first version
+    # failed as a policy skip (uncounted), and a version whose pipeline on rank 1 ended before the
+    # group asked for its part failed with "version ... was not staged here".
+    work = tmp_path / "work"
+    env = node_env(tmp_path, ["a", "b"])
+    env[1]["TIERCACHE_DISK__CAPACITY"] = "64KiB"
+    assert _run("small_disk", 2, work, base_config(), env=env, opts={"timeout": 5}) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    assert outs[0]["versions"] == outs[1]["versions"] and outs[0]["levels"] == outs[1]["levels"]
+    full = "disk is full and nothing on it may be evicted: no other durable tier holds its versions yet"
+    for vid, levels in zip(outs[0]["versions"], outs[0]["levels"], strict=True):
+        for name, message in levels.values():
+            assert name == "GroupSaveError" and message.startswith(f"version {vid} on disk failed: rank 1 (node b): ")
+            assert f"TierFullError: {full}" in message, message
+    for out in outs:  # lost, not skipped: counted and raised
+        assert out["flush"] == outs[0]["levels"][0]["durable"] and out["lost"] == 3

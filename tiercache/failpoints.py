@@ -55,6 +55,7 @@ FAILPOINTS: tuple[str, ...] = (
     "group.posted",  # a rank's status of a phase is in the store, the coordinator not yet told (detail: tag, rank)
     "group.save",  # save(group=) checks its call, before the first exchange (detail: "save/<n>")
     "group.stage",  # the group agreed on the version; this rank copies its part into the arena
+    "group.staged",  # this rank's part is in the arena (its pipeline may be done with it already)
     "group.trade",  # the hasher trades the ids of chunks the ranks hold alike
     "group.parts",  # this rank's part is hashed; it tells the group about it
     "group.write",  # this rank's chunks and part are on a tier; it tells the group

@@ -284,10 +284,7 @@ class Requests:
             handle = self.engine.adopt(staged, layout, regions)
         else:  # the group moves the branch, through the trainers
             committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
-            handle = self.engine.adopt(staged, layout, regions, committer)
-            job = self.engine.jobs.get(staged.version_id)
-            if job is not None:
-                committer.follow(job.published)
+            handle = self.engine.adopt(staged, layout, regions, committer)  # (which has it follow the part)
             # Saved again: adopted by the restarted group (its chunks are this part's now).
             self._orphans.take(staged.version_id, self.engine.ramcache)
         tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,

@@ -227,6 +227,8 @@ class AgentSaver:
             return self._report_earlier(handle)
         rid = int(got["rid"])
         job.regions = [(int(o), int(n)) for o, n in got["regions"]]
+        if committer is not None:
+            committer.follow(job.manifest)  # type: ignore[arg-type]  # (set above for a committer)
         with self._cv:
             self._jobs[key] = job
         later = deferrable(flat.tensors, defer) if defer else frozenset()

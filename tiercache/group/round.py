@@ -83,7 +83,8 @@ class Round:
         self.outcome: dict[str, Future[None]] = {t: Future() for t in tiers}
         self.futures: dict[str, Future[str]] = {lvl: LevelFuture(vid, lvl) for lvl in LEVELS}
         self.local: SaveHandle | None = None
-        #: The engine's manifest of this rank's part, once hashed (``None``: the engine skipped it).
+        #: The engine's manifest of this rank's part, once hashed (``None``: the engine skipped it,
+        #: it never took the version); the engine hands it over (:meth:`follow`).
         self.published: Future[Version] | None = None
         self.stage_error: BaseException | None = None
         self.split: Split | None = None
@@ -107,6 +108,15 @@ class Round:
         if self.split is None:  # asked again by this process's engine after the node agent was lost
             self.split = self.view.hashing.split(self.view.hash_channel, self.vid, layout, paths, self.declared)
         return self.split
+
+    def follow(self, published: Future[Version]) -> None:
+        """See :meth:`tiercache.pipeline.job.Committer.follow`.
+
+        The first one stays: a part the node agent took and this process saves after all (the
+        agent was lost) copies the outcome of the second into the first.
+        """
+        if self.published is None:
+            self.published = published
 
     def owned(self, tier: str) -> Collection[str]:
         """See :meth:`tiercache.pipeline.job.Committer.owned` (waits for the group's ``parts`` phase)."""
@@ -148,7 +158,7 @@ class Round:
         """This rank's part once hashed, or the status it sends instead (its stage or hashing failed)."""
         if self.stage_error is not None:
             return Status.of(self.stage_error)
-        if self.published is None:  # the engine skipped it: the arena was full and the policy said skip
+        if self.published is None:  # the engine never took it: the arena was full and the policy said skip
             assert self.local is not None
             staged = self.local.future("staged")
             return Status.of(staged.exception() or TierCacheError(f"version {self.vid} was not staged here"))

@@ -386,10 +386,13 @@ class GroupView:
             log.info("version %s: the ranks' states or replicated= differ; every rank hashes all of its part", vid)
         try:
             failpoint("group.stage", f"{vid}/stage")
+            # The engine hands the round its part's manifest future (Round.follow) as it takes
+            # the version: asked for afterwards, a version whose pipeline ended at once (its only
+            # tier full) would be gone, and the group would not learn why.
             rnd.local = engine.stage(None, flat=flat, step=step, branch=branch, meta=agreed["meta"],
                                      parent=agreed["parent"], seq=agreed["seq"], version_id=vid, chunk_bytes=chunk,
                                      committer=rnd)
-            rnd.published = engine.published(vid)
+            failpoint("group.staged", f"{vid}/staged")
         except BaseException as e:
             rnd.stage_error = e
         return rnd

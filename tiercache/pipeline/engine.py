@@ -279,6 +279,8 @@ class Engine:
         for lvl, err in absent_levels(self.repo.durable).items():
             job.futures[lvl].set_exception(err)
         self.repo.leases.open(job.version_id, job.parent)
+        if job.committer is not None:
+            job.committer.follow(job.published)
         self.jobs.add(job)
         self._hasher_of(_lane(job)).submit(self._after_stage, job)
         return job.copied

@@ -69,6 +69,14 @@ class Committer(Protocol):
         """The chunks declared alike in the group (``None``: none); called once per version by the hasher."""
         ...
 
+    def follow(self, published: Future[Version]) -> None:
+        """The future of this process's part manifest: resolved once hashed, or failed with why it never will be.
+
+        Called once the engine took the version (before any thread of it can finish it), so the
+        group learns why a part it waits for failed even if the version's pipeline ended at once.
+        """
+        ...
+
 
 class HashSplit(Protocol):
     """Chunks declared the same in every process of a group: their ids are compared, and one process writes each.

@@ -118,7 +118,7 @@ class TierWriter:
         if not plan.skip and not eng.placement.make_room(name, job):
             # Capacity eviction keeps a version no other durable tier holds (the keep rule).
             full = f"{name} is full and nothing on it may be evicted: no other durable tier holds its versions yet"
-            if forced:
+            if forced or job.committer is not None:  # (a multi-rank version has no fallback: a lost write)
                 raise TierFullError(full)
             plan = TierPlan(name, skip=True, reason=full)
         if plan.skip:
