@@ -359,6 +359,15 @@ class Channel:
         """
         return self._records(tag)
 
+    def arrive(self, tag: str) -> None:
+        """Tell the ranks that the coordinator is at phase ``tag``, though its own status is not ready yet.
+
+        A rank that gives up on the phase then names the ranks that never came, not the
+        coordinator: a DCP checkpoint's coordinator waits for DCP's ``finish()``, which a rank
+        whose DCP step failed before it wrote holds up.
+        """
+        self._client().set(f"a/{tag}", b"")
+
     def decided(self, tag: str) -> bool:
         """Whether the verdict of phase ``tag`` is claimed already (by the coordinator or a rank that gave up)."""
         return bool(self._client().check([f"c/{tag}"]))
@@ -486,10 +495,11 @@ class Channel:
             store.delete_key(key)
         return self._read(tag, verdict)
 
-    def _missing(self, what: str, missing: list[int]) -> Status:
+    def _missing(self, what: str, missing: list[int], named: list[int] | None = None) -> Status:
+        """The failure of a phase some ranks did not answer in time (``named``: those to blame, default all)."""
         group = self.group
         return Status("error", error="GroupSaveError", extra={"missing": missing}, message=(
-            f"{what} failed: {_names(group, missing)} did not answer within {group.timeout:g}s"))
+            f"{what} failed: {_names(group, named or missing)} did not answer within {group.timeout:g}s"))
 
     def _dead(self, what: str, dead: list[int]) -> Status:
         group = self.group
@@ -518,7 +528,9 @@ class Channel:
                 failure = self._dead(what, [0])
             elif not claimed and time.monotonic() - start >= patience:
                 statuses = self._records(tag)
-                failure = self._missing(what, [r for r, s in enumerate(statuses) if s is None] or [0])
+                missing = [r for r, s in enumerate(statuses) if s is None] or [0]
+                # A coordinator that arrived (see arrive()) waits on the ranks that never came.
+                failure = self._missing(what, missing, [r for r in missing if r or not arrived] or missing)
             else:
                 continue  # not yet; or the coordinator is deciding (maybe committing): wait while it lives
             if store.compare_set(f"c/{tag}", b"", _GAVE_UP) == _GAVE_UP:

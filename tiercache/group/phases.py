@@ -147,6 +147,7 @@ class Phases:
         published = rnd.published
         assert published is not None
         tag = f"{rnd.vid}/parts"
+        ch.arrive(tag)  # a rank that gives up on the phase names the ranks that never came, not this one
         since: float | None = None
         while True:
             with contextlib.suppress(FutureTimeout):
