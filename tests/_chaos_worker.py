@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+import _multirank_worker
 import torch
 import torch.distributed as dist
 
@@ -57,7 +58,7 @@ def _error(e: BaseException) -> list[str]:
 def armed(fault: dict[str, Any] | None, delay: float) -> Iterator[list[bool]]:
     """Arm this rank's fault of a trial (if any); yields ``[fired]``."""
     fired = [False]
-    if fault is None or fault["kind"] in ("bad", "replica"):  # faults of the call itself, not of a phase
+    if fault is None or fault["kind"] in ("bad", "replica", "dcp", "s3hang"):  # faults of a call, not of a phase
         yield fired
         return
     where, kind, tier = fault["phase"], fault["kind"], fault.get("tier")
@@ -133,15 +134,29 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
                 if mine is not None and mine["kind"] == "replica":
                     st["model"]["w"] += 1
                     fired[0] = True
+                hang = mine is not None and mine["kind"] == "s3hang"
+                relay = _multirank_worker.S3_RELAY if hang else None
                 try:
+                    if relay is not None:
+                        relay.mode = "hang"
+                        fired[0] = True
                     h = cache.save(st, **kw)
                     res["vid"] = h.version
+                    if relay is not None:  # the disk's level must not wait for S3
+                        res["local_in_hang"] = _outcome(h, "local", timeout + 5)
+                        relay.mode = "up"
                     res["levels"] = {lvl: _outcome(h, lvl, bound) for lvl in LEVELS}
                     if res["levels"]["durable"] == h.version:
                         head = step
                         durable.append([h.version, step])
                 except Exception as e:
                     res["raised"] = _error(e)
+                finally:
+                    if relay is not None:
+                        relay.mode = "up"
+            elif trial["kind"] == "dcp":
+                fired[0] = mine is not None
+                _dcp_save(cache, rank, world, trial["step"], mine, res)
             else:
                 try:
                     got = cache.restore("main", group=group, resume=False)
@@ -169,6 +184,40 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
         except Exception as e:
             out["after"] = _error(e)
         out["after_seconds"] = round(time.monotonic() - t0, 3)
+
+
+def _dcp_save(cache: tiercache.TierCache, rank: int, world: int, step: int, fault: dict[str, Any] | None,
+              res: dict[str, Any]) -> None:
+    """A dcp.save of this rank's state; with ``fault``, this rank aborts it (see test_group_chaos)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tiercache.integrations.dcp import TierCacheStorageWriter
+
+    variant = fault["variant"] if fault is not None else None
+
+    class Planner(DefaultSavePlanner):
+        def finish_plan(self, new_plan: Any) -> Any:
+            if variant == "plan":
+                raise RuntimeError(f"injected: rank {rank}'s DCP plan is refused")
+            return super().finish_plan(new_plan)
+
+        def resolve_data(self, write_item: Any) -> Any:
+            if variant == "write":
+                raise RuntimeError(f"injected: rank {rank}'s DCP write fails")
+            return super().resolve_data(write_item)
+
+    st = state(rank, step)
+    writer = TierCacheStorageWriter(cache, step=step)
+    try:  # every rank writes an item of its own, so the faulty rank has one to fail
+        dcp.save({"model": st["model"], f"shard{rank}": st["shard"]}, storage_writer=writer, planner=Planner())
+        res["dcp_failures"] = []
+    except CheckpointException as e:
+        res["dcp_failures"] = sorted(e.failures)
+    res["vid"] = writer.version_id
+    handle = writer.handle
+    res["levels"] = None if handle is None else {lvl: _outcome(handle, lvl, 60) for lvl in LEVELS}
 
 
 SCENARIOS = {"chaos": scenario_chaos}

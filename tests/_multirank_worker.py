@@ -551,12 +551,17 @@ def rank_config(shared: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+#: This rank's relay to S3 (``run.json`` ``"s3_proxy": true``), for a scenario to make S3 hang.
+S3_RELAY: Any = None
+
+
 def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """Run ``scenario`` as ``rank`` of ``world`` (the group meets on loopback ``port``).
 
     ``run.json`` (if the test wrote one) may say ``store``: the port of a store the test hosts,
     as torchrun's agent hosts one (so the death of rank 0 does not take the store with it), and
-    ``timeout``: the group's timeout in seconds (default 20).
+    ``timeout``: the group's timeout in seconds (default 20), and ``s3_proxy``: reach S3 through
+    a relay of this rank's own (:data:`S3_RELAY`).
     """
     env = work / "env.json"
     if env.exists():  # per-rank variables: the node (TIERCACHE_NODE) and its own disk directory
@@ -568,7 +573,14 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
-    cache = tiercache.open(rank_config(json.loads((work / "config.json").read_text())))
+    config = rank_config(json.loads((work / "config.json").read_text()))
+    if opts.get("s3_proxy"):  # this rank reaches S3 through a relay of its own, which it can make hang
+        from tiercache.testing import ThrottledProxy
+
+        global S3_RELAY
+        S3_RELAY = ThrottledProxy(config["s3"]["endpoint_url"]).start()
+        config["s3"]["endpoint_url"] = S3_RELAY.url
+    cache = tiercache.open(config)
     try:
         cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
     except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why

@@ -5,7 +5,9 @@ all sharing the real S3 server, peer copies between nodes) and a plan of trials:
 restores, every other one with a fault for one rank at one phase (:data:`SAVE_PHASES`,
 :data:`RESTORE_PHASES`): it raises, skips the version, passes a bad input, sleeps past the
 group's timeout, or saves a model declared replicated that differs from the other ranks';
-:func:`test_a_rank_killed_at_any_phase_breaks_the_group_once` SIGKILLs one.
+:func:`test_a_rank_killed_at_any_phase_breaks_the_group_once` SIGKILLs one. Two more faults
+are of whole calls: a ``dcp.save`` the rank aborts (its planner fails before its ``write_data``,
+or its write fails), and S3 hanging for the rank while it saves (through a relay of its own).
 Per trial, every surviving rank must report the same outcome, within the timeout and a few
 seconds (a level not settled by then is a hang); a failure caused by the fault names its rank;
 the trial after a fault saves a new version on every rank; and every version any rank reported
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,9 +46,13 @@ def _fault(rng: random.Random, world: int, save: bool) -> dict[str, Any]:
     rank = rng.randrange(world)
     if not save:
         return {"rank": rank, "phase": rng.choice(RESTORE_PHASES), "kind": rng.choice(("raise", "delay"))}
-    kind = rng.choices(("raise", "skip", "bad", "delay", "replica"), weights=(3, 3, 3, 2, 1))[0]
+    kind = rng.choices(("raise", "skip", "bad", "delay", "replica", "dcp", "s3hang"), weights=(3, 3, 3, 2, 1, 1, 1))[0]
     if kind == "replica":  # the rank's model, declared replicated, differs from the others'
         return {"rank": rank, "phase": "group.trade", "kind": "replica"}
+    if kind == "dcp":  # a dcp.save the rank aborts: its planner fails before its write_data, or its write does
+        return {"rank": rank, "phase": "dcp", "kind": "dcp", "variant": rng.choice(("plan", "write"))}
+    if kind == "s3hang":  # the rank's S3 hangs (connections accepted, never answered) while it saves
+        return {"rank": rank, "phase": "s3", "kind": "s3hang"}
     if kind == "bad":
         return {"rank": rank, "phase": "group.save", "kind": "bad", "variant": rng.choice(BAD_INPUTS)}
     fault = {"rank": rank, "phase": rng.choice(SAVE_PHASES), "kind": kind}
@@ -60,6 +67,8 @@ def make_plan(rng: random.Random, world: int, faults: int) -> list[dict[str, Any
     for _ in range(faults):
         save = rng.random() < 0.8
         trial: dict[str, Any] = {"kind": "save" if save else "restore", "fault": _fault(rng, world, save)}
+        if trial["fault"]["kind"] == "dcp":
+            trial["kind"] = "dcp"
         trials += [trial, {"kind": "save"}]
     for n, t in enumerate(trials):
         t["step"] = n + 1
@@ -115,6 +124,9 @@ def check_trial(trial: dict[str, Any], results: list[dict[str, Any]], bound: flo
         for lvl, got in (res.get("levels") or {}).items():
             assert got[0] != "HANG" if isinstance(got, list) else True, f"{where}: rank {res}: {lvl} hangs"
         assert res["seconds"] <= bound, f"{where}: a rank took {res['seconds']}s: {res}"
+    if trial["kind"] == "dcp":
+        check_dcp_trial(fault, results, where)
+        return
     if trial["kind"] == "restore":
         outcomes = [tuple(r["raised"]) if "raised" in r else ("restored", r["restored"][1]) for r in results]
         assert len(set(outcomes)) == 1, f"{where}: the ranks disagree: {outcomes}"
@@ -123,6 +135,9 @@ def check_trial(trial: dict[str, Any], results: list[dict[str, Any]], bound: flo
         elif any(r["fired"] for r in results):
             assert f"rank {fault['rank']}" in results[0]["raised"][1], where
         return
+    if fault is not None and fault["kind"] == "s3hang":  # the disk's level never waits for S3
+        held = next(r["local_in_hang"] for r in results if "local_in_hang" in r)
+        assert held == results[0]["vid"], f"{where}: local while S3 hung: {held}"
     failures = [_failure(r) for r in results]
     with_levels = [r["levels"] for r in results if "levels" in r]
     assert all(lv == with_levels[0] for lv in with_levels), f"{where}: the ranks' levels differ: {with_levels}"
@@ -141,6 +156,21 @@ def check_trial(trial: dict[str, Any], results: list[dict[str, Any]], bound: flo
     if failures[0] is not None and any(r["fired"] for r in results):
         named = f"rank {fault['rank']}" if fault.get("variant") != "step" else f"{fault['rank']}"
         assert any(named in (f or "") for f in failures), f"{where}: the failure does not name the rank: {failures}"
+
+
+def check_dcp_trial(fault: dict[str, Any], results: list[dict[str, Any]], where: str) -> None:
+    """A dcp.save one rank aborted: DCP names that rank on every rank, and every rank that opened the version
+    settles each level with the same error, naming that rank alone."""
+    rank = fault["rank"]
+    assert all(r["dcp_failures"] == [rank] for r in results), f"{where}: {results}"
+    opened = [r["levels"] for r in results if r.get("levels") is not None]
+    if fault["variant"] == "plan":  # the rank's DCP step failed before its write_data: it never opened the version
+        assert len(opened) == len(results) - 1, f"{where}: {results}"
+    assert opened and all(lv == opened[0] for lv in opened), f"{where}: the ranks' levels differ: {opened}"
+    for lvl, got in opened[0].items():
+        assert isinstance(got, list) and got[0] not in ("HANG", "SkippedError"), f"{where}: {lvl}: {got}"
+    named = {int(n) for n in re.findall(r"\brank (\d+)", opened[0]["durable"][1])}
+    assert named == {rank}, f"{where}: the failure names ranks {named}: {opened[0]['durable']}"
 
 
 def check_tiers(tmp_path: Path, s3_config: S3Config, nodes: list[str], durable: set[str]) -> None:
@@ -177,7 +207,7 @@ def test_random_faults_at_every_phase_give_one_outcome_per_version(
         store = _store(world)
         limit = 60 + 12 * len(plan)
         codes = run_ranks("_chaos_worker:chaos", world, work, config, env=env, timeout=limit,
-                          opts={"store": store.port, "timeout": TIMEOUT, "watchdog": limit})
+                          opts={"store": store.port, "timeout": TIMEOUT, "watchdog": limit, "s3_proxy": True})
         assert codes == [0] * world, (world, nodes, codes)
         outs = [rank_out(work, r) for r in range(world)]
         bound = 2 * TIMEOUT + 20
