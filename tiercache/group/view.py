@@ -239,8 +239,9 @@ class GroupView:
             meta: JSON-able metadata; rank 0's is kept.
             replicated: Key paths of ``state`` (``"model"``, ``"optim/state"``) whose tensors are
                 the same on every rank, as a DDP model and its optimizer state are: each rank
-                hashes and writes only its share of their chunks (:mod:`tiercache.group.hashing`).
-                A promise: a declared tensor that differs between ranks is saved as one rank's.
+                writes only its share of their chunks. Every rank hashes all of them and the
+                ranks compare the ids (:mod:`tiercache.group.hashing`): a declared tensor that
+                differs between ranks fails the version on every rank, naming it and the ranks.
             optimizer: Not supported with a group (refused on every rank).
 
         Returns:
@@ -248,7 +249,9 @@ class GroupView:
 
         Raises:
             InvalidArgumentError: If some rank's call is invalid (a bad step, branch or meta), or
-                the ranks save different steps or branches; on every rank, naming the rank.
+                the ranks save different steps or branches (out of step: one skipped a save or
+                made one more); on every rank, naming the rank. A rank behind then fails its own
+                call of a step another rank saved in that call at once, with the same error.
             UnsupportedStateError: If a leaf of some rank's state cannot be stored (on every rank).
             CacheClosedError: If some rank's cache is closed (on every rank).
             GroupSaveError: If a rank does not answer in time.
