@@ -5,6 +5,7 @@ Run by ``run_ranks("_faults_worker:<name>", ...)``; each scenario writes what it
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -111,10 +112,17 @@ def scenario_raise_after_save(cache: tiercache.TierCache, rank: int, world: int,
 
 
 def scenario_out_of_step(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
-    """A training loop that saves steps 1 to 4, but rank 1 skips its save of step 2."""
+    """A training loop that saves steps 1 to 4, but rank 1 skips its save of step 2.
+
+    With ``run.json`` ``"collective": true`` each step ends with a collective of the trainer's
+    own (a DDP gradient all-reduce): rank 1 waits there while the others wait for it in save().
+    """
     group = dist.group.WORLD
+    collective = json.loads((work / "run.json").read_text()).get("collective")
     out["calls"] = {}
     for step in (1, 2, 3, 4):
+        if collective and step > 1:
+            dist.barrier()
         if rank == 1 and step == 2:
             continue
         t0 = time.monotonic()

@@ -146,6 +146,30 @@ def test_a_rank_that_skips_a_save_fails_that_call_everywhere_naming_it_and_the_g
         assert out["parent4"] == v1 and out["head"] == v4 and out["v4_equal"] is True
 
 
+
+def test_a_rank_that_skips_a_save_held_up_by_a_training_collective_is_in_step_at_its_next_save(tmp_path: Path
+                                                                                              ) -> None:
+    # As above, but a collective of the trainer's own ends each step (DDP's all-reduce): rank 1
+    # waits there while the others wait for it in save(step=2), until that save times out naming
+    # rank 1. Before, rank 1's save of step 3 then met that verdict and failed, and each later
+    # save met the others' call of the step before, timing out again: out of step for good.
+    work = tmp_path / "work"
+    assert _run("out_of_step", 3, work, base_config(), env=node_env(tmp_path, ["a", "b", "b"]),
+                opts={"timeout": 3, "collective": True}) == [0, 0, 0]
+    outs = [rank_out(work, r) for r in range(3)]
+    v3, v4 = (outs[0]["calls"][s]["vid"] for s in ("3", "4"))
+    for out in outs:
+        calls = out["calls"]
+        if out["rank"] != 1:
+            name, message = calls["2"]["raised"]
+            assert name == "GroupSaveError" and message.startswith("the group's save of step 2 failed: rank 1 (node b) "
+                                                                   "did not answer within 3s"), message
+        assert "2" not in calls if out["rank"] == 1 else True
+        for step, vid in (("3", v3), ("4", v4)):
+            assert calls[step]["vid"] == vid and calls[step]["levels"] == {"local": vid, "durable": vid}
+        assert out["parent4"] == v3 and out["head"] == v4 and out["v4_equal"] is True
+
+
 def test_a_disk_too_small_on_one_node_fails_every_rank_naming_the_rank_and_the_full_disk(tmp_path: Path) -> None:
     # Node b's disk (its only durable tier) cannot hold a version. Before, the first version
     # failed as a policy skip (uncounted), and a version whose pipeline on rank 1 ended before the

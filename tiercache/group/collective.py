@@ -280,7 +280,8 @@ class Channel:
 
     # ------------------------------------------------------------------ the exchange
 
-    def exchange(self, tag: str, mine: Status, *, what: str, decide: Decide | None = None) -> Verdict:
+    def exchange(self, tag: str, mine: Status, *, what: str, decide: Decide | None = None,
+                 about: Any = None) -> Verdict:
         """Send this rank's status for phase ``tag`` and return the group's verdict.
 
         Every rank of the group calls this with the same ``tag`` (``<version>/<phase>``); it
@@ -293,6 +294,9 @@ class Channel:
             what: What the phase is, for messages (``"version 01J.. at hashing"``).
             decide: Run on the coordinator when every rank answered ``ok``; its result is the
                 verdict's payload (and each rank's own payload). Only rank 0's is used.
+            about: What this rank's call is about (JSON-able): a failed verdict carries that of
+                the rank that set it (``extra["about"]``), so a rank that comes late learns
+                what the others' call was.
 
         Returns:
             The verdict (never raises for a failed phase: see :meth:`Verdict.raise_failure`).
@@ -304,7 +308,7 @@ class Channel:
                 # the coordinator decides it already), so a rank that does not know yet learns it.
                 return self._settle_broken(tag)
             self._post(tag, mine)
-            verdict = self._coordinate(tag, what, decide) if group.rank == 0 else self._await(tag, what)
+            verdict = self._coordinate(tag, what, decide, about) if group.rank == 0 else self._await(tag, what, about)
         except Exception as e:
             if not _is_store_error(e):
                 raise
@@ -430,7 +434,7 @@ class Channel:
                 out.append(r)
         return out
 
-    def _coordinate(self, tag: str, what: str, decide: Decide | None) -> Verdict:
+    def _coordinate(self, tag: str, what: str, decide: Decide | None, about: Any = None) -> Verdict:
         group = self.group
         deadline = time.monotonic() + group.timeout
         self._client().set(f"a/{tag}", b"")  # the others give this coordinator its whole timeout from now
@@ -489,6 +493,8 @@ class Channel:
                                 values[at : at + _SET_KEYS])
             verdict = Status(verdict.kind, verdict.payload, verdict.error, verdict.message,
                              {**verdict.extra, "per_rank": True})
+        if about is not None and not verdict.ok:
+            verdict = verdict.failed(verdict.message, about=about)
         store.set(f"v/{tag}", verdict.encode())
         group.published(tag)
         for key in (f"x/{tag}", f"x/{tag}/n", f"x/{tag}/all"):
@@ -507,7 +513,7 @@ class Channel:
             f"{what} failed: {_names(group, dead)} {'is' if len(dead) == 1 else 'are'} gone (no heartbeat for "
             f"{group.dead_after:g}s): the process group is broken; restart the job"))
 
-    def _await(self, tag: str, what: str) -> Verdict:
+    def _await(self, tag: str, what: str, about: Any = None) -> Verdict:
         group = self.group
         start = time.monotonic()
         # The coordinator waits up to the timeout for the slowest rank from when it arrives, then
@@ -533,6 +539,8 @@ class Channel:
                 failure = self._missing(what, missing, [r for r in missing if r or not arrived] or missing)
             else:
                 continue  # not yet; or the coordinator is deciding (maybe committing): wait while it lives
+            if about is not None:
+                failure = failure.failed(failure.message, about=about)
             if store.compare_set(f"c/{tag}", b"", _GAVE_UP) == _GAVE_UP:
                 store.set(f"v/{tag}", failure.encode())
             elif gone:  # the coordinator claimed it and died deciding: nobody will write the verdict

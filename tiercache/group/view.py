@@ -316,7 +316,16 @@ class GroupView:
             if self.rank == 0:
                 vid, created = version if version is not None else (new_version_id(), utcnow())
                 payload["proposal"] = [vid, nxt.parent, nxt.seq, created.isoformat(), meta]
-            verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what, decide=self._begin)
+            about = {"step": step, "branch": branch}
+            verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what, decide=self._begin,
+                                             about=about)
+            while self._came_late(verdict.status, about):
+                # The others' call of an earlier step failed waiting for this rank, which skipped
+                # it (held up meanwhile by the trainer's own collectives): this call is their next.
+                slot = self._slot
+                self._slot += 1
+                verdict = self._channel.exchange(f"save/{slot}", Status("ok", payload), what=what,
+                                                 decide=self._begin, about=about)
             if not verdict.ok:
                 self._out_of_step(verdict.status, step, branch)
             verdict.raise_failure()
@@ -361,6 +370,18 @@ class GroupView:
         return Decision({"vid": vid, "parent": parent, "seq": seq, "created": created, "meta": meta,
                          "chunk": self.chunk_bytes(max(s.payload["largest"] for s in statuses)),
                          "split": sigs[0] is not None and all(x == sigs[0] for x in sigs)})
+
+    def _came_late(self, verdict: Status, about: dict[str, Any]) -> bool:
+        """Whether ``verdict`` failed a call of an earlier step of this branch for want of this rank's answer.
+
+        Then this rank skipped that save, and the others failed it after the group's timeout
+        (naming this rank) before this rank's call of a later step came: their next call is the
+        one this rank's call meets.
+        """
+        theirs = verdict.extra.get("about")
+        return (not verdict.ok and self.rank in verdict.extra.get("missing", ()) and isinstance(theirs, dict)
+                and theirs.get("branch") == about["branch"] and isinstance(theirs.get("step"), int)
+                and theirs["step"] < about["step"])
 
     def _out_of_step(self, verdict: Status, step: int, branch: str) -> None:
         """Note the calls a failed ``save/<n>`` consumed on other ranks, which this rank has yet to make.
