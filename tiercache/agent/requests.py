@@ -41,6 +41,7 @@ from tiercache.errors import (
     ConflictError,
     GroupBrokenError,
     InvalidArgumentError,
+    SkippedError,
     TierCacheError,
     TierFullError,
 )
@@ -52,6 +53,7 @@ from tiercache.manifest import RefRecord, Version
 from tiercache.names import chunk_key
 from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
+from tiercache.saver import absent_levels
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
 
@@ -349,7 +351,11 @@ class Requests:
     def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
         err = f.exception()
         ok = err is None
-        self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
+        assert self.cache is not None
+        # A level this cache has no tier for is no level of its (no counter); a skip (the
+        # policy's, or the group's on a part) is not a failure.
+        if level not in absent_levels(self.cache.repo.durable):
+            self._levels[f"{level}:{'ok' if ok else 'skipped' if isinstance(err, SkippedError) else 'failed'}"] += 1
         job = self.engine.jobs.get(t.version)
         done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
         pending = sorted(n for n in job.pending if n != done_tier) if job is not None else []
@@ -365,7 +371,6 @@ class Requests:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
             event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
-            assert self.cache is not None
             head = self.cache.catalog.ref("branch", t.branch)
             event["head"] = head.model_dump(mode="json") if head is not None else None
             event["record"] = t.record.model_dump(mode="json")
@@ -603,7 +608,8 @@ class Requests:
                       "capacity": arena.capacity if arena is not None else None,
                       "used_bytes": arena.used_bytes if arena is not None else 0},
             "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
-            "parts_released": self._orphans.released,
+            "parts_released": self._orphans.released, "orphans": self._orphans.summary(),
+            "orphans_limit": LIMIT,
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
