@@ -23,6 +23,7 @@ from typing import Any
 from tiercache.agent.arena import SharedArena, free_bytes
 from tiercache.agent.client import shared_settings
 from tiercache.agent.committer import Calls, TrainerCommitter
+from tiercache.agent.holdings import Holdings
 from tiercache.agent.keep import LIMIT, KeptParts
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.peering import PeerPort, copy_request, port_request
@@ -132,6 +133,8 @@ class Requests:
     _tracked: dict[str, Tracked]
     #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
     _orphans: KeptParts
+    #: What node RAM took of each version, for ``ls`` in other processes.
+    _holdings: Holdings
     #: Recent group versions whose first part was noted for the durability lag.
     _group_versions: OrderedDict[str, None]
     _levels: Counter[str]
@@ -336,6 +339,10 @@ class Requests:
     def _published(self, t: Tracked, f: Future[Version]) -> None:
         manifest = f.result() if f.exception() is None else None
         t.manifest = manifest
+        if manifest is not None and t.adopt is None:
+            self._holdings.note(t.version, None)
+        elif manifest is not None and t.part is not None:
+            self._holdings.note(str(t.adopt["v"]), t.part, (c.id for c in manifest.chunks))
         self._send_published(t, manifest)
 
     def _send_published(self, t: Tracked, manifest: Version | None) -> None:
@@ -517,6 +524,13 @@ class Requests:
         chunks = {cid: ram is not None and ram.size(chunk_key(str(cid))) is not None for cid in msg.get("chunks", ())}
         return {"versions": versions, "chunks": chunks}
 
+    def _ram(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        ram = self.engine.ram
+        states, reasons = self._holdings.states((str(v) for v in msg.get("versions", ())), self.cache.catalog,
+                                                lambda c: ram is not None and ram.size(chunk_key(c)) is not None)
+        return {"states": states, "reasons": reasons}
+
     def _flush(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
         deadline = None if timeout is None else time.monotonic() + float(timeout)
@@ -661,6 +675,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "list": (Requests._list, False),
     "get": (Requests._get, False),
     "holds": (Requests._holds, False),
+    "ram": (Requests._ram, False),
     "flush": (Requests._flush, True),
     "promote": (Requests._promote, True),
     "keep": (Requests._keep, True),
