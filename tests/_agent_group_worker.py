@@ -288,6 +288,14 @@ def scenario_kill_after_save(cache: tiercache.TierCache, rank: int, world: int, 
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def scenario_save_four(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Save steps 1 to 4 over the group, each rank's part through the node's agent, and wait for all of them."""
+    handles = [cache.save(node_state(rank, s), step=s, group=dist.group.WORLD) for s in (1, 2, 3, 4)]
+    cache.flush()
+    out["versions"] = [h.version for h in handles]
+    out["levels"] = [_levels(h) for h in handles]
+
+
 SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "through_agents": scenario_through_agents, "dies_at_write": scenario_dies_at_write,
              "agent_dies": scenario_agent_dies, "orphan": scenario_orphan, "adopt": scenario_adopt,
@@ -295,4 +303,4 @@ SCENARIOS = {"save_and_die": scenario_save_and_die, "restore": scenario_restore,
              "restart_smaller": scenario_restart_smaller, "adopt_fails_once": scenario_adopt_fails_once,
              "adopt_fault": scenario_adopt_fault, "peer_copies": scenario_peer_copies,
              "kill_after_save": scenario_kill_after_save, "one_rank_short": scenario_one_rank_short,
-             "adopt_warns": scenario_adopt_warns}
+             "adopt_warns": scenario_adopt_warns, "save_four": scenario_save_four}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typer.testing import CliRunner
 import tiercache
 from tiercache.agent import naming
 from tiercache.agent.client import call
-from tiercache.cli import app
+from tiercache.cli import app, short_id_length
 from tiercache.config import load_config
 from tiercache.errors import AgentUnavailableError, StorageError
 from tiercache.manifest import Version
@@ -213,9 +214,10 @@ def _alive(pid: int) -> bool:
 
 def _toml(cfg: dict[str, Any]) -> str:
     lines = [f"{k} = {json.dumps(cfg[k])}" for k in ("pack_below", "chunk_bytes") if k in cfg]
-    for table in ("ram", "disk", "policy", "agent"):
-        lines.append(f"[{table}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in cfg[table].items()]
+    for table in ("ram", "disk", "s3", "policy", "agent"):
+        if table in cfg:
+            lines.append(f"[{table}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in cfg[table].items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -369,13 +371,103 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
     assert overview["tiers"] == ["ram", "disk"] and overview["versions"] == 1
     assert stats["agent"]["pid"] == agent.pid
     assert stats["meter"]["tiers"]["disk"]["write"]["transfers"] >= 1  # the agent wrote, and measured it
-    assert stats["agent"]["levels"]["local:ok"] == 1
+    assert stats["agent"]["levels"] == {"staged:ok": 1, "local:ok": 1, "durable:ok": 1}  # no S3, no peers
     assert stats["agent"]["served_bytes"]["ram"] > 0
     spec = tmp_path / "cfg.toml"
     spec.write_text(_toml(cfg))
     out = CliRunner().invoke(app, ["--config", str(spec), "stats"])
     assert out.exit_code == 0, out.output
     assert f"agent {agent.pid} up" in out.output
+    assert "levels of the versions and group parts it wrote: staged 1 ok; local 1 ok; durable 1 ok" in \
+        " ".join(out.output.split())  # (rich wraps the lines of `stats` at the console's width)
+
+
+def _cli(spec: Path, *args: str) -> str:
+    got = CliRunner().invoke(app, ["--config", str(spec), *args])
+    assert got.exit_code == 0, got.output
+    return got.output
+
+
+def _aged(table: str) -> str:
+    """A table ``ls`` printed, its age column (under ``age``; every age below 100 s) written ``AGE``."""
+    lines = table.splitlines()
+    at = lines[0].index("age")
+    return "\n".join([lines[0], *(line[:at] + "AGE" + line[at + 3:] if line[0] == " " != line[1] else line
+                                   for line in lines[1:])])
+
+
+def test_ls_and_agent_status_tell_what_node_ram_holds_and_why_s3_lacks_a_group_version(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, s3_config: Any
+) -> None:
+    """Two ranks save four versions through their node's agent; rank 1's policy coalesces S3 at even steps.
+
+    ``ls`` and ``ls --json`` show node RAM holding each version (or why not) and why S3 lacks
+    the coalesced ones; ``agent status`` counts those as skips, and nothing of a level no tier
+    provides; the agent logs the skips at INFO, summarised, never as failures. Once the agent is
+    gone, the RAM column says so.
+    """
+    from _policies import COALESCED
+    from test_multirank import rank_out
+
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), s3=s3_config.model_dump(mode="json"))
+    cfg["policy"] = {"name": "tests._policies:CoalesceRankOne"}
+    agent = agents(cfg, env={"TIERCACHE_LOG": "info"})
+    assert run_ranks_agent("save_four", tmp_path / "run", cfg) == [0, 0]
+    v1, v2, v3, v4 = rank_out(tmp_path / "run", 0)["versions"]
+    for r in range(2):
+        remote = [lv["remote"] for lv in rank_out(tmp_path / "run", r)["levels"]]
+        assert [x if isinstance(x, str) else x[0] for x in remote] == [v1, "SkippedError", v3, "SkippedError"]
+    why = {v: f"version {v} on s3 skipped: rank 1: version {v}.1 skipped for s3: {COALESCED}" for v in (v2, v4)}
+    spec = _write(tmp_path, cfg)
+    held = ("held", "")
+    listed = {v["id"]: (v["tiers"], {t: (st["state"], st["reason"]) for t, st in v["states"].items()})
+              for v in json.loads(_cli(spec, "ls", "--json"))}
+    assert listed == {
+        v1: (["ram", "disk", "s3"], {"ram": held, "disk": held, "s3": held}),
+        v2: (["ram", "disk"], {"ram": held, "disk": held, "s3": ("skipped", why[v2])}),
+        v3: (["ram", "disk", "s3"], {"ram": held, "disk": held, "s3": held}),
+        v4: (["ram", "disk"], {"ram": held, "disk": held, "s3": ("skipped", why[v4])}),
+    }
+    # Node RAM drops version 1 (its parts' chunks): ls says so.
+    with tiercache.open(without_agent(cfg)) as cache:
+        chunks = sorted({c.id for c in cache.manifest(v1).chunks})
+    assert call(load_config(cfg), "evict", chunks=chunks)["nbytes"] > 0
+    w = short_id_length([v1, v2, v3, v4])
+    dropped = "node RAM dropped it since (it is a cache there: for room, or by an evict or gc)"
+    assert _aged(_cli(spec, "ls")) == "\n".join([
+        f" {'id':<{w}}  step  branch       size  age  refs    ram    disk    s3    ",
+        f" {v1[:w]}     1  main    768.1 KiB  AGE        evicted   ✓       ✓    ",
+        f" {v2[:w]}     2  main    768.1 KiB  AGE           ✓      ✓    skipped ",
+        f" {v3[:w]}     3  main    768.1 KiB  AGE           ✓      ✓       ✓    ",
+        f" {v4[:w]}     4  main    768.1 KiB  AGE  main     ✓      ✓    skipped ",
+        "why a tier lacks a version, newest first:",
+        f"  {v4[:w]} s3 skipped: {why[v4]}",
+        f"  {v2[:w]} s3 skipped: {why[v2]}",
+        f"  {v1[:w]} ram evicted: {dropped}",
+    ])
+    status = _cli(spec, "agent", "status").splitlines()
+    # Each version's two parts: a skip is counted as a skip, and no level of no tier is counted.
+    assert status[3:] == [
+        "levels of the versions and group parts it wrote: staged 8 ok; local 8 ok; remote 4 ok, 4 skipped; "
+        "durable 8 ok"]
+    assert agent.stop() == 0
+    log = [line for line in agent.log.read_text().splitlines() if "skipped for s3" in line]
+    assert log[0] == f"INFO tiercache.pipeline.skips: version {v2}.1 skipped for s3: {COALESCED}", log
+    assert len(log) == 2 and re.fullmatch(
+        rf"INFO tiercache\.pipeline\.skips: 3 more version\(s\) skipped for s3 in the last \d+ s, the newest "
+        rf"{v4}\.0: {re.escape(why[v4])}", log[1]), log
+    # No agent runs: the RAM column says so.
+    assert _aged(_cli(spec, "ls")).splitlines()[:5] == [
+        f" {'id':<{w}}  step  branch       size  age  refs    ram     disk    s3    ",
+        f" {v1[:w]}     1  main    768.1 KiB  AGE        no agent   ✓       ✓    ",
+        f" {v2[:w]}     2  main    768.1 KiB  AGE        no agent   ✓    skipped ",
+        f" {v3[:w]}     3  main    768.1 KiB  AGE        no agent   ✓       ✓    ",
+        f" {v4[:w]}     4  main    768.1 KiB  AGE  main  no agent   ✓    skipped ",
+    ]
+    none = ("absent", "no node agent runs for this cache: no node RAM holds its versions")
+    assert [(v["tiers"], v["states"]["ram"]["state"], v["states"]["ram"]["reason"])
+            for v in json.loads(_cli(spec, "ls", "--json"))] == [
+        (["disk", "s3"], *none), (["disk"], *none), (["disk", "s3"], *none), (["disk"], *none)]
 
 
 def test_a_client_refuses_another_users_socket(tmp_path: Path, sock_dir: Path) -> None:
@@ -425,7 +517,9 @@ def test_the_agent_serves_prometheus_metrics(tmp_path: Path, sock_dir: Path, shm
                                               ("socket", str(sock_dir / "a.sock"))))] == 1
     assert samples[("tiercache_agent_arena_bytes", (("kind", "capacity"),))] == 32 << 20
     assert samples[("tiercache_agent_versions_total", (("level", "local"), ("outcome", "ok")))] == 2
-    assert samples[("tiercache_agent_versions_total", (("level", "remote"), ("outcome", "failed")))] == 2
+    # No S3 and no peers here: no counter of a level no tier provides (no "remote failed 2").
+    assert {dict(labels)["level"] for name, labels in samples if name == "tiercache_agent_versions_total"} == {
+        "staged", "local", "durable"}
     assert samples[("tiercache_agent_tier_versions", (("tier", "disk"),))] == 2
     assert samples[("tiercache_agent_tier_versions", (("tier", "ram"),))] == 2
     assert samples[("tiercache_agent_tier_bytes", (("tier", "disk"),))] > 0
@@ -630,8 +724,18 @@ def test_a_rank_that_dies_before_the_commit_fails_the_version_and_the_restart_ad
     spec = tmp_path / "cfg.toml"
     spec.write_text(_toml(cfg))
     status = CliRunner().invoke(app, ["--config", str(spec), "agent", "status"])
-    assert "group parts: 0 in flight, 2 orphaned" in status.output, status.output
     vid = rank_out(tmp_path / "die", 0)["v"]
+    # What becomes of the orphaned parts, said with them.
+    assert status.output.splitlines()[3:] == [
+        "group parts: 0 in flight, 2 orphaned (their trainers died before the group committed them), 0 released "
+        "(could never be adopted)",
+        f"  orphaned: main@1 ({vid}): part(s) of rank(s) 0, 1 of 2",
+        "  they stay in node RAM until a restarted job of the same size restores their branch by name (it adopts the "
+        "newest version every rank's part of is kept, and lets newer incomplete ones go), a version of their branch "
+        "at their step or later is committed, or a new save needs their room (the oldest go first; at most 64 are "
+        "kept)",
+        "levels of the versions and group parts it wrote: staged 2 ok; local 2 failed; durable 2 failed",
+    ], status.output
     with tiercache.open(without_agent(cfg)) as cache:
         assert cache.versions() == []  # the group committed nothing
     # The job is restarted, as torchrun restarts it: the same agent adopts the version both parts

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -637,6 +637,37 @@ class TierCache:
                        else self._link.pending_tiers(v.id) if self._link is not None else ())
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
                                    self.catalog.residency(v), self.repo.states(v, self.tier_names, pending)))
+        return self._node_ram(out)
+
+    def _node_ram(self, versions: list[VersionInfo]) -> list[VersionInfo]:
+        """``versions`` with node RAM's state of each, as the node agent tells it (``[agent]``).
+
+        Only the agent knows what node RAM holds (a version a group saved is there as its ranks'
+        parts, which no catalog outside the agent knows). With no agent running, node RAM holds
+        nothing, unless this process saves in RAM of its own (its own states say so).
+        """
+        if self.config.agent is None or not versions:
+            return versions
+        link = self.agent
+        if link is None:
+            if self._engine is not None:
+                return versions
+            none = TierState("absent", "no node agent runs for this cache: no node RAM holds its versions")
+            return [replace(v, states={**v.states, "ram": none}) for v in versions]
+        try:
+            states = link.ram_states([v.id for v in versions])
+        except TierCacheError as e:  # an agent of another tiercache version: its catalog's word stands
+            log.debug("the node agent did not say what node RAM holds: %s", e)
+            return versions
+        out = []
+        for v in versions:
+            st = states.get(v.id)
+            if st is None or v.states.get("ram", st).state == "pending":
+                out.append(v)
+                continue
+            tiers = v.tiers if (st.state == "held") == ("ram" in v.tiers) else \
+                ("ram", *v.tiers) if st.state == "held" else tuple(t for t in v.tiers if t != "ram")
+            out.append(replace(v, tiers=tiers, states={**v.states, "ram": st}))
         return out
 
     def pruned(self) -> list[VersionInfo]:

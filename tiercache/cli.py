@@ -368,8 +368,20 @@ def short_id_length(ids: Iterable[str]) -> int:
     return width
 
 
-def _version_json(v: "VersionInfo", refs: Mapping[str, str]) -> dict[str, Any]:
-    """A version as ``ls --json`` / ``log --json`` print it (full id, refs as ``branch/main``)."""
+def _listed_tiers(cache: "TierCache") -> list[str]:
+    """The tiers ``ls`` shows: the durable ones, and node RAM where the cache has a node agent (``[agent]``).
+
+    A CLI process has no lasting RAM tier of its own: RAM copies live in the processes that
+    saved, or in node RAM, which only the node agent can tell of (running or not).
+    """
+    return [t for t in cache.tier_names if t != "ram" or cache.config.agent is not None]
+
+
+def _version_json(v: "VersionInfo", refs: Mapping[str, str], tiers: Sequence[str] = ()) -> dict[str, Any]:
+    """A version as ``ls --json`` / ``log --json`` print it (full id, refs as ``branch/main``).
+
+    ``states`` has the durable tiers, and RAM if it is in ``tiers`` (see :func:`_listed_tiers`).
+    """
     return {
         "id": v.id,
         "step": v.step,
@@ -380,7 +392,7 @@ def _version_json(v: "VersionInfo", refs: Mapping[str, str]) -> dict[str, Any]:
         "meta": v.meta,
         "tiers": list(v.tiers),
         "states": {t: {"state": st.state, "reason": st.reason, "at": st.at.isoformat() if st.at else None}
-                   for t, st in v.states.items() if t != "ram"},
+                   for t, st in v.states.items() if t != "ram" or t in tiers},
         "refs": sorted(key for key, vid in refs.items() if vid == v.id),
     }
 
@@ -559,18 +571,19 @@ def ls(
 ) -> None:
     """List versions with step, size, age, refs and tiers.
 
-    Oldest first, with one column per durable tier (a CLI process has no lasting RAM tier, so RAM
-    gets none, unless a node agent holds it: then node RAM gets one), ✓ where the tier holds the
-    version, else why not (skipped by the policy, failed, evicted), with the reasons of the newest
-    such versions under the table. With --branch, only that branch's history: what `tiercache log
-    BRANCH` walks.
+    Oldest first, with one column per durable tier, and one for node RAM where the cache has a
+    node agent ([agent]; a CLI process has no lasting RAM tier of its own): ✓ where the tier holds
+    the version, else why not (skipped by the policy, failed, evicted; `no agent` in the RAM
+    column while no agent runs), with the reasons of the newest such versions under the table.
+    With --branch, only that branch's history: what `tiercache log BRANCH` walks.
     """
     with _session(ctx) as cache:
         versions = _with_pruned(cache) if branch is None else _history(cache, branch)
         refs = cache.refs()
-        tiers = [t for t in cache.tier_names if t != "ram" or cache.agent is not None]
+        tiers = _listed_tiers(cache)
+        no_agent = "ram" in tiers and cache.agent is None
     if as_json:
-        _echo_json([_version_json(v, refs) for v in versions])
+        _echo_json([_version_json(v, refs, tiers) for v in versions])
         return
     labels = _ref_labels(refs)
     width = short_id_length(v.id for v in versions)
@@ -587,7 +600,8 @@ def ls(
         table.add_row(
             v.id[:width], str(v.step), v.branch, human_bytes(v.nbytes),
             human_age(v.created_at, now), ", ".join(labels.get(v.id, [])),
-            *(_MARKS[states[t]] for t in tiers),
+            *("no agent" if t == "ram" and no_agent and states[t] == "absent" else _MARKS[states[t]]
+              for t in tiers),
         )
         why += [f"  {v.id[:width]} {t} {st.state}: {st.reason}" for t, st in v.states.items()
                 if t in tiers and st.state in ("skipped", "failed", "evicted", "pruned") and st.reason]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from tiercache.cli import _JSON_HELP, _cli_errors, _config, _examples, _Options, human_bytes, human_duration
+from tiercache.handle import LEVELS
 
 if TYPE_CHECKING:
     from tiercache.config import CacheConfig
@@ -117,22 +118,43 @@ def describe(data: dict[str, Any]) -> list[str]:
         f"clients {len(data.get('clients', []))}, versions in flight {data.get('in_flight', 0)}"
         + "".join(f", {n} queued for {t}" for t, n in sorted(data.get("queues", {}).items())),
     ]
-    parts = data.get("parts", {})
-    released = int(data.get("parts_released", 0))
-    if parts.get("in_flight") or parts.get("orphaned") or released:
-        lines.append(f"group parts: {parts.get('in_flight', 0)} in flight, {parts.get('orphaned', 0)} orphaned "
-                     "(their trainers died before the group's commit: kept in node RAM until a restarted job "
-                     "of the same size adopts them or a newer step of their branch is committed), "
-                     f"{released} released (could never be adopted)")
+    lines += _parts_lines(data)
     levels = data.get("levels", {})
     if levels:
-        lines.append("levels " + ", ".join(f"{k} {v}" for k, v in sorted(levels.items())))
+        lines.append("levels of the versions and group parts it wrote: " + "; ".join(
+            f"{level} " + ", ".join(f"{levels[key]} {outcome}" for outcome in _OUTCOMES
+                                    if (key := f"{level}:{outcome}") in levels)
+            for level in LEVELS if any(key.startswith(f"{level}:") for key in levels)))
     restores = data.get("restores", {})
     if restores:
         lines.append("restores " + ", ".join(f"{k} {v} ({human_bytes(int(data['restore_bytes'].get(k, 0)))})"
                                            for k, v in sorted(restores.items())))
     if data.get("metrics"):
         lines.append(f"metrics http://{data['metrics']}/metrics")
+    return lines
+
+
+#: How ``describe`` orders a level's counters (a skip is the policy's choice, not a failure).
+_OUTCOMES = ("ok", "skipped", "failed")
+
+
+def _parts_lines(data: dict[str, Any]) -> list[str]:
+    """The lines about the parts of group versions: in flight, orphaned (and what becomes of them), released."""
+    parts = data.get("parts", {})
+    released = int(data.get("parts_released", 0))
+    if not (parts.get("in_flight") or parts.get("orphaned") or released):
+        return []
+    lines = [f"group parts: {parts.get('in_flight', 0)} in flight, {parts.get('orphaned', 0)} orphaned (their "
+             f"trainers died before the group committed them), {released} released (could never be adopted)"]
+    orphans = data.get("orphans", [])
+    for o in orphans:
+        ranks = ", ".join(map(str, o["ranks"]))
+        lines.append(f"  orphaned: {o['branch']}@{o['step']} ({o['v']}): part(s) of rank(s) {ranks} of {o['world']}")
+    if orphans:
+        lines.append("  they stay in node RAM until a restarted job of the same size restores their branch by name "
+                     "(it adopts the newest version every rank's part of is kept, and lets newer incomplete ones "
+                     "go), a version of their branch at their step or later is committed, or a new save needs "
+                     f"their room (the oldest go first; at most {data.get('orphans_limit')} are kept)")
     return lines
 
 

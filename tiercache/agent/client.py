@@ -37,7 +37,7 @@ from tiercache.agent.rundir import check_private_dir
 from tiercache.config import AgentConfig, CacheConfig, RamConfig
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
 from tiercache.handle import TIER_LEVEL
-from tiercache.manifest import RefRecord, Version
+from tiercache.manifest import RefRecord, TierState, Version
 from tiercache.names import CHUNKS, check_key
 from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
 from tiercache.tiers.ram import copy_bytes, map_in
@@ -443,6 +443,18 @@ class AgentLink:
         """
         got = self.request("holds", versions=list(versions), chunks=list(chunks))
         return dict(got.get("versions", {})), dict(got.get("chunks", {}))
+
+
+    def ram_states(self, versions: Sequence[str]) -> dict[str, TierState]:
+        """Whether node RAM holds each of ``versions`` (``held``), or why not (see :mod:`tiercache.agent.holdings`).
+
+        What a process that lists versions asks: it has no RAM tier of its own, and a version a
+        group saved is in node RAM as its ranks' parts, which no catalog outside the agent knows.
+        """
+        got = self.request("ram", versions=list(versions))
+        reasons = dict(got.get("reasons", {}))
+        return {str(vid): TierState(state, reasons.get(state, ""))  # type: ignore[arg-type]
+                for vid, state in dict(got.get("states", {})).items()}
 
 
 class AgentRamTier(Tier):

@@ -84,6 +84,18 @@ class KeptParts:
         with self._lock:
             return [o for o, _ in self._parts.values() if rank is None or o["rank"] == rank]
 
+    def summary(self) -> list[dict[str, Any]]:
+        """The versions of the kept parts, oldest first: ``v``, ``branch``, ``step``, ``world``, ``ranks`` kept."""
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for o, _ in self._parts.values():
+                got = out.setdefault(str(o["v"]), {"v": o["v"], "branch": o["branch"], "step": o["step"],
+                                                   "world": o["world"], "ranks": []})
+                got["ranks"].append(o["rank"])
+        for got in out.values():
+            got["ranks"].sort()
+        return list(out.values())
+
     def release(self, which: Callable[[dict[str, Any]], bool], why: str, ram: RamCache) -> int:
         """Let go of the kept parts ``which`` picks (they can never be adopted: ``why``); return how many."""
         with self._lock:

@@ -12,12 +12,16 @@ metric                                               what
 ``tiercache_agent_tier_bytes{tier}``                  bytes of the distinct chunks each tier holds
 ``tiercache_agent_tier_versions{tier}``               versions each tier holds whole
 ``tiercache_agent_tier_up{tier}``                     1 if the tier answers, 0 while it is down
-``tiercache_agent_versions_total{level, outcome}``    versions that reached (``ok``) or missed a level
+``tiercache_agent_versions_total{level, outcome}``    versions (and group parts) that reached a level
+                                                     (``ok``), were ``skipped`` there (the policy's
+                                                     choice, or the group's on a part) or ``failed``;
+                                                     a level with no tier configured has none
 ``tiercache_agent_versions_in_flight``                versions the agent is still writing
 ``tiercache_agent_queue_depth{tier}``                 of them, those still to be written to a tier
 ``tiercache_agent_group_parts{state}``                ranks' parts of group versions: ``in_flight``, and
                                                      ``orphaned`` (their trainers died before the
-                                                     group's commit: a restarted job adopts them)
+                                                     group's commit: ``tiercache agent status``
+                                                     says until when they are kept)
 ``tiercache_agent_lag_seconds{branch, level}``        training time a failure now would lose, per level
 ``tiercache_agent_lag_steps{branch, level}``          the same in steps
 ``tiercache_agent_lost_versions_total``               versions that reached no durable tier

@@ -39,6 +39,8 @@ unpin      ``pin`` -> {}
 list       ``prefix`` -> ``keys`` (of the agent's RAM tier)
 get        ``key`` -> ``data`` (latin-1 text of a small object's bytes) | ``missing``: true
 holds      ``versions``, ``chunks`` -> which of them node RAM holds whole
+ram        ``versions`` -> ``states`` {id: state}, ``reasons`` {state: why}: node RAM holds each
+           version, or why not (:mod:`tiercache.agent.holdings`)
 flush      ``within``, ``mine`` -> {} once this client's (or every) version settled
 promote    ``version`` -> ``nbytes``
 evict      ``chunks`` -> ``nbytes``

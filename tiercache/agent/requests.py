@@ -23,6 +23,7 @@ from typing import Any
 from tiercache.agent.arena import SharedArena, free_bytes
 from tiercache.agent.client import shared_settings
 from tiercache.agent.committer import Calls, TrainerCommitter
+from tiercache.agent.holdings import Holdings
 from tiercache.agent.keep import LIMIT, KeptParts
 from tiercache.agent.naming import AgentPlace
 from tiercache.agent.peering import PeerPort, copy_request, port_request
@@ -41,6 +42,7 @@ from tiercache.errors import (
     ConflictError,
     GroupBrokenError,
     InvalidArgumentError,
+    SkippedError,
     TierCacheError,
     TierFullError,
 )
@@ -52,6 +54,7 @@ from tiercache.manifest import RefRecord, Version
 from tiercache.names import chunk_key
 from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
+from tiercache.saver import absent_levels
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
 
@@ -130,6 +133,8 @@ class Requests:
     _tracked: dict[str, Tracked]
     #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
     _orphans: KeptParts
+    #: What node RAM took of each version, for ``ls`` in other processes.
+    _holdings: Holdings
     #: Recent group versions whose first part was noted for the durability lag.
     _group_versions: OrderedDict[str, None]
     _levels: Counter[str]
@@ -331,6 +336,10 @@ class Requests:
     def _published(self, t: Tracked, f: Future[Version]) -> None:
         manifest = f.result() if f.exception() is None else None
         t.manifest = manifest
+        if manifest is not None and t.adopt is None:
+            self._holdings.note(t.version, None)
+        elif manifest is not None and t.part is not None:
+            self._holdings.note(str(t.adopt["v"]), t.part, (c.id for c in manifest.chunks))
         self._send_published(t, manifest)
 
     def _send_published(self, t: Tracked, manifest: Version | None) -> None:
@@ -346,7 +355,11 @@ class Requests:
     def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
         err = f.exception()
         ok = err is None
-        self._levels[f"{level}:{'ok' if ok else 'failed'}"] += 1
+        assert self.cache is not None
+        # A level this cache has no tier for is no level of its (no counter); a skip (the
+        # policy's, or the group's on a part) is not a failure.
+        if level not in absent_levels(self.cache.repo.durable):
+            self._levels[f"{level}:{'ok' if ok else 'skipped' if isinstance(err, SkippedError) else 'failed'}"] += 1
         job = self.engine.jobs.get(t.version)
         done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
         pending = sorted(n for n in job.pending if n != done_tier) if job is not None else []
@@ -362,7 +375,6 @@ class Requests:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
             event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
-            assert self.cache is not None
             head = self.cache.catalog.ref("branch", t.branch)
             event["head"] = head.model_dump(mode="json") if head is not None else None
             event["record"] = t.record.model_dump(mode="json")
@@ -509,6 +521,13 @@ class Requests:
         chunks = {cid: ram is not None and ram.size(chunk_key(str(cid))) is not None for cid in msg.get("chunks", ())}
         return {"versions": versions, "chunks": chunks}
 
+    def _ram(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.cache is not None
+        ram = self.engine.ram
+        states, reasons = self._holdings.states((str(v) for v in msg.get("versions", ())), self.cache.catalog,
+                                                lambda c: ram is not None and ram.size(chunk_key(c)) is not None)
+        return {"states": states, "reasons": reasons}
+
     def _flush(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
         deadline = None if timeout is None else time.monotonic() + float(timeout)
@@ -600,7 +619,8 @@ class Requests:
                       "capacity": arena.capacity if arena is not None else None,
                       "used_bytes": arena.used_bytes if arena is not None else 0},
             "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
-            "parts_released": self._orphans.released,
+            "parts_released": self._orphans.released, "orphans": self._orphans.summary(),
+            "orphans_limit": LIMIT,
             "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
@@ -652,6 +672,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "list": (Requests._list, False),
     "get": (Requests._get, False),
     "holds": (Requests._holds, False),
+    "ram": (Requests._ram, False),
     "flush": (Requests._flush, True),
     "promote": (Requests._promote, True),
     "keep": (Requests._keep, True),

@@ -36,6 +36,7 @@ from typing import Any
 from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
 from tiercache.agent.committer import trainer_left
+from tiercache.agent.holdings import Holdings
 from tiercache.agent.keep import KeptParts
 from tiercache.agent.lifecycle import check_environment
 from tiercache.agent.peering import PeerPort
@@ -100,6 +101,7 @@ class AgentServer(Requests):
         self._plans = PlanCache(self.inner.pack_below)
         self._tracked: dict[str, Tracked] = {}
         self._orphans = KeptParts()
+        self._holdings = Holdings(self.started_at)
         self._group_versions: OrderedDict[str, None] = OrderedDict()
         self._levels: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()

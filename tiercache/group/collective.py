@@ -465,7 +465,8 @@ class Channel:
                 # Every rank failing alike is the group's verdict of an earlier phase: pass it on
                 # as it is, not as an error of the first rank.
                 alike = all(r == s for r in statuses)
-                failure = s if alike else s.failed(f"{what} failed: {group.name(rank)}: {said}")
+                verb = "skipped" if s.kind == "skip" else "failed"  # a skip is some rank's policy's choice
+                failure = s if alike else s.failed(f"{what} {verb}: {group.name(rank)}: {said}")
         # Claim the verdict before deciding (deciding may commit the version): a rank that gave up
         # on this coordinator claimed it first, and then its failure is the group's outcome.
         store = self._client()

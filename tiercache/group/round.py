@@ -13,6 +13,7 @@ settle the round's futures: one per durability level, the same outcome on every 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
@@ -22,13 +23,15 @@ from typing import TYPE_CHECKING, Any
 from tiercache.errors import ConfigError, SkippedError, TierCacheError
 from tiercache.group.status import Status
 from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle
-from tiercache.manifest import NodePart, RefRecord, Version
+from tiercache.manifest import NodePart, RefRecord, TierOutcome, Version
 from tiercache.parts import part_of
 
 if TYPE_CHECKING:
     from tiercache.group.hashing import Split
     from tiercache.group.view import GroupView
     from tiercache.layout import Layout
+
+log = logging.getLogger("tiercache.group.round")
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Round:
         self._lock = threading.Lock()
         self._settled: dict[str, BaseException | None] = {}
         self._lost = False
+        self._noted = False  # why a tier missed the version is recorded (see _note_missed)
 
     # -- the engine's side (hasher and writer threads) --
 
@@ -196,9 +200,22 @@ class Round:
         """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict)."""
         with self._lock:
             self._settled[tier] = err
-            lost = (not self._lost and len(self._settled) == len(self.outcome)
-                    and all(e is not None for e in self._settled.values()))
+            done = len(self._settled) == len(self.outcome)
+            lost = not self._lost and done and all(e is not None for e in self._settled.values())
             self._lost = self._lost or lost
+            missed = None
+            if done and not self._lost and not self._noted and any(e is not None for e in self._settled.values()):
+                self._noted = True
+                missed = dict(self._settled)
+        if missed is not None:
+            self._note_missed(missed)
+        try:
+            self._settle(tier, err, lost)
+        finally:  # the levels first: a note for humans never holds them up
+            if missed is not None:
+                self._store_missed(missed)
+
+    def _settle(self, tier: str, err: BaseException | None, lost: bool) -> None:
         if lost:
             self._record_loss()
         for f in (self.owners[tier], self.outcome[tier]):
@@ -227,6 +244,30 @@ class Round:
                 # before anyone waiting for the level hears of it.
                 self.view.cache.catalog.retract(self.ref)
                 durable.set_exception(self._durable_error())
+
+    def _note_missed(self, settled: dict[str, BaseException | None]) -> None:
+        """Why the tiers that missed the version did, in this process's catalog (``versions()``) at once."""
+        self.view.cache.catalog.note_outcomes(self.vid, {
+            t: TierOutcome(state="skipped", reason=str(e)) if isinstance(e, SkippedError)
+            else TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
+            for t, e in settled.items() if e is not None})
+
+    def _store_missed(self, settled: dict[str, BaseException | None]) -> None:
+        """Record, on the tiers that hold the version, why the others do not (``ls`` in any process).
+
+        As a single process's engine records its versions' (the group manifest is the version
+        others list). Each tier gets it once: a node's disk from the node's leader, a tier every
+        node shares from rank 0. A note for humans: an error writing it is logged, never raised.
+        """
+        view = self.view
+        leads = view.topology.leads(view.rank)
+        on = [t for t, e in settled.items() if e is None and (view.rank == 0 if t not in view.node_local else leads)]
+        if not on:
+            return
+        try:
+            view.cache.catalog.store_outcomes(self.vid, on)
+        except TierCacheError as e:
+            log.info("could not record why version %s is not on every tier: %s", self.vid, e)
 
     def _record_loss(self) -> None:
         """Count the version as lost, as the pipeline counts a single process's (``stats()``, ``flush()``).

@@ -53,6 +53,7 @@ from tiercache.pipeline.hasher import Hasher
 from tiercache.pipeline.job import Committer, Job, JobTable, StagedVersion
 from tiercache.pipeline.placement import Placement, skip_level
 from tiercache.pipeline.ramcache import RamCache
+from tiercache.pipeline.skips import SkipLog
 from tiercache.pipeline.staging import PlanCache, Stager
 from tiercache.pipeline.writer import TierWriter, lower_thread_priority
 from tiercache.policy.base import Policy
@@ -103,6 +104,8 @@ class Engine:
             serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable, make_arena=make_arena,
         )
         self.placement = Placement(self, policy)
+        #: Logs the policy's skips (and the group's) at INFO, summarised when they repeat.
+        self.skips = SkipLog()
         #: Reads a verified chunk object from the best tier holding it (catch-up copies with it).
         self.read_object = read_object
         self._plans = PlanCache(config.pack_below)
@@ -561,7 +564,14 @@ class Engine:
 
         ``group``: the error is the group's verdict on a multi-rank version (another rank's
         failure, or the trainer of a part that went away), which says nothing of this tier.
+
+        A multi-rank version the group skipped on this tier (some rank's policy skipped its part
+        there, so the group has no version there) is a skip, not a failure: recorded and logged
+        as the policy's own skips are (:class:`~tiercache.pipeline.skips.SkipLog`).
         """
+        if isinstance(err, SkippedError) and job.committer is not None:
+            self._group_skipped(name, job, err)
+            return
         with self.jobs.lock:
             job.failed[name] = err
             self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
@@ -573,6 +583,15 @@ class Engine:
             self.health.mark_down(name, err)  # logged once per outage
         elif not quiet:
             log.warning("writing version %s to %s failed: %s", job.version_id, name, err)
+        self._done_with(job, name)
+
+    def _group_skipped(self, name: str, job: Job, err: SkippedError) -> None:
+        with self.jobs.lock:
+            job.skipped[name] = str(err)
+        lvl = TIER_LEVEL.get(name)
+        if lvl:
+            self._level(job, lvl).fail_unless_settled(err)
+        self.skips.skipped(name, job.version_id, str(err))
         self._done_with(job, name)
 
     def _done_with(self, job: Job, name: str) -> None:
@@ -861,6 +880,7 @@ class Engine:
             lane.shutdown()
         self._stager.close()
         self.ramcache.close()
+        self.skips.flush()
         lost = self.take_losses()
         if lost:
             raise lost[0]

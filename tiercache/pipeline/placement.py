@@ -165,6 +165,9 @@ class Placement:
                     if job.committer is not None:  # the group waits for this level now (no fallback)
                         skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
+            skipped = [(n, job.skipped[n]) for n in tiers if n not in targets]
+        for name, why in skipped:
+            self.engine.skips.skipped(name, job.version_id, why)
         for name in tiers:
             # A tier the policy bypassed for being full: its versions have no other copy (or
             # eviction would have made room), so catch-up drains the oldest of them onward.
@@ -231,7 +234,7 @@ class Placement:
             if not self.engine.health.available(name):
                 job.skipped_down.add(name)
             finished = not job.pending
-        log.info("version %s skipped for %s: %s", job.version_id, name, reason)
+        self.engine.skips.skipped(name, job.version_id, reason)
         if job.committer is not None:
             # The group settles a multi-rank version tier by tier, and waits for each rank's level
             # of this tier now; there is no fallback for it anyway.

@@ -581,9 +581,15 @@ class Catalog:
             if self._status_listed is not None:
                 self._status_listed.add(version_id)
 
-    def store_outcomes(self, version_id: str) -> None:
-        """Write a version's outcomes (see :meth:`note_outcomes`) to every available tier holding its manifest."""
-        self._store_outcomes(version_id, self.outcomes(version_id))
+    def store_outcomes(self, version_id: str, on: Collection[str] | None = None) -> None:
+        """Write a version's outcomes (see :meth:`note_outcomes`) to every available tier holding its manifest.
+
+        Args:
+            version_id: The version.
+            on: Only these of those tiers (the ranks of a group share the work: see
+                :mod:`tiercache.group.round`).
+        """
+        self._store_outcomes(version_id, self.outcomes(version_id), on)
 
     def record_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
         """Record why tiers do not hold a version, on every available tier that holds its manifest."""
@@ -597,7 +603,8 @@ class Catalog:
             del current[tier]
             self._store_outcomes(version_id, current)
 
-    def _store_outcomes(self, version_id: str, outcomes: dict[str, TierOutcome]) -> None:
+    def _store_outcomes(self, version_id: str, outcomes: dict[str, TierOutcome],
+                        on: Collection[str] | None = None) -> None:
         with self._lock:
             self._outcomes[version_id] = dict(outcomes)
             if self._status_listed is not None:
@@ -605,6 +612,8 @@ class Catalog:
         key = status_key(version_id)
         body = VersionStatus(version=version_id, tiers=outcomes).to_json() if outcomes else None
         for name in self._holders(version_id):
+            if on is not None and name not in on:
+                continue
             tier = self._tiers[name]
             if body is None:
                 tier.delete(key)
