@@ -458,6 +458,45 @@ def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, sh
         _assert_state(cache.restore("main"), 4)
 
 
+def test_the_cli_promotes_into_and_evicts_from_node_ram_an_agent_holds(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    # Issue 47 item 6: with an agent, node RAM outlasts the command, so the CLI moves versions in and out of it.
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    agents(cfg)
+    with tiercache.open(cfg) as cache:
+        a, _b = (cache.save(state_for(s), step=s).wait("local") for s in (1, 2))
+        cache.flush()
+        nbytes = cache.manifest(a).nbytes
+    cli = CliRunner()
+    out = cli.invoke(app, ["--config", str(spec), "evict", "main~1", "--from", "ram", "--json"])
+    assert out.exit_code == 0, out.output
+    freed = json.loads(out.output)["bytes_freed"]
+    assert freed >= nbytes  # every chunk of it (stored objects: a little more than the raw bytes)
+    out = cli.invoke(app, ["--config", str(spec), "promote", "main~1", "--to", "ram", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"version": a, "branch": "main", "step": 1, "tier": "ram", "bytes_copied": freed}
+    with tiercache.open(cfg) as cache:  # a new process restores it from node RAM
+        _assert_state(cache.restore("main~1", resume=False), 1)
+        assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"ram"}
+
+
+def test_the_cli_refuses_ram_moves_when_the_agent_is_not_running(tmp_path: Path, sock_dir: Path) -> None:
+    cfg = agent_config(tmp_path, sock_dir)
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    with tiercache.open(without_agent(cfg)) as cache:
+        cache.save(state_for(1), step=1).wait("local")
+    out = CliRunner().invoke(app, ["--config", str(spec), "promote", "main", "--to", "ram"])
+    assert out.exit_code == 2
+    assert out.output.splitlines()[-1] == (
+        "error: a CLI process has no lasting RAM tier (its arena ends with the command), so `promote --to ram` "
+        "would do nothing: no node agent serves this cache now: run one (`tiercache agent`) for node RAM that "
+        "outlasts commands")
+
+
 # ------------------------------------------------------------------------ a multi-rank job
 
 

@@ -785,7 +785,9 @@ class TierCache:
             for other in self.catalog.all():  # chunks shared with other versions in RAM stay
                 if other.id != version.id and "ram" in self.catalog.residency(other):
                     ids -= {c.id for c in other.chunks}
-            return self._engine.evict_ram(ids) if self._engine is not None else 0
+            # Node RAM outlives this process: its agent evicts even where this process never saved.
+            engine = self.engine if self._engine is not None or self.agent is not None else None
+            return engine.evict_ram(ids) if engine is not None else 0
         if self._engine is not None:
             self._engine.wait_job(version.id)
         freed = self.repo.evict(version.id, tier, by="user")

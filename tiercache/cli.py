@@ -396,17 +396,23 @@ def _echo_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
-def _refuse_ram(tier: str, option: str) -> None:
-    """Refuse ``promote --to ram`` / ``evict --from ram``: what they would do ends with the command.
+def _refuse_ram(cache: "TierCache", tier: str, option: str) -> None:
+    """Refuse ``promote --to ram`` / ``evict --from ram`` unless a node agent holds RAM for the cache.
+
+    Without an agent, what they would do ends with the command; with one, node RAM outlives it
+    (the agent does the copy or the eviction).
 
     Raises:
-        InvalidArgumentError: If ``tier`` is ``ram``.
+        InvalidArgumentError: If ``tier`` is ``ram`` and no node agent serves the cache.
     """
-    if tier == "ram":
-        raise InvalidArgumentError(
-            f"a CLI process has no lasting RAM tier (its arena ends with the command), so `{option} ram` "
-            "would do nothing: use a durable tier (disk, s3)"
-        )
+    if tier != "ram" or cache.agent is not None:
+        return
+    why = ("no node agent serves this cache now: run one (`tiercache agent`) for node RAM that outlasts commands"
+           if cache.config.agent is not None else "use a durable tier (disk, s3), or an [agent] for node RAM")
+    raise InvalidArgumentError(
+        f"a CLI process has no lasting RAM tier (its arena ends with the command), so `{option} ram` "
+        f"would do nothing: {why}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,7 +772,7 @@ def promote(
     Do it ahead of a restore, e.g. on a new node whose disk does not hold the version yet.
     """
     with _session(ctx) as cache:
-        _refuse_ram(to, "promote --to")
+        _refuse_ram(cache, to, "promote --to")
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"promote {info.id[:SHORT_ID]} -> {to}", info.nbytes) as progress:
             copied = cache.promote(info.id, to=to, progress=progress.advance)
@@ -789,7 +795,7 @@ def evict(
     Chunks that other versions on that tier still use stay.
     """
     with _session(ctx) as cache:
-        _refuse_ram(tier, "evict --from")
+        _refuse_ram(cache, tier, "evict --from")
         info = _info(cache, cache.resolve(ref))
         freed = cache.evict(info.id, tier)
     if as_json:
