@@ -833,7 +833,8 @@ class TierCache:
         if self._link is not None and self._link.lost is None:
             # The agent writes this cache: it collects too, so its view of the tiers stays true.
             got = self._link.request("gc", dry_run=dry_run, grace=grace)["report"]
-            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"])})
+            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"]),
+                                          "kept_by_reflog": tuple(got.get("kept_by_reflog", ()))})
             self.catalog.forget(report.versions if not dry_run else ())
         else:
             report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)

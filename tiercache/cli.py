@@ -423,12 +423,15 @@ class GraphRow(NamedTuple):
     """One row of a version graph.
 
     Attributes:
-        graph: The lane drawing (``*``, ``|``, ``/``, ``_``), without trailing spaces.
-        node: The version drawn with ``*`` on this row, or ``None`` for a connector row.
+        graph: The lane drawing (``*``, ``|``, ``/``, ``_``, and ``:`` for a gap), without trailing spaces.
+        node: The version drawn with ``*`` on this row, or ``None`` for a connector or gap row.
+        gap: On a gap row, the version above it whose parent is not among the nodes (the lane
+            goes on below it with ``:``: versions are missing there), else ``None``.
     """
 
     graph: str
     node: str | None
+    gap: str | None = None
 
 
 def _connector(lanes: int, drop: int, keep: int | None) -> str:
@@ -460,10 +463,10 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
 
     Args:
         nodes: ``(id, parent)`` pairs newest first, every version before its parent. A parent
-            that is ``None`` or not among the nodes ends the lane (a root).
+            that is ``None`` ends the lane (a root); one not among the nodes ends it after a gap row.
 
     Returns:
-        The rows to print, top to bottom: one per version plus connector rows.
+        The rows to print, top to bottom: one per version plus connector and gap rows.
     """
     known = {node for node, _ in nodes}
     lanes: list[str] = []
@@ -473,6 +476,8 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
             lanes.append(node)
         col = lanes.index(node)
         rows.append(GraphRow(" ".join("*" if i == col else "|" for i in range(len(lanes))), node))
+        if parent is not None and parent not in known:
+            rows.append(GraphRow(" ".join(":" if i == col else "|" for i in range(len(lanes))), None, node))
         if parent is None or parent not in known:
             if col < len(lanes) - 1:
                 rows.append(GraphRow(_connector(len(lanes), col, None), None))
@@ -627,31 +632,53 @@ def log(
     if reflog:
         _log_reflog(ctx, ref, as_json)
         return
+    from tiercache.manifest import left_behind  # not at import: `--help` stays quick
+
     with _session(ctx) as cache:
         versions = _lineage(cache, ref)
         refs = cache.refs()
+        behind = left_behind(_with_pruned(cache), refs)
     if as_json:
         _echo_json([_version_json(v, refs) for v in versions])
         return
     labels = _ref_labels(refs)
+
+    def marks(v: "VersionInfo") -> str:
+        out = [_pruned_why(v)] if _pruned_why(v) else []  # the gap in the lineage, marked
+        if v.id in behind:
+            out.append(f"rolled back: not in {v.branch}'s history")
+        return "".join(f" [{m}]" for m in out)
+
     if graph:
         by_id = {v.id: v for v in versions}
         width = short_id_length(by_id)
         for row in layout_graph([(v.id, v.parent) for v in versions]):
-            if row.node is None:
+            if row.gap is not None:
+                typer.echo(f"{row.graph}  {_gap_line(by_id[row.gap], versions, width)}")
+            elif row.node is None:
                 typer.echo(row.graph)
             else:
                 v = by_id[row.node]
-                gone = f" [{_pruned_why(v)}]" if _pruned_why(v) else ""  # the gap in the lineage, marked
-                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}{gone}")
+                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}{marks(v)}")
         return
     for v in versions:
         meta = json.dumps(v.meta, sort_keys=True)
-        gone = f"  [{_pruned_why(v)}]" if _pruned_why(v) else ""
         typer.echo(
             f"{v.id}  {_where(v)}  parent {v.parent or '-'}  meta {meta}"
-            f"{_decoration(labels.get(v.id, []))}{gone}"
+            f"{_decoration(labels.get(v.id, []))}{marks(v).replace(' [', '  [', 1)}"
         )
+
+
+def _gap_line(v: "VersionInfo", versions: "Sequence[VersionInfo]", width: int) -> str:
+    """What a gap row of ``log --graph`` says: ``v``'s parent, and the steps before ``v``, are held by no tier."""
+    assert v.parent is not None
+    older = [o.step for o in versions if o.branch == v.branch and o.step < v.step and o.id < v.id]
+    first = max(older) + 1 if older else 0
+    lost = v.step - first
+    span = f"{v.branch}@{first}" if lost == 1 else f"{v.branch}@{first} to {v.branch}@{v.step - 1}"
+    steps = f"; {span} missing ({lost} step{'s' if lost != 1 else ''})" if lost > 0 else ""
+    return (f"gap: {_where(v)}'s parent {v.parent[:width]} is held by no tier (its tier is gone, "
+            f"or it was pruned){steps}")
 
 
 def _log_reflog(ctx: typer.Context, branch: str | None, as_json: bool) -> None:
@@ -922,6 +949,13 @@ def gc(
                    f"{human_bytes(report.bytes_freed[name])}")
     typer.echo(f"gc {verb} {len(report.versions)} version(s), {human_bytes(report.total_bytes)}; "
                f"{report.spared} unreferenced object(s) younger than {report.grace:g} s kept")
+    if report.kept_by_reflog:
+        n = len(report.kept_by_reflog)
+        first = None if report.reflog_expires is None else datetime.fromtimestamp(report.reflog_expires, UTC)
+        when = "" if first is None else f"; the first becomes collectable at {first:%Y-%m-%d %H:%M:%S} UTC"
+        typer.echo(f"the reflog keeps {n} version(s) no ref reaches (a rollback, resume or ref move left them "
+                   f"behind less than reflog_keep = {report.reflog_keep:g} s ago){when}: set reflog_keep lower "
+                   "to collect them sooner")
 
 
 @app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --probe",

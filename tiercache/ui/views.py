@@ -22,7 +22,7 @@ from typing import Any
 from tiercache.advisor import PlanInputs, plan
 from tiercache.errors import InvalidArgumentError
 from tiercache.handle import TIER_LEVEL
-from tiercache.manifest import RefMove, Version, VersionInfo
+from tiercache.manifest import RefMove, Version, VersionInfo, left_behind
 from tiercache.status import ALL_LEVELS
 
 #: How many versions the lineage and residency views list (newest first).
@@ -168,12 +168,11 @@ def lineage(cap: Capture) -> dict[str, Any]:
     for key in sorted(refs):
         labels.setdefault(refs[key], []).append(key)
     branches = []
-    reachable: dict[str, set[str]] = {}
+    behind = left_behind(versions, refs)
     for key, vid in sorted(refs.items()):
         kind, _, name = key.partition("/")
         if kind != "branch":
             continue
-        reachable[name] = _ancestors(vid, by_id)
         info = by_id.get(vid)
         branches.append({"name": name, "head": vid, "step": info.step if info else None,
                          "versions": sum(1 for v in versions if v.branch == name)})
@@ -183,7 +182,7 @@ def lineage(cap: Capture) -> dict[str, Any]:
         rows.append({
             "id": v.id, "short": v.id[:SHORT_ID], "step": v.step, "branch": v.branch, "parent": v.parent,
             "created_at": _ts(v.created_at), "nbytes": v.nbytes, "meta": v.meta, "refs": labels.get(v.id, []),
-            "rolled_back": v.branch in reachable and v.id not in reachable[v.branch],
+            "rolled_back": v.id in behind,
             "states": tier_states(v, cap.tiers, cap.status),
         })
     return {"tiers": cap.tiers, "total": len(versions), "versions": rows, "branches": branches, "tags": tags,
