@@ -378,6 +378,27 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
     assert f"agent {agent.pid} up" in out.output
 
 
+def test_the_ui_names_the_trainers_an_agent_saves_for_not_the_agent(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    # Issue 47 item 5: the agent publishes the status and outlives its trainers; its pid is no trainer's.
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "ui": {"status_interval": 0.05}}
+    agent = agents(cfg)
+
+    def publisher() -> dict[str, Any]:
+        with tiercache.open(cfg) as viewer:  # as `tiercache ui` reads it: connected to the agent, never saving
+            return views.overview(views.Capture.of(viewer, mttf=None, now=time.time()), refresh=2.0)["trainer"] or {}
+
+    with tiercache.open(cfg) as cache:
+        vid = cache.save(state_for(1), step=1).wait("local")
+        _wait_for(lambda: (publisher().get("staged") or {}).get("version") == vid, what="the agent's status")
+        live = publisher()
+    assert (live["writer"], live["pid"], live["trainers"], live["closed"]) == ("agent", agent.pid, [os.getpid()], False)
+    _wait_for(lambda: publisher()["trainers"] == [], what="the trainer to leave the agent")
+    gone = publisher()
+    assert (gone["writer"], gone["pid"], gone["closed"], gone["staged"]["version"]) == ("agent", agent.pid, False, vid)
+
+
 def test_a_client_refuses_another_users_socket(tmp_path: Path, sock_dir: Path) -> None:
     cfg = agent_config(tmp_path, sock_dir)
     sock = sock_dir / "a.sock"

@@ -69,6 +69,8 @@ class Client:
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
     alive: bool = True
+    #: Versions (or parts) it published: a client that saves is a trainer, one that never does a viewer.
+    saves: int = 0
     #: What the engine asks this trainer about the parts of group versions it published.
     calls: Calls = dataclasses.field(init=False)
 
@@ -275,6 +277,7 @@ class Requests:
             regions = client.reservations.pop(int(msg["rid"]), None)
         if regions is None:
             raise ProtocolError(f"unknown reservation {msg['rid']!r}")
+        client.saves += 1
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         assert self.cache is not None
@@ -585,7 +588,7 @@ class Requests:
         engine = self.engine
         arena = engine.ramcache.arena
         with self._lock:
-            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins)}
+            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins), "saves": c.saves}
                        for c in self._clients.values()]
             tracked = len(self._tracked)
             parts = {"in_flight": sum(t.part is not None for t in self._tracked.values()),

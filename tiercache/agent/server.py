@@ -145,7 +145,8 @@ class AgentServer(Requests):
             engine = self.engine  # with an explicit capacity, the arena is made and pre-faulted now
             tier = next((t for n, t in self.cache.repo.durable.items() if self.cache.health.available(n)), None)
             self._recorder = StatusRecorder(None if tier is None else lambda data: tier.put(STATUS_KEY, data),
-                                            interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot)
+                                            interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot,
+                                            writer="agent")
             self._watch_ram(engine)
             self._listen()
             if self.settings.metrics is not None:

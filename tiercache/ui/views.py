@@ -328,15 +328,26 @@ def advice(cap: Capture) -> dict[str, Any]:
 
 
 def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
-    """Body of ``/api/overview``: tiers, levels, policy, the saving process's liveness, the node agent, the refresh."""
+    """Body of ``/api/overview``: tiers, levels, policy, who publishes the status, the node agent, the refresh.
+
+    ``trainer`` is ``None`` without a status. Its ``writer`` is ``"trainer"`` when the training
+    process publishes (``pid`` is then the trainer's), or ``"agent"`` when a node agent does for
+    the trainers of its node: ``pid`` is then the agent's, which outlives them, and ``trainers``
+    lists the pids of the processes that saved through the agent and are still connected to it
+    (empty when none is, or the agent that wrote the status is not the one running now).
+    """
+    node_agent = cap.stats.get("agent")
     trainer = None
     if cap.status is not None:
         updated = cap.status.get("updated_at")
         age = cap.at - updated if isinstance(updated, int | float) and math.isfinite(updated) else None
-        trainer = {"pid": cap.status.get("pid"), "updated_at": updated, "age_s": age,
-                   "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+        trainer = {"writer": cap.status.get("writer", "trainer"), "pid": cap.status.get("pid"), "updated_at": updated,
+                   "age_s": age, "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+        if trainer["writer"] == "agent":
+            running = bool(node_agent) and node_agent.get("pid") == trainer["pid"]
+            trainer["trainers"] = sorted({c["pid"] for c in node_agent.get("clients", []) if c.get("saves")}
+                                         ) if running else []
     refs = cap.refs
-    node_agent = cap.stats.get("agent")
     agent = None if not node_agent else {
         "pid": node_agent.get("pid"), "clients": len(node_agent.get("clients", [])),
         "in_flight": node_agent.get("in_flight", 0), "queues": node_agent.get("queues", {}),
