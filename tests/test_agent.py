@@ -399,6 +399,41 @@ def test_the_ui_names_the_trainers_an_agent_saves_for_not_the_agent(
     assert (gone["writer"], gone["pid"], gone["closed"], gone["staged"]["version"]) == ("agent", agent.pid, False, vid)
 
 
+def test_plan_uses_the_restores_and_the_restart_the_agent_saw(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    # Issue 47 item 7: no "restart 0.00 s assumed" or a restore estimated from a write speed after real restarts.
+    from tiercache.advisor import when
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "ui": {"status_interval": 0.05}}
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    agents(cfg)
+    started = time.time()
+    code, _ = _trainer({"config": cfg, "steps": [1, 2], "wait": ["local"], "end": "kill"})
+    assert code == -signal.SIGKILL
+    _wait_for(lambda: not any(c["saves"] for c in call(load_config(cfg), "stats")["clients"]), what="the trainer gone")
+    left = time.time()
+    time.sleep(0.5)
+    asked = time.time()
+    with tiercache.open(cfg) as cache:  # the restarted trainer
+        _assert_state(cache.restore("main"), 2)
+        restored = time.time()
+        _wait_for(lambda: (cache.status() or {}).get("restart", {}).get("count") == 1, what="the agent's status")
+        status = cache.status()
+    assert status is not None and status["restore"]["count"] == 1
+    restart = status["restart"]["ewma"]
+    assert asked - left <= restart <= restored - started  # from the trainer's exit to the new one's restore
+    res = CliRunner().invoke(app, ["--config", str(spec), "plan", "--mttf", "3h", "--json"])
+    assert res.exit_code == 0, res.output
+    inputs = json.loads(res.output)["inputs"]
+    assert inputs["restore"] == {"seconds": status["restore"]["ewma"], "source": "measured",
+                                 "note": f"EWMA of 1 restores, newest {when(status['restore']['recent'][-1][0])}"}
+    assert inputs["restart"] == {"seconds": restart, "source": "measured",
+                                 "note": "EWMA of 1 restarts (the node agent saw the trainers leave and return), "
+                                         f"newest {when(status['restart']['recent'][-1][0])}"}
+
+
 def test_a_client_refuses_another_users_socket(tmp_path: Path, sock_dir: Path) -> None:
     cfg = agent_config(tmp_path, sock_dir)
     sock = sock_dir / "a.sock"

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -1098,7 +1099,9 @@ def plan(
     restore: Annotated[float | None, typer.Option("--restore", help="Use SECONDS as the restore time.",
                                                    metavar="SECONDS", show_default=False)] = None,
     restart: Annotated[str | None, typer.Option("--restart", help="Time a failed job takes to run again, e.g. 2min "
-                                                "(default: [advisor] restart, else 0).", show_default=False)] = None,
+                                                "(default: [advisor] restart, else what a node agent measured, "
+                                                "else 0).",
+                                                show_default=False)] = None,
     min_interval: Annotated[str | None, typer.Option("--min-interval", help="Never advise a shorter interval.",
                                                      show_default=False)] = None,
     max_interval: Annotated[str | None, typer.Option("--max-interval", help="Never advise a longer interval.",
@@ -1120,13 +1123,14 @@ def plan(
                                                      f"{', '.join(cache.levels)}")
             inputs = cache.plan_inputs(level, mttf=job_mttf, restart=restart, given=given)
             bounds = cache.config.advisor
-        result = advisor.plan(
-            inputs,
-            min_interval=parse_duration(min_interval) if min_interval is not None else bounds.min_interval,
-            max_interval=parse_duration(max_interval) if max_interval is not None else bounds.max_interval,
-        )
+            result = advisor.plan(
+                inputs,
+                min_interval=parse_duration(min_interval) if min_interval is not None else bounds.min_interval,
+                max_interval=parse_duration(max_interval) if max_interval is not None else bounds.max_interval,
+            )
+            sized, sizing_lines = _sizing(cache, result.interval)
     if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        typer.echo(json.dumps({**result.to_json(), "sizing": sized}, indent=2))
         return
     why = f"bounded by {result.bound.replace('_', ' ')}" if result.bound else "availability-optimal"
     typer.echo(f"advised interval: {human_duration(result.interval)} ({result.interval:.0f} s, {why}); "
@@ -1151,6 +1155,76 @@ def plan(
     console = _console(highlight=False)
     console.print(table)
     console.print(inputs_table)
+    for line in sizing_lines:
+        typer.echo(line)
+
+
+def _sizing(cache: "TierCache", advised: float) -> tuple[dict[str, Any] | None, list[str]]:
+    """The sizing advice of docs/config.md from what the cache measured: its JSON and the lines ``plan`` prints."""
+    from tiercache.advisor import snapshot_rate
+    from tiercache.sizing import Sizing
+
+    def speed(bps: float | None) -> str:
+        return _rate({"bps": bps})
+
+    versions = cache.versions()
+    if not versions:
+        return None, ["sizing: no version saved yet, nothing to size"]
+    newest = versions[-1]
+    status = cache.status() or {}
+    meter = status.get("meter")
+    rate = snapshot_rate(meter) if isinstance(meter, Mapping) else cache.meter.rate
+    saved = sorted(v["created_at"] for v in (status.get("versions") or {}).values()
+                   if isinstance(v, Mapping) and isinstance(v.get("created_at"), int | float))
+    gaps = sorted(b - a for a, b in itertools.pairwise(saved))
+    if gaps:
+        interval, whence = gaps[len(gaps) // 2], f"the median of {len(gaps)} intervals between saves, measured"
+    else:
+        interval, whence = advised, "the advised interval: no interval between saves measured"
+    tiers = cache.tier_names
+    first = next((t for t in ("disk", "s3") if t in tiers), None)
+    rule = getattr(cache.policy, "retention_rule", None)  # "retention latest = 5, ..." / "write-through keep = 5"
+    latest = re.search(r"\b(?:latest|keep) = (\d+)", rule) if isinstance(rule, str) else None
+    sz = Sizing(newest.nbytes, interval, rate(first, "write") if first else None,
+                rate("s3", "write") if "s3" in tiers else None, int(latest.group(1)) if latest else None,
+                "s3" in tiers)
+    size = human_bytes(sz.state_bytes)
+    lines = [f"sizing: versions of {size} (the newest, {_where(newest)}), saved every "
+             f"{human_duration(interval)} ({whence})"]
+    if first is None:
+        return None, [*lines, "  no durable tier: nothing to size but the arena (2 versions)"]
+    if sz.first_write_bps:
+        written = (f"{first} writes one in {human_duration(sz.state_bytes / sz.first_write_bps)} at "
+                   f"{speed(sz.first_write_bps)}, measured")
+    else:
+        written = f"{first}'s write speed not measured yet"
+    lines.append(f"  [ram] capacity  >= {human_bytes(sz.arena_bytes)}: the version being copied in + "
+                 f"{sz.in_flight} {first} has not written yet ({written})")
+    if "disk" in tiers:
+        waiting = " + 1 waiting for s3" if sz.has_s3 else ""
+        if sz.disk_bytes is not None:
+            lines.append(f"  [disk] capacity >= {human_bytes(sz.disk_bytes)}: {sz.keep} versions kept ({rule}) + 1 "
+                         f"being written{waiting}")
+        else:
+            lines.append(f"  [disk] capacity: no retention keeps a number of versions, so the disk keeps them until "
+                         f"its capacity evicts copies another tier holds; a retention of the latest K needs "
+                         f"(K + {2 if sz.has_s3 else 1}) x {size}")
+    if sz.has_s3:
+        need = f"  s3: every version needs {speed(sz.s3_needed_bps)}"
+        if sz.s3_write_bps is None or sz.s3_every is None or sz.s3_lag_s is None:
+            lines.append(f"{need}; s3's write speed not measured yet")
+        elif sz.s3_every == 1:
+            lines.append(f"{need}; measured {speed(sz.s3_write_bps)}: every version reaches s3, within "
+                         f"{human_duration(sz.s3_lag_s)} of its save")
+        else:
+            lines.append(f"{need}; measured {speed(sz.s3_write_bps)}: s3 gets 1 version in {sz.s3_every}, "
+                         f"each within {human_duration(sz.s3_lag_s)} of its save")
+    doc = {"state_bytes": sz.state_bytes, "interval_s": interval, "interval_source": whence,
+           "first_tier": first, "first_write_bps": sz.first_write_bps, "s3_write_bps": sz.s3_write_bps,
+           "keep": sz.keep, "arena_bytes": sz.arena_bytes, "disk_bytes": sz.disk_bytes,
+           "s3_needed_bps": sz.s3_needed_bps if sz.has_s3 else None, "s3_every": sz.s3_every,
+           "s3_lag_s": sz.s3_lag_s}
+    return doc, lines
 
 
 @app.command("ui", epilog=_examples("tiercache ui", "tiercache ui --port 9000 --mttf 3h",

@@ -25,6 +25,7 @@ The object (``schema_version`` 1), times in Unix seconds::
      "lag": {branch: {level: {"steps", "seconds"} | null}},        # behind "training"
      "lag_history": [{"t", "branch", "step", "levels": {level: {"steps", "seconds"} | null}}],
      "save_wait": samples, "time_to": {level: samples},            # samples: see Samples.to_json
+     "restore": samples, "restart": samples,                       # restores of the newest version, restarts
      "queues": {level: versions of this process not yet at that level},
      "versions": {id: {"branch", "step", "created_at", "wait_s",
                        "levels": {level: {"state", "at", "reason"}}}},
@@ -36,6 +37,11 @@ that saves for the trainers of the node, which outlives them. ``training`` is th
 a version that did not fail (a version whose ``durable`` level failed is no step a restart can
 resume from) or that the advisor reported. ``error`` names the error's public class (the first
 in its MRO whose name does not start with ``_``).
+
+``restore`` is how long each restore that a trainer reported took (with a node agent, every
+trainer of the node reports its restores to the agent); ``restart`` how long each restart took,
+from the moment the last trainer that saved through the agent left it until a new trainer began
+its restore (only a node agent, which outlives its trainers, can see that).
 
 ``state`` is ``pending``, ``held`` (reached), ``skipped`` (the policy or the arena skipped it;
 the reason says why) or ``failed`` (the reason is the error). Lag at a level is the training
@@ -147,6 +153,8 @@ class StatusRecorder:
         self._lag_history: deque[dict[str, Any]] = deque(maxlen=LAG_HISTORY)
         self._save_wait = Samples()
         self._time_to: dict[str, Samples] = {}
+        self._restore = Samples()
+        self._restart = Samples()
         self._pending: dict[str, set[str]] = {}
         self._versions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
@@ -208,6 +216,20 @@ class StatusRecorder:
             if advice is not None:
                 self._advice = dict(advice)
             self._touch(self._branch)
+
+    def note_restore(self, seconds: float, *, at: float) -> None:
+        """Record a restore that took ``seconds`` and ended at Unix time ``at``."""
+        with self._cv:
+            self._restore.add(at, seconds)
+            self._dirty = True
+            self._cv.notify_all()
+
+    def note_restart(self, seconds: float, *, at: float) -> None:
+        """Record a restart: ``seconds`` from the failure until the new trainer began its restore, at ``at``."""
+        with self._cv:
+            self._restart.add(at, seconds)
+            self._dirty = True
+            self._cv.notify_all()
 
     def _see_step(self, branch: str, step: int, at: float) -> None:
         cur = self._training.get(branch)
@@ -278,10 +300,11 @@ class StatusRecorder:
     # ------------------------------------------------------------------ what viewers read
 
     def costs(self) -> dict[str, Any]:
-        """The measurements alone, cheaply: ``{"save_wait": samples, "time_to": {level: samples}}``."""
+        """The measurements alone, cheaply: ``{"save_wait", "time_to": {level: samples}, "restore", "restart"}``."""
         with self._cv:
             return {"save_wait": self._save_wait.to_json(),
-                    "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()}}
+                    "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
+                    "restore": self._restore.to_json(), "restart": self._restart.to_json()}
 
     def newest_version(self) -> str | None:
         """Id of the newest version this process saved, or ``None``."""
@@ -307,6 +330,8 @@ class StatusRecorder:
                 "lag_history": list(self._lag_history),
                 "save_wait": self._save_wait.to_json(),
                 "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
+                "restore": self._restore.to_json(),
+                "restart": self._restart.to_json(),
                 "queues": {lvl: len(ids) for lvl, ids in self._pending.items()},
                 "versions": {vid: {**v, "levels": {k: dict(x) for k, x in v["levels"].items()}}
                              for vid, v in self._versions.items()},

@@ -140,6 +140,8 @@ class Requests:
     _served: Counter[str]
     _errors: Counter[str]
     _recorder: StatusRecorder | None
+    #: Unix time the last connected trainer that saved here left (a restart may follow), or ``None``.
+    _trainer_left_at: float | None
     #: Where this agent takes and sends the peer copies of its ranks' group versions.
     _peers: PeerPort
 
@@ -573,6 +575,17 @@ class Requests:
         for source, n in dict(msg.get("nbytes", {})).items():
             self._restores[str(source)] += 1
             self._restore_bytes[str(source)] += int(n)
+        seconds, began = msg.get("seconds"), msg.get("began")
+        if self._recorder is None or not isinstance(seconds, int | float) or not isinstance(began, int | float):
+            return {}
+        now = time.time()
+        self._recorder.note_restore(float(seconds), at=now)
+        with self._lock:
+            left, self._trainer_left_at = self._trainer_left_at, None
+            saving = any(c.saves for c in self._clients.values())
+        if left is not None and not saving and began >= left:
+            # Every trainer that saved here had left, and a new one restores: the job restarted.
+            self._recorder.note_restart(float(began) - left, at=now)
         return {}
 
     def _stats(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
