@@ -300,6 +300,14 @@ def test_log_graph_marks_rolled_back_versions_and_gaps(tmp_path: Path) -> None:
         f"* {ids[2][:10]} main@2",
         f"* {ids[1][:10]} main@1",
     ]
+    # REF and its ancestors: the chain stops at the gap, which still counts from main@2, listed but unreachable.
+    chain = CliRunner().invoke(app, ["--config", str(config), "log", "--graph", "main"]).stdout.splitlines()
+    assert chain == [
+        f"* {ids[9][:10]} main@9 (main)",
+        f"* {ids[6][:10]} main@6",
+        f":  gap: main@6's parent {ids[5][:10]} is held by no tier (its tier is gone, or it was pruned); "
+        "main@3 to main@5 missing (3 steps)",
+    ]
     plain = CliRunner().invoke(app, ["--config", str(config), "log"]).stdout.splitlines()
     assert plain[1] == f"{ids[8]}  main@8  parent {ids[7]}  meta {{}}  [rolled back: not in main's history]"
     assert plain[3] == f"{ids[6]}  main@6  parent {ids[5]}  meta {{}}"

@@ -638,40 +638,46 @@ def log(
     with _session(ctx) as cache:
         versions = _lineage(cache, ref)
         refs = cache.refs()
-        behind = left_behind(_with_pruned(cache), refs)
+        everything = _with_pruned(cache)
+        behind = left_behind(everything, refs)
     if as_json:
         _echo_json([_version_json(v, refs) for v in versions])
         return
     labels = _ref_labels(refs)
 
-    def marks(v: "VersionInfo") -> str:
-        out = [_pruned_why(v)] if _pruned_why(v) else []  # the gap in the lineage, marked
+    def marks(v: "VersionInfo") -> list[str]:
+        out = [f"[{_pruned_why(v)}]"] if _pruned_why(v) else []  # the gap in the lineage, marked
         if v.id in behind:
-            out.append(f"rolled back: not in {v.branch}'s history")
-        return "".join(f" [{m}]" for m in out)
+            out.append(f"[rolled back: not in {v.branch}'s history]")
+        return out
 
     if graph:
         by_id = {v.id: v for v in versions}
         width = short_id_length(by_id)
         for row in layout_graph([(v.id, v.parent) for v in versions]):
             if row.gap is not None:
-                typer.echo(f"{row.graph}  {_gap_line(by_id[row.gap], versions, width)}")
+                typer.echo(f"{row.graph}  {_gap_line(by_id[row.gap], everything, width)}")
             elif row.node is None:
                 typer.echo(row.graph)
             else:
                 v = by_id[row.node]
-                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}{marks(v)}")
+                typer.echo(" ".join([f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}",
+                                     *marks(v)]))
         return
     for v in versions:
         meta = json.dumps(v.meta, sort_keys=True)
         typer.echo(
             f"{v.id}  {_where(v)}  parent {v.parent or '-'}  meta {meta}"
-            f"{_decoration(labels.get(v.id, []))}{marks(v).replace(' [', '  [', 1)}"
+            f"{_decoration(labels.get(v.id, []))}{'  ' + ' '.join(marks(v)) if marks(v) else ''}"
         )
 
 
 def _gap_line(v: "VersionInfo", versions: "Sequence[VersionInfo]", width: int) -> str:
-    """What a gap row of ``log --graph`` says: ``v``'s parent, and the steps before ``v``, are held by no tier."""
+    """What a gap row of ``log --graph`` says: ``v``'s parent, and the steps before ``v``, are held by no tier.
+
+    The steps missing run from the newest older version of ``v``'s branch that is listed (in
+    ``versions``: every version, whatever ``log`` shows) up to ``v``.
+    """
     assert v.parent is not None
     older = [o.step for o in versions if o.branch == v.branch and o.step < v.step and o.id < v.id]
     first = max(older) + 1 if older else 0
