@@ -378,37 +378,26 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
     assert f"agent {agent.pid} up" in out.output
 
 
-def test_the_ui_names_the_trainers_an_agent_saves_for_not_the_agent(
+def test_the_agent_publishes_its_trainers_restores_and_restarts_for_the_ui_and_plan(
     tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
 ) -> None:
-    # Issue 47 item 5: the agent publishes the status and outlives its trainers; its pid is no trainer's.
+    # Issue 47 items 5 and 7: the agent publishes the status and outlives its trainers: the ui names
+    # the trainers, not the agent; plan uses the restores and the restart it saw, not defaults.
+    from tiercache.advisor import when
+
     cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "ui": {"status_interval": 0.05}}
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
     agent = agents(cfg)
 
     def publisher() -> dict[str, Any]:
         with tiercache.open(cfg) as viewer:  # as `tiercache ui` reads it: connected to the agent, never saving
             return views.overview(views.Capture.of(viewer, mttf=None, now=time.time()), refresh=2.0)["trainer"] or {}
 
-    with tiercache.open(cfg) as cache:
-        vid = cache.save(state_for(1), step=1).wait("local")
-        _wait_for(lambda: (publisher().get("staged") or {}).get("version") == vid, what="the agent's status")
-        live = publisher()
-    assert (live["writer"], live["pid"], live["trainers"], live["closed"]) == ("agent", agent.pid, [os.getpid()], False)
-    _wait_for(lambda: publisher()["trainers"] == [], what="the trainer to leave the agent")
-    gone = publisher()
-    assert (gone["writer"], gone["pid"], gone["closed"], gone["staged"]["version"]) == ("agent", agent.pid, False, vid)
+    def published() -> dict[str, Any]:
+        with tiercache.open(cfg) as viewer:  # what the agent published (the trainer's own status is its own)
+            return viewer.status() or {}
 
-
-def test_plan_uses_the_restores_and_the_restart_the_agent_saw(
-    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
-) -> None:
-    # Issue 47 item 7: no "restart 0.00 s assumed" or a restore estimated from a write speed after real restarts.
-    from tiercache.advisor import when
-
-    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "ui": {"status_interval": 0.05}}
-    spec = tmp_path / "cfg.toml"
-    spec.write_text(_toml(cfg))
-    agents(cfg)
     started = time.time()
     code, _ = _trainer({"config": cfg, "steps": [1, 2], "wait": ["local"], "end": "kill"})
     assert code == -signal.SIGKILL
@@ -419,9 +408,15 @@ def test_plan_uses_the_restores_and_the_restart_the_agent_saw(
     with tiercache.open(cfg) as cache:  # the restarted trainer
         _assert_state(cache.restore("main"), 2)
         restored = time.time()
-        _wait_for(lambda: (cache.status() or {}).get("restart", {}).get("count") == 1, what="the agent's status")
-        status = cache.status()
-    assert status is not None and status["restore"]["count"] == 1
+        vid = cache.save(state_for(3), step=3).wait("local")
+        _wait_for(lambda: (publisher().get("staged") or {}).get("version") == vid, what="the agent's status")
+        live = publisher()
+    status = published()
+    assert (live["writer"], live["pid"], live["trainers"], live["closed"]) == ("agent", agent.pid, [os.getpid()], False)
+    _wait_for(lambda: publisher()["trainers"] == [], what="the trainer to leave the agent")
+    gone = publisher()
+    assert (gone["writer"], gone["pid"], gone["closed"], gone["staged"]["version"]) == ("agent", agent.pid, False, vid)
+    assert status is not None and (status["restore"]["count"], status["restart"]["count"]) == (1, 1)
     restart = status["restart"]["ewma"]
     assert asked - left <= restart <= restored - started  # from the trainer's exit to the new one's restore
     res = CliRunner().invoke(app, ["--config", str(spec), "plan", "--mttf", "3h", "--json"])
