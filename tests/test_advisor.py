@@ -22,10 +22,12 @@ from tiercache.advisor import (
     measured_inputs,
     plan,
     snapshot_rate,
+    when,
     young,
 )
-from tiercache.cli import app
+from tiercache.cli import app, human_bytes, human_duration
 from tiercache.config import parse_duration
+from tiercache.sizing import Sizing
 
 
 def _inputs(mttf: float = 10800.0, save: float = 2.0, ttl: float = 3.0, restore: float = 4.0,
@@ -132,6 +134,76 @@ def test_measured_inputs_say_where_each_figure_comes_from() -> None:
     unknown = measured_inputs(level="remote", tiers=["disk", "s3"], status=None, rate=rates, nbytes=None,
                               mttf=None, restart=Figure(0.0, "assumed"))
     assert unknown.missing() == ["mttf", "save_wait", "time_to_level", "restore"]
+
+
+def test_measured_restores_and_restarts_replace_estimates_and_defaults_and_say_when() -> None:
+    # Issue 47 item 7: restores the trainers reported and restarts the agent saw are the plan's figures.
+    status = {"restore": {"ewma": 2.5, "count": 24, "last": 2.0, "recent": [[1764213125.0, 2.0]]},
+              "restart": {"ewma": 11.0, "count": 6, "last": 8.0, "recent": [[1764213120.0, 8.0]]}}
+    rates = snapshot_rate({"tiers": {"disk": {"read": {"bps": 1000.0}, "write": {"bps": 500.0}}}})
+    got = measured_inputs(level="local", tiers=["ram", "disk"], status=status, rate=rates, nbytes=4000,
+                          mttf=None, restart=Figure(0.0, "assumed", "default (advisor.restart, --restart)"))
+    assert got.restore == Figure(2.5, "measured", "EWMA of 24 restores, newest 2025-11-27 03:12:05 UTC")
+    assert got.restart == Figure(11.0, "measured", "EWMA of 6 restarts (the node agent saw the trainers leave and "
+                                                   "return), newest 2025-11-27 03:12:00 UTC")
+    # What the user gave or configured wins over what was measured.
+    mine = measured_inputs(level="local", tiers=["ram", "disk"], status=status, rate=rates, nbytes=4000, mttf=None,
+                           restart=Figure(120.0, "given", "config advisor.restart"), given={"restore": 1.0})
+    assert (mine.restore, mine.restart) == (Figure(1.0, "given"), Figure(120.0, "given", "config advisor.restart"))
+
+
+def test_sizing_follows_the_worked_example_of_docs_config() -> None:
+    gib, mib = 1 << 30, 1 << 20
+    every_10min = Sizing(10 * gib, 600.0, 2 * gib, 100 * mib, 5, True)
+    every_minute = Sizing(10 * gib, 60.0, 2 * gib, 100 * mib, 5, True)
+    every_3s = Sizing(10 * gib, 3.0, 2 * gib, 100 * mib, 5, True)
+    assert [(s.in_flight, s.arena_bytes, s.disk_bytes, s.s3_every) for s in (every_10min, every_minute, every_3s)] == [
+        (1, 20 * gib, 70 * gib, 1), (1, 20 * gib, 70 * gib, 2), (2, 30 * gib, 70 * gib, 35)]
+    assert (round(every_10min.s3_needed_bps / mib, 1), every_10min.s3_lag_s) == (17.1, 102.4)
+    assert (round(every_minute.s3_needed_bps / mib, 1), every_minute.s3_lag_s) == (170.7, 204.8)
+    assert Sizing(10 * gib, 600.0, None, None, None, False).disk_bytes is None
+    assert Sizing(10 * gib, 600.0, None, None, 5, False).disk_bytes == 60 * gib
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    for row in ("| `[ram] capacity` | 20 GiB | 20 GiB |",
+                "| `[disk] capacity` | 70 GiB (`10 GiB × (5 + 2)`) | 70 GiB |",
+                "| S3 needs, for every version | 17.1 MiB/s | 170.7 MiB/s |",
+                "| S3 gets | every version, 102.4 s after its save | 1 version in 2, within 204.8 s |"):
+        assert row in doc.splitlines()
+    assert "Saved every 3 s instead, the disk takes 5 s per version: `n` = 2 and the arena needs 30 GiB." in doc
+
+
+def test_plan_prints_the_sizing_advice_from_measurements(tmp_path: Path) -> None:
+    cfg = tmp_path / "tiercache.toml"
+    cfg.write_text(f'[disk]\npath = "{tmp_path / "cache"}"\n'
+                   '[policy]\nname = "write-through"\nparams = { keep = 5 }\n')
+    with tiercache.open(cfg) as cache:
+        for step in range(3):
+            cache.save({"w": torch.full((1 << 18,), float(step))}, step=step).wait("local")
+    res = CliRunner().invoke(app, ["--config", str(cfg), "plan", "--mttf", "3h", "--json"])
+    assert res.exit_code == 0, res.output
+    sized = json.loads(res.output)["sizing"]
+    with tiercache.open(cfg) as cache:
+        status = cache.status()
+        newest = cache.versions()[-1]
+    assert status is not None
+    saved = sorted(v["created_at"] for v in status["versions"].values())
+    interval = sorted(b - a for a, b in itertools.pairwise(saved))[1]
+    wd = status["meter"]["tiers"]["disk"]["write"]["bps"]
+    n = max(1, math.ceil(newest.nbytes / wd / interval))
+    assert sized == {
+        "state_bytes": 1 << 20, "interval_s": interval,
+        "interval_source": "the median of 2 intervals between saves, measured", "first_tier": "disk",
+        "first_write_bps": wd, "s3_write_bps": None, "keep": 5, "arena_bytes": (1 << 20) * (1 + n),
+        "disk_bytes": 6 << 20, "s3_needed_bps": None, "s3_every": None, "s3_lag_s": None}
+    text = CliRunner().invoke(app, ["--config", str(cfg), "plan", "--mttf", "3h"]).output.splitlines()
+    assert text[-3:] == [
+        f"sizing: versions of 1.0 MiB (the newest, main@2), saved every {human_duration(interval)} (the median of 2 "
+        "intervals between saves, measured)",
+        f"  [ram] capacity  >= {human_bytes(sized['arena_bytes'])}: the version being copied in + {n} disk has not "
+        f"written yet (disk writes one in {human_duration(newest.nbytes / wd)} at {human_bytes(int(wd))}/s, "
+        "measured)",
+        "  [disk] capacity >= 6.0 MiB: 5 versions kept (write-through keep = 5) + 1 being written",
+    ]
 
 
 def test_parse_duration() -> None:
@@ -271,9 +343,14 @@ def test_plan_from_measured_figures_prints_the_interval_and_the_sources(tmp_path
     res = CliRunner().invoke(app, ["--config", str(cfg), "plan", "--mttf", "3h", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
+    with tiercache.open(cfg) as cache:
+        status = cache.status()
+    assert status is not None
+    newest = when(status["save_wait"]["recent"][-1][0])
     assert doc["inputs"]["save_wait"] == {"seconds": doc["inputs"]["save_wait"]["seconds"], "source": "measured",
-                                          "note": "EWMA of 3 saves"}
-    assert doc["inputs"]["time_to_level"]["note"] == "EWMA of 3 saves reaching local"
+                                          "note": f"EWMA of 3 saves, newest {newest}"}
+    assert doc["inputs"]["time_to_level"]["note"] == (
+        f"EWMA of 3 saves reaching local, newest {when(status['time_to']['local']['recent'][-1][0])}")
     assert doc["inputs"]["restore"]["source"] == "estimated"
     assert doc["inputs"]["restart"]["source"] == "assumed"
     text = CliRunner().invoke(app, ["--config", str(cfg), "plan", "--mttf", "3h"])

@@ -470,6 +470,57 @@ def test_ls_and_agent_status_tell_what_node_ram_holds_and_why_s3_lacks_a_group_v
         (["disk", "s3"], *none), (["disk"], *none), (["disk", "s3"], *none), (["disk"], *none)]
 
 
+def test_the_agent_publishes_its_trainers_restores_and_restarts_for_the_ui_and_plan(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    # Issue 47 items 5 and 7: the agent publishes the status and outlives its trainers: the ui names
+    # the trainers, not the agent; plan uses the restores and the restart it saw, not defaults.
+    from tiercache.advisor import when
+
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "ui": {"status_interval": 0.05}}
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    agent = agents(cfg)
+
+    def publisher() -> dict[str, Any]:
+        with tiercache.open(cfg) as viewer:  # as `tiercache ui` reads it: connected to the agent, never saving
+            return views.overview(views.Capture.of(viewer, mttf=None, now=time.time()), refresh=2.0)["trainer"] or {}
+
+    def published() -> dict[str, Any]:
+        with tiercache.open(cfg) as viewer:  # what the agent published (the trainer's own status is its own)
+            return viewer.status() or {}
+
+    started = time.time()
+    code, _ = _trainer({"config": cfg, "steps": [1, 2], "wait": ["local"], "end": "kill"})
+    assert code == -signal.SIGKILL
+    _wait_for(lambda: not any(c["saves"] for c in call(load_config(cfg), "stats")["clients"]), what="the trainer gone")
+    left = time.time()
+    time.sleep(0.5)
+    asked = time.time()
+    with tiercache.open(cfg) as cache:  # the restarted trainer
+        _assert_state(cache.restore("main"), 2)
+        restored = time.time()
+        vid = cache.save(state_for(3), step=3).wait("local")
+        _wait_for(lambda: (publisher().get("staged") or {}).get("version") == vid, what="the agent's status")
+        live = publisher()
+    status = published()
+    assert (live["writer"], live["pid"], live["trainers"], live["closed"]) == ("agent", agent.pid, [os.getpid()], False)
+    _wait_for(lambda: publisher()["trainers"] == [], what="the trainer to leave the agent")
+    gone = publisher()
+    assert (gone["writer"], gone["pid"], gone["closed"], gone["staged"]["version"]) == ("agent", agent.pid, False, vid)
+    assert status is not None and (status["restore"]["count"], status["restart"]["count"]) == (1, 1)
+    restart = status["restart"]["ewma"]
+    assert asked - left <= restart <= restored - started  # from the trainer's exit to the new one's restore
+    res = CliRunner().invoke(app, ["--config", str(spec), "plan", "--mttf", "3h", "--json"])
+    assert res.exit_code == 0, res.output
+    inputs = json.loads(res.output)["inputs"]
+    assert inputs["restore"] == {"seconds": status["restore"]["ewma"], "source": "measured",
+                                 "note": f"EWMA of 1 restores, newest {when(status['restore']['recent'][-1][0])}"}
+    assert inputs["restart"] == {"seconds": restart, "source": "measured",
+                                 "note": "EWMA of 1 restarts (the node agent saw the trainers leave and return), "
+                                         f"newest {when(status['restart']['recent'][-1][0])}"}
+
+
 def test_a_client_refuses_another_users_socket(tmp_path: Path, sock_dir: Path) -> None:
     cfg = agent_config(tmp_path, sock_dir)
     sock = sock_dir / "a.sock"
@@ -550,6 +601,45 @@ def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, sh
     with tiercache.open(without_agent(cfg)) as cache:
         assert [v.id for v in cache.versions()] == [a, d]
         _assert_state(cache.restore("main"), 4)
+
+
+def test_the_cli_promotes_into_and_evicts_from_node_ram_an_agent_holds(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    # Issue 47 item 6: with an agent, node RAM outlasts the command, so the CLI moves versions in and out of it.
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    agents(cfg)
+    with tiercache.open(cfg) as cache:
+        a, _b = (cache.save(state_for(s), step=s).wait("local") for s in (1, 2))
+        cache.flush()
+        nbytes = cache.manifest(a).nbytes
+    cli = CliRunner()
+    out = cli.invoke(app, ["--config", str(spec), "evict", "main~1", "--from", "ram", "--json"])
+    assert out.exit_code == 0, out.output
+    freed = json.loads(out.output)["bytes_freed"]
+    assert freed >= nbytes  # every chunk of it (stored objects: a little more than the raw bytes)
+    out = cli.invoke(app, ["--config", str(spec), "promote", "main~1", "--to", "ram", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"version": a, "branch": "main", "step": 1, "tier": "ram", "bytes_copied": freed}
+    with tiercache.open(cfg) as cache:  # a new process restores it from node RAM
+        _assert_state(cache.restore("main~1", resume=False), 1)
+        assert cache.last_restore is not None and set(cache.last_restore.nbytes) == {"ram"}
+
+
+def test_the_cli_refuses_ram_moves_when_the_agent_is_not_running(tmp_path: Path, sock_dir: Path) -> None:
+    cfg = agent_config(tmp_path, sock_dir)
+    spec = tmp_path / "cfg.toml"
+    spec.write_text(_toml(cfg))
+    with tiercache.open(without_agent(cfg)) as cache:
+        cache.save(state_for(1), step=1).wait("local")
+    out = CliRunner().invoke(app, ["--config", str(spec), "promote", "main", "--to", "ram"])
+    assert out.exit_code == 2
+    assert out.output.splitlines()[-1] == (
+        "error: a CLI process has no lasting RAM tier (its arena ends with the command), so `promote --to ram` "
+        "would do nothing: no node agent serves this cache now: run one (`tiercache agent`) for node RAM that "
+        "outlasts commands")
 
 
 # ------------------------------------------------------------------------ a multi-rank job

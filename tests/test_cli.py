@@ -72,9 +72,12 @@ def test_graph_join_passes_under_a_lane() -> None:
 
 
 def test_graph_root_with_lanes_to_its_right_and_unknown_parent() -> None:
-    # Unrelated histories, and a parent that is not shown (treated as a root).
+    # Unrelated histories, and a parent that is not shown (a root after a gap row).
     assert _render([("p2", "p1"), ("x", None), ("p1", None)]) == ["* p2", "| * x", "* p1"]
-    assert _render([("x", None), ("p2", "p1"), ("p1", "gone")]) == ["* x", "* p2", "* p1"]
+    assert _render([("x", None), ("p2", "p1"), ("p1", "gone")]) == ["* x", "* p2", "* p1", ":"]
+    assert _render([("p1", "gone"), ("x", None)]) == ["* p1", ":", "* x"]
+    assert _render([("a", "gone"), ("b", None), ("c", None)]) == ["* a", ":", "* b", "* c"]
+    assert _render([("b", "a"), ("c", "gone"), ("a", None)]) == ["* b", "| * c", "| :", "* a"]
     assert _render([("p2", "p1"), ("y2", "y1"), ("p1", None), ("y1", None)]) == [
         "* p2",
         "| * y2",
@@ -266,6 +269,63 @@ def test_log_graph(repo: _Repo) -> None:
         f"* {repo.v2[:10]} main@200 (tag: best)",
         f"* {repo.v1[:10]} main@100",
     ]
+
+
+def _gapped(tmp_path: Path) -> tuple[Path, dict[int, str]]:
+    """main@1..main@8, rolled back to main@6, then main@9; the manifests of main@3-5 deleted from the only tier."""
+    config = tmp_path / "tiercache.toml"
+    config.write_text(f'[disk]\npath = "{tmp_path / "store"}"\n')
+    with tiercache.open(config) as cache:
+        ids = {s: cache.save({"w": torch.full((4,), float(s))}, step=s).wait("local") for s in range(1, 9)}
+        cache.rollback("main", ids[6])
+        ids[9] = cache.save({"w": torch.full((4,), 9.0)}, step=9).wait("local")
+    for s in (3, 4, 5):
+        (tmp_path / "store" / "versions" / f"{ids[s]}.json").unlink()
+    return config, ids
+
+
+def test_log_graph_marks_rolled_back_versions_and_gaps(tmp_path: Path) -> None:
+    # Issue 47 item 8: what a rollback left behind is marked, and versions held by no tier leave a visible gap.
+    config, ids = _gapped(tmp_path)
+    out = CliRunner().invoke(app, ["--config", str(config), "log", "--graph"])
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == [
+        f"* {ids[9][:10]} main@9 (main)",
+        f"| * {ids[8][:10]} main@8 [rolled back: not in main's history]",
+        f"| * {ids[7][:10]} main@7 [rolled back: not in main's history]",
+        "|/",
+        f"* {ids[6][:10]} main@6",
+        f":  gap: main@6's parent {ids[5][:10]} is held by no tier (its tier is gone, or it was pruned); "
+        "main@3 to main@5 missing (3 steps)",
+        f"* {ids[2][:10]} main@2",
+        f"* {ids[1][:10]} main@1",
+    ]
+    # REF and its ancestors: the chain stops at the gap, which still counts from main@2, listed but unreachable.
+    chain = CliRunner().invoke(app, ["--config", str(config), "log", "--graph", "main"]).stdout.splitlines()
+    assert chain == [
+        f"* {ids[9][:10]} main@9 (main)",
+        f"* {ids[6][:10]} main@6",
+        f":  gap: main@6's parent {ids[5][:10]} is held by no tier (its tier is gone, or it was pruned); "
+        "main@3 to main@5 missing (3 steps)",
+    ]
+    plain = CliRunner().invoke(app, ["--config", str(config), "log"]).stdout.splitlines()
+    assert plain[1] == f"{ids[8]}  main@8  parent {ids[7]}  meta {{}}  [rolled back: not in main's history]"
+    assert plain[3] == f"{ids[6]}  main@6  parent {ids[5]}  meta {{}}"
+
+
+def test_gc_says_when_the_reflog_keeps_what_it_would_free(tmp_path: Path) -> None:
+    config, ids = _gapped(tmp_path)
+    cli = ["--config", str(config), "gc", "--dry-run", "--grace", "0"]
+    report = json.loads(CliRunner().invoke(app, [*cli, "--json"]).stdout)
+    with tiercache.open(config) as cache:
+        first = min(m.at.timestamp() for m in cache.reflog() if m.why == "rollback") + cache.config.reflog_keep
+    assert (report["versions"], report["kept_by_reflog"]) == ([], [ids[7], ids[8]])
+    assert (report["reflog_keep"], report["reflog_expires"]) == (7 * 86400.0, first)
+    when = datetime.fromtimestamp(first, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    assert CliRunner().invoke(app, cli).stdout.splitlines()[-1] == (
+        "the reflog keeps 2 version(s) no ref reaches (a rollback, resume or ref move left them behind less than "
+        f"reflog_keep = 604800 s ago); the first becomes collectable at {when} UTC: set reflog_keep lower to "
+        "collect them sooner")
 
 
 def test_restore_to_file_and_directory(repo: _Repo, tmp_path: Path) -> None:

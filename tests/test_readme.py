@@ -128,10 +128,12 @@ def test_every_block_is_run_or_says_why_not() -> None:
     for s in skipped:
         assert len(s.marker) > len(NOT_RUN) + 20, f"{s.where}: say why it is not run"
     # Kept few on purpose: the set-up commands (this suite, and the demo run below) and the multi-rank
-    # example (tests/test_multirank.py runs those calls on gloo ranks).
+    # examples (tests/test_multirank.py runs those calls on gloo ranks; tests/test_agent_torchrun.py
+    # launches the torchrun one).
     assert [(s.path.name, s.body.splitlines()[0]) for s in skipped] == [
         ("README.md", "./dev.sh demo     # train, checkpoint through RAM -> disk -> local S3, SIGKILL, resume, branch"),
         ("README.md", 'dist.init_process_group("nccl")'),
+        ("agent.md", "import os, signal"),
     ]
     assert len(_of("python")) >= 7 and len(_of("toml")) >= 5 and len(_of("bash")) >= 1
 

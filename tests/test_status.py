@@ -121,6 +121,48 @@ def test_errors_are_bounded() -> None:
     rec.close()
 
 
+def test_a_version_that_failed_is_not_the_training_step_and_errors_name_public_classes() -> None:
+    # Issue 47 item 5: the part of a trainer that died failed; lag counts from the last version that did not fail.
+    from tiercache.agent.committer import trainer_left
+    from tiercache.ui import views
+
+    clock = FakeClock()
+    rec = StatusRecorder(None, interval=1.0, meter=lambda: {"tiers": {}, "history": []}, clock=clock, writer="agent")
+    h1, f1 = _handle("01A")
+    rec.note_save(h1, step=10, branch="main", started_at=100.0, wait_s=0.0)
+    for lvl in ("staged", "local", "durable"):
+        f1[lvl].set_result("01A")
+    h2, f2 = _handle("01B")
+    rec.note_save(h2, step=11, branch="main", started_at=105.0, wait_s=0.0)
+    assert rec.current()["training"] == {"main": {"step": 11, "at": 105.0}}
+    clock.t = 110.0
+    f2["staged"].set_result("01B")
+    for lvl in ("local", "durable"):
+        f2[lvl].set_exception(trainer_left(4242))
+    doc = rec.current()
+    assert doc["writer"] == "agent"
+    assert doc["training"] == {"main": {"step": 10, "at": 100.0}}
+    assert doc["lag"]["main"]["local"] == {"steps": 0, "seconds": 0.0}
+    message = "the trainer (pid 4242) went away before its group committed its part"
+    assert doc["errors"] == [
+        {"t": 110.0, "version": "01B", "branch": "main", "step": 11, "level": lvl, "error": "AgentUnavailableError",
+         "message": message} for lvl in ("local", "durable")]
+    assert doc["versions"]["01B"]["levels"]["durable"] == {"state": "failed", "at": 110.0,
+                                                           "reason": f"AgentUnavailableError: {message}"}
+    cap = views.Capture(at=120.0, tiers=["disk"], levels=["staged", "local", "durable"], policy="write-through",
+                        versions=[], refs={}, reflog=[], manifests={}, status=doc, stats={"meter": {}},
+                        inputs=None)  # type: ignore[arg-type]
+    assert views.throughput(cap)["errors"] == doc["errors"][::-1]
+    assert views.lag(cap)["branches"]["main"]["training"] == {"step": 10, "at": 100.0}
+    # The advisor's own word on the step stands: it is no version, it cannot fail.
+    rec.note_step(12)
+    h3, f3 = _handle("01C")
+    rec.note_save(h3, step=13, branch="main", started_at=115.0, wait_s=0.0)
+    f3["durable"].set_exception(OSError("disk gone"))
+    assert rec.current()["training"] == {"main": {"step": 12, "at": 110.0}}
+    rec.close()
+
+
 def test_a_saving_cache_publishes_its_status_and_a_fresh_process_reads_it(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         ids = [cache.save({"w": torch.full((1024,), float(s))}, step=s).wait("local") for s in range(3)]

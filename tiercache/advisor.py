@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from tiercache.errors import InvalidArgumentError
@@ -318,13 +319,21 @@ def snapshot_rate(snapshot: Mapping[str, Any]) -> Callable[[str, str], float | N
     return rate
 
 
-def _ewma(samples: object) -> tuple[float, int] | None:
+def _ewma(samples: object) -> tuple[float, int, float | None] | None:
+    """``(ewma, count, time of the newest sample or None)`` of a :meth:`Samples.to_json`, or ``None``."""
     if not isinstance(samples, Mapping):
         return None
     value, count = samples.get("ewma"), samples.get("count")
     if isinstance(value, int | float) and math.isfinite(value) and value >= 0 and isinstance(count, int):
-        return float(value), count
+        recent = samples.get("recent")
+        newest = recent[-1][0] if isinstance(recent, list) and recent and isinstance(recent[-1], list) else None
+        return float(value), count, float(newest) if isinstance(newest, int | float) else None
     return None
+
+
+def when(t: float) -> str:
+    """A Unix time as the notes of figures show it: ``2026-11-27 03:12:05 UTC``."""
+    return f"{datetime.fromtimestamp(t, UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def _by_size(nbytes: int | None, bps: float | None, what: str) -> Figure | None:
@@ -354,7 +363,8 @@ def measured_inputs(
         rate: ``rate(tier, direction)``: the meter's smoothed bytes/s, or ``None``.
         nbytes: Size of the newest version (for estimates from speeds), or ``None``.
         mttf: The job's MTTF, or ``None`` if unknown.
-        restart: Time from a failure until the job runs again.
+        restart: Time from a failure until the job runs again: given, configured, or a default
+            (source ``assumed``), which restarts the status measured replace.
         given: Figures the user gave (``save_wait``, ``time_to_level``, ``restore``); they win.
 
     Returns:
@@ -371,7 +381,10 @@ def measured_inputs(
 
     def measured(samples: object, what: str) -> Figure | None:
         got = _ewma(samples)
-        return None if got is None else Figure(got[0], "measured", f"EWMA of {got[1]} {what}")
+        if got is None:
+            return None
+        newest = f", newest {when(got[2])}" if got[2] is not None else ""
+        return Figure(got[0], "measured", f"EWMA of {got[1]} {what}{newest}")
 
     ram = "ram" if "ram" in tiers else None
     save_wait = pick("save_wait", lambda: measured(status.get("save_wait"), "saves"),
@@ -382,9 +395,13 @@ def measured_inputs(
         lambda: _by_size(nbytes, rate(tier, "write") if tier else None, f"{tier} write speed"),
     )
     restore = pick(
-        "restore", lambda: _by_size(nbytes, rate(tier, "read") if tier else None, f"{tier} read speed"),
+        "restore", lambda: measured(status.get("restore"), "restores"),
+        lambda: _by_size(nbytes, rate(tier, "read") if tier else None, f"{tier} read speed"),
         lambda: _by_size(nbytes, rate(tier, "write") if tier else None, f"{tier} write speed (no read measured)"),
     )
+    if restart.source == "assumed":
+        restart = measured(status.get("restart"), "restarts (the node agent saw the trainers leave and return)"
+                           ) or restart
     return PlanInputs(level, mttf, save_wait, time_to_level, restore, restart)
 
 

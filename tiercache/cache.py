@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -62,7 +63,7 @@ from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
 from tiercache.repo.catalog import Catalog
-from tiercache.status import STATUS_KEY, StatusRecorder, read_status
+from tiercache.status import RECENT_SAMPLES, STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -201,6 +202,8 @@ class TierCache:
         # Made by the first save (or advisor): a cache that only reads publishes nothing.
         self._recorder: StatusRecorder | None = None
         self._recorder_lock = threading.Lock()
+        #: Restores timed before this process saved (it publishes them once it does): (seconds, at).
+        self._restored_times: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)
         # A trainer that exits without close() (or raises right after save()) must not lose the
         # versions it was told are staged: flush them at interpreter exit (a weak reference keeps
         # the cache collectable).
@@ -577,11 +580,15 @@ class TierCache:
                 finals.append((target, tmp))
                 continue
             dests.append(empty_aligned(entry.shape, dtype))
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         read = (fill or self.reader.read_version)(version, dests, progress)
         self.last_restore = RestoreReport(version.id, read, time.perf_counter() - t0)
         if self._link is not None:
-            self._link.notify("restored", nbytes=read)  # restores by source, in the agent's metrics
+            # By source, in the agent's metrics; its time (and when it began: the end of a
+            # restart) in the status the agent publishes, for `tiercache plan`.
+            self._link.notify("restored", nbytes=read, seconds=self.last_restore.seconds, began=began)
+        else:
+            self._note_restore(self.last_restore.seconds)
         for target, tmp in finals:
             with torch.no_grad():
                 target.copy_(tmp)
@@ -816,7 +823,9 @@ class TierCache:
             for other in self.catalog.all():  # chunks shared with other versions in RAM stay
                 if other.id != version.id and "ram" in self.catalog.residency(other):
                     ids -= {c.id for c in other.chunks}
-            return self._engine.evict_ram(ids) if self._engine is not None else 0
+            # Node RAM outlives this process: its agent evicts even where this process never saved.
+            engine = self.engine if self._engine is not None or self.agent is not None else None
+            return engine.evict_ram(ids) if engine is not None else 0
         if self._engine is not None:
             self._engine.wait_job(version.id)
         freed = self.repo.evict(version.id, tier, by="user")
@@ -862,7 +871,8 @@ class TierCache:
         if self._link is not None and self._link.lost is None:
             # The agent writes this cache: it collects too, so its view of the tiers stays true.
             got = self._link.request("gc", dry_run=dry_run, grace=grace)["report"]
-            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"])})
+            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"]),
+                                          "kept_by_reflog": tuple(got.get("kept_by_reflog", ()))})
             self.catalog.forget(report.versions if not dry_run else ())
         else:
             report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
@@ -1047,6 +1057,15 @@ class TierCache:
         return measured_inputs(level=level, tiers=self.tier_names, status=status, rate=rate, nbytes=nbytes,
                                mttf=mttf_fig, restart=restart_fig, given=given)
 
+    def _note_restore(self, seconds: float) -> None:
+        """Put a restore's time in this process's status: now if it saves, else once it does (a resume)."""
+        with self._recorder_lock:
+            if self._recorder is None:  # a process that only reads publishes nothing
+                self._restored_times.append((seconds, time.time()))
+                return
+            recorder = self._recorder
+        recorder.note_restore(seconds, at=time.time())
+
     def _status_recorder(self) -> StatusRecorder:
         with self._recorder_lock:
             if self._recorder is None:
@@ -1056,6 +1075,9 @@ class TierCache:
                 write = (lambda data: tier.put(STATUS_KEY, data)) if own else None  # type: ignore[union-attr]
                 self._recorder = StatusRecorder(write, interval=self.config.ui.status_interval,
                                                 meter=self.meter.snapshot)
+                for seconds, at in self._restored_times:
+                    self._recorder.note_restore(seconds, at=at)
+                self._restored_times.clear()
             return self._recorder
 
     def prepare(self, state: Any = None, *, wait: bool = False) -> None:

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -408,17 +409,23 @@ def _echo_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
-def _refuse_ram(tier: str, option: str) -> None:
-    """Refuse ``promote --to ram`` / ``evict --from ram``: what they would do ends with the command.
+def _refuse_ram(cache: "TierCache", tier: str, option: str) -> None:
+    """Refuse ``promote --to ram`` / ``evict --from ram`` unless a node agent holds RAM for the cache.
+
+    Without an agent, what they would do ends with the command; with one, node RAM outlives it
+    (the agent does the copy or the eviction).
 
     Raises:
-        InvalidArgumentError: If ``tier`` is ``ram``.
+        InvalidArgumentError: If ``tier`` is ``ram`` and no node agent serves the cache.
     """
-    if tier == "ram":
-        raise InvalidArgumentError(
-            f"a CLI process has no lasting RAM tier (its arena ends with the command), so `{option} ram` "
-            "would do nothing: use a durable tier (disk, s3)"
-        )
+    if tier != "ram" or cache.agent is not None:
+        return
+    why = ("no node agent serves this cache now: run one (`tiercache agent`) for node RAM that outlasts commands"
+           if cache.config.agent is not None else "use a durable tier (disk, s3), or an [agent] for node RAM")
+    raise InvalidArgumentError(
+        f"a CLI process has no lasting RAM tier (its arena ends with the command), so `{option} ram` "
+        f"would do nothing: {why}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,12 +436,15 @@ class GraphRow(NamedTuple):
     """One row of a version graph.
 
     Attributes:
-        graph: The lane drawing (``*``, ``|``, ``/``, ``_``), without trailing spaces.
-        node: The version drawn with ``*`` on this row, or ``None`` for a connector row.
+        graph: The lane drawing (``*``, ``|``, ``/``, ``_``, and ``:`` for a gap), without trailing spaces.
+        node: The version drawn with ``*`` on this row, or ``None`` for a connector or gap row.
+        gap: On a gap row, the version above it whose parent is not among the nodes (the lane
+            goes on below it with ``:``: versions are missing there), else ``None``.
     """
 
     graph: str
     node: str | None
+    gap: str | None = None
 
 
 def _connector(lanes: int, drop: int, keep: int | None) -> str:
@@ -466,10 +476,10 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
 
     Args:
         nodes: ``(id, parent)`` pairs newest first, every version before its parent. A parent
-            that is ``None`` or not among the nodes ends the lane (a root).
+            that is ``None`` ends the lane (a root); one not among the nodes ends it after a gap row.
 
     Returns:
-        The rows to print, top to bottom: one per version plus connector rows.
+        The rows to print, top to bottom: one per version plus connector and gap rows.
     """
     known = {node for node, _ in nodes}
     lanes: list[str] = []
@@ -479,6 +489,8 @@ def layout_graph(nodes: Sequence[tuple[str, str | None]]) -> list[GraphRow]:
             lanes.append(node)
         col = lanes.index(node)
         rows.append(GraphRow(" ".join("*" if i == col else "|" for i in range(len(lanes))), node))
+        if parent is not None and parent not in known:
+            rows.append(GraphRow(" ".join(":" if i == col else "|" for i in range(len(lanes))), None, node))
         if parent is None or parent not in known:
             if col < len(lanes) - 1:
                 rows.append(GraphRow(_connector(len(lanes), col, None), None))
@@ -635,31 +647,59 @@ def log(
     if reflog:
         _log_reflog(ctx, ref, as_json)
         return
+    from tiercache.manifest import left_behind  # not at import: `--help` stays quick
+
     with _session(ctx) as cache:
         versions = _lineage(cache, ref)
         refs = cache.refs()
+        everything = _with_pruned(cache)
+        behind = left_behind(everything, refs)
     if as_json:
         _echo_json([_version_json(v, refs) for v in versions])
         return
     labels = _ref_labels(refs)
+
+    def marks(v: "VersionInfo") -> list[str]:
+        out = [f"[{_pruned_why(v)}]"] if _pruned_why(v) else []  # the gap in the lineage, marked
+        if v.id in behind:
+            out.append(f"[rolled back: not in {v.branch}'s history]")
+        return out
+
     if graph:
         by_id = {v.id: v for v in versions}
         width = short_id_length(by_id)
         for row in layout_graph([(v.id, v.parent) for v in versions]):
-            if row.node is None:
+            if row.gap is not None:
+                typer.echo(f"{row.graph}  {_gap_line(by_id[row.gap], everything, width)}")
+            elif row.node is None:
                 typer.echo(row.graph)
             else:
                 v = by_id[row.node]
-                gone = f" [{_pruned_why(v)}]" if _pruned_why(v) else ""  # the gap in the lineage, marked
-                typer.echo(f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}{gone}")
+                typer.echo(" ".join([f"{row.graph} {v.id[:width]} {_where(v)}{_decoration(labels.get(v.id, []))}",
+                                     *marks(v)]))
         return
     for v in versions:
         meta = json.dumps(v.meta, sort_keys=True)
-        gone = f"  [{_pruned_why(v)}]" if _pruned_why(v) else ""
         typer.echo(
             f"{v.id}  {_where(v)}  parent {v.parent or '-'}  meta {meta}"
-            f"{_decoration(labels.get(v.id, []))}{gone}"
+            f"{_decoration(labels.get(v.id, []))}{'  ' + ' '.join(marks(v)) if marks(v) else ''}"
         )
+
+
+def _gap_line(v: "VersionInfo", versions: "Sequence[VersionInfo]", width: int) -> str:
+    """What a gap row of ``log --graph`` says: ``v``'s parent, and the steps before ``v``, are held by no tier.
+
+    The steps missing run from the newest older version of ``v``'s branch that is listed (in
+    ``versions``: every version, whatever ``log`` shows) up to ``v``.
+    """
+    assert v.parent is not None
+    older = [o.step for o in versions if o.branch == v.branch and o.step < v.step and o.id < v.id]
+    first = max(older) + 1 if older else 0
+    lost = v.step - first
+    span = f"{v.branch}@{first}" if lost == 1 else f"{v.branch}@{first} to {v.branch}@{v.step - 1}"
+    steps = f"; {span} missing ({lost} step{'s' if lost != 1 else ''})" if lost > 0 else ""
+    return (f"gap: {_where(v)}'s parent {v.parent[:width]} is held by no tier (its tier is gone, "
+            f"or it was pruned){steps}")
 
 
 def _log_reflog(ctx: typer.Context, branch: str | None, as_json: bool) -> None:
@@ -780,7 +820,7 @@ def promote(
     Do it ahead of a restore, e.g. on a new node whose disk does not hold the version yet.
     """
     with _session(ctx) as cache:
-        _refuse_ram(to, "promote --to")
+        _refuse_ram(cache, to, "promote --to")
         info = _info(cache, cache.resolve(ref))
         with _byte_progress(f"promote {info.id[:SHORT_ID]} -> {to}", info.nbytes) as progress:
             copied = cache.promote(info.id, to=to, progress=progress.advance)
@@ -803,7 +843,7 @@ def evict(
     Chunks that other versions on that tier still use stay.
     """
     with _session(ctx) as cache:
-        _refuse_ram(tier, "evict --from")
+        _refuse_ram(cache, tier, "evict --from")
         info = _info(cache, cache.resolve(ref))
         freed = cache.evict(info.id, tier)
     if as_json:
@@ -930,6 +970,13 @@ def gc(
                    f"{human_bytes(report.bytes_freed[name])}")
     typer.echo(f"gc {verb} {len(report.versions)} version(s), {human_bytes(report.total_bytes)}; "
                f"{report.spared} unreferenced object(s) younger than {report.grace:g} s kept")
+    if report.kept_by_reflog:
+        n = len(report.kept_by_reflog)
+        first = None if report.reflog_expires is None else datetime.fromtimestamp(report.reflog_expires, UTC)
+        when = "" if first is None else f"; the first becomes collectable at {first:%Y-%m-%d %H:%M:%S} UTC"
+        typer.echo(f"the reflog keeps {n} version(s) no ref reaches (a rollback, resume or ref move left them "
+                   f"behind less than reflog_keep = {report.reflog_keep:g} s ago){when}: set reflog_keep lower "
+                   "to collect them sooner")
 
 
 @app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --probe",
@@ -1072,7 +1119,9 @@ def plan(
     restore: Annotated[float | None, typer.Option("--restore", help="Use SECONDS as the restore time.",
                                                    metavar="SECONDS", show_default=False)] = None,
     restart: Annotated[str | None, typer.Option("--restart", help="Time a failed job takes to run again, e.g. 2min "
-                                                "(default: [advisor] restart, else 0).", show_default=False)] = None,
+                                                "(default: [advisor] restart, else what a node agent measured, "
+                                                "else 0).",
+                                                show_default=False)] = None,
     min_interval: Annotated[str | None, typer.Option("--min-interval", help="Never advise a shorter interval.",
                                                      show_default=False)] = None,
     max_interval: Annotated[str | None, typer.Option("--max-interval", help="Never advise a longer interval.",
@@ -1094,13 +1143,14 @@ def plan(
                                                      f"{', '.join(cache.levels)}")
             inputs = cache.plan_inputs(level, mttf=job_mttf, restart=restart, given=given)
             bounds = cache.config.advisor
-        result = advisor.plan(
-            inputs,
-            min_interval=parse_duration(min_interval) if min_interval is not None else bounds.min_interval,
-            max_interval=parse_duration(max_interval) if max_interval is not None else bounds.max_interval,
-        )
+            result = advisor.plan(
+                inputs,
+                min_interval=parse_duration(min_interval) if min_interval is not None else bounds.min_interval,
+                max_interval=parse_duration(max_interval) if max_interval is not None else bounds.max_interval,
+            )
+            sized, sizing_lines = _sizing(cache, result.interval)
     if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        typer.echo(json.dumps({**result.to_json(), "sizing": sized}, indent=2))
         return
     why = f"bounded by {result.bound.replace('_', ' ')}" if result.bound else "availability-optimal"
     typer.echo(f"advised interval: {human_duration(result.interval)} ({result.interval:.0f} s, {why}); "
@@ -1125,6 +1175,76 @@ def plan(
     console = _console(highlight=False)
     console.print(table)
     console.print(inputs_table)
+    for line in sizing_lines:
+        typer.echo(line)
+
+
+def _sizing(cache: "TierCache", advised: float) -> tuple[dict[str, Any] | None, list[str]]:
+    """The sizing advice of docs/config.md from what the cache measured: its JSON and the lines ``plan`` prints."""
+    from tiercache.advisor import snapshot_rate
+    from tiercache.sizing import Sizing
+
+    def speed(bps: float | None) -> str:
+        return _rate({"bps": bps})
+
+    versions = cache.versions()
+    if not versions:
+        return None, ["sizing: no version saved yet, nothing to size"]
+    newest = versions[-1]
+    status = cache.status() or {}
+    meter = status.get("meter")
+    rate = snapshot_rate(meter) if isinstance(meter, Mapping) else cache.meter.rate
+    saved = sorted(v["created_at"] for v in (status.get("versions") or {}).values()
+                   if isinstance(v, Mapping) and isinstance(v.get("created_at"), int | float))
+    gaps = sorted(b - a for a, b in itertools.pairwise(saved))
+    if gaps:
+        interval, whence = gaps[len(gaps) // 2], f"the median of {len(gaps)} intervals between saves, measured"
+    else:
+        interval, whence = advised, "the advised interval: no interval between saves measured"
+    tiers = cache.tier_names
+    first = next((t for t in ("disk", "s3") if t in tiers), None)
+    rule = getattr(cache.policy, "retention_rule", None)  # "retention latest = 5, ..." / "write-through keep = 5"
+    latest = re.search(r"\b(?:latest|keep) = (\d+)", rule) if isinstance(rule, str) else None
+    sz = Sizing(newest.nbytes, interval, rate(first, "write") if first else None,
+                rate("s3", "write") if "s3" in tiers else None, int(latest.group(1)) if latest else None,
+                "s3" in tiers)
+    size = human_bytes(sz.state_bytes)
+    lines = [f"sizing: versions of {size} (the newest, {_where(newest)}), saved every "
+             f"{human_duration(interval)} ({whence})"]
+    if first is None:
+        return None, [*lines, "  no durable tier: nothing to size but the arena (2 versions)"]
+    if sz.first_write_bps:
+        written = (f"{first} writes one in {human_duration(sz.state_bytes / sz.first_write_bps)} at "
+                   f"{speed(sz.first_write_bps)}, measured")
+    else:
+        written = f"{first}'s write speed not measured yet"
+    lines.append(f"  [ram] capacity  >= {human_bytes(sz.arena_bytes)}: the version being copied in + "
+                 f"{sz.in_flight} {first} has not written yet ({written})")
+    if "disk" in tiers:
+        waiting = " + 1 waiting for s3" if sz.has_s3 else ""
+        if sz.disk_bytes is not None:
+            lines.append(f"  [disk] capacity >= {human_bytes(sz.disk_bytes)}: {sz.keep} versions kept ({rule}) + 1 "
+                         f"being written{waiting}")
+        else:
+            lines.append(f"  [disk] capacity: no retention keeps a number of versions, so the disk keeps them until "
+                         f"its capacity evicts copies another tier holds; a retention of the latest K needs "
+                         f"(K + {2 if sz.has_s3 else 1}) x {size}")
+    if sz.has_s3:
+        need = f"  s3: every version needs {speed(sz.s3_needed_bps)}"
+        if sz.s3_write_bps is None or sz.s3_every is None or sz.s3_lag_s is None:
+            lines.append(f"{need}; s3's write speed not measured yet")
+        elif sz.s3_every == 1:
+            lines.append(f"{need}; measured {speed(sz.s3_write_bps)}: every version reaches s3, within "
+                         f"{human_duration(sz.s3_lag_s)} of its save")
+        else:
+            lines.append(f"{need}; measured {speed(sz.s3_write_bps)}: s3 gets 1 version in {sz.s3_every}, "
+                         f"each within {human_duration(sz.s3_lag_s)} of its save")
+    doc = {"state_bytes": sz.state_bytes, "interval_s": interval, "interval_source": whence,
+           "first_tier": first, "first_write_bps": sz.first_write_bps, "s3_write_bps": sz.s3_write_bps,
+           "keep": sz.keep, "arena_bytes": sz.arena_bytes, "disk_bytes": sz.disk_bytes,
+           "s3_needed_bps": sz.s3_needed_bps if sz.has_s3 else None, "s3_every": sz.s3_every,
+           "s3_lag_s": sz.s3_lag_s}
+    return doc, lines
 
 
 @app.command("ui", epilog=_examples("tiercache ui", "tiercache ui --port 9000 --mttf 3h",

@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -460,6 +460,33 @@ class VersionInfo:
     meta: dict[str, Any]
     tiers: tuple[str, ...]
     states: dict[str, TierState] = field(default_factory=dict)
+
+
+def left_behind(versions: Sequence[VersionInfo], refs: Mapping[str, str]) -> set[str]:
+    """Ids of the versions saved on a branch that its history no longer holds (a rollback or resume left them).
+
+    A branch's history is its head and the head's ancestors. Where that walk meets a parent no
+    tier holds, what lies beyond is unknown: versions of the branch older than that parent (ids
+    sort by time) are not counted as left behind.
+
+    Args:
+        versions: Every version listed (``TierCache.versions()`` and ``pruned()``).
+        refs: Every ref (``{"branch/main": id, ...}``).
+    """
+    by_id = {v.id: v for v in versions}
+    history: dict[str, tuple[set[str], str]] = {}
+    for key, head in refs.items():
+        kind, _, name = key.partition("/")
+        if kind != "branch":
+            continue
+        seen: set[str] = set()
+        cur: str | None = head
+        while cur is not None and cur in by_id and cur not in seen:
+            seen.add(cur)
+            cur = by_id[cur].parent
+        history[name] = (seen, cur if cur is not None and cur not in by_id else "")
+    return {v.id for v in versions
+            if v.branch in history and v.id not in history[v.branch][0] and v.id > history[v.branch][1]}
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

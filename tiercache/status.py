@@ -16,7 +16,8 @@ samples per measurement.
 
 The object (``schema_version`` 1), times in Unix seconds::
 
-    {"schema_version": 1, "pid": 1234, "started_at": t, "updated_at": t, "closed": false,
+    {"schema_version": 1, "pid": 1234, "writer": "trainer" | "agent", "started_at": t, "updated_at": t,
+     "closed": false,
      "levels": ["staged", "local", "remote", "durable"],
      "staged": {"version", "branch", "step", "at"} | null,       # the newest save() call
      "training": {branch: {"step", "at"}},                         # newest step seen (saves, advisor)
@@ -24,11 +25,23 @@ The object (``schema_version`` 1), times in Unix seconds::
      "lag": {branch: {level: {"steps", "seconds"} | null}},        # behind "training"
      "lag_history": [{"t", "branch", "step", "levels": {level: {"steps", "seconds"} | null}}],
      "save_wait": samples, "time_to": {level: samples},            # samples: see Samples.to_json
+     "restore": samples, "restart": samples,                       # restores of the newest version, restarts
      "queues": {level: versions of this process not yet at that level},
      "versions": {id: {"branch", "step", "created_at", "wait_s",
                        "levels": {level: {"state", "at", "reason"}}}},
      "errors": [{"t", "version", "branch", "step", "level", "error", "message"}],
      "meter": ThroughputMeter.snapshot(), "advice": Plan.to_json() | null}
+
+``pid`` is the writer's: the training process itself, or (``writer`` ``"agent"``) the node agent
+that saves for the trainers of the node, which outlives them. ``training`` is the newest step of
+a version that did not fail (a version whose ``durable`` level failed is no step a restart can
+resume from) or that the advisor reported. ``error`` names the error's public class (the first
+in its MRO whose name does not start with ``_``).
+
+``restore`` is how long each restore that a trainer reported took (with a node agent, every
+trainer of the node reports its restores to the agent); ``restart`` how long each restart took,
+from the moment the last trainer that saved through the agent left it until a new trainer began
+its restore (only a node agent, which outlives its trainers, can see that).
 
 ``state`` is ``pending``, ``held`` (reached), ``skipped`` (the policy or the arena skipped it;
 the reason says why) or ``failed`` (the reason is the error). Lag at a level is the training
@@ -110,6 +123,7 @@ class StatusRecorder:
         interval: Fewest seconds between two writes.
         meter: Returns the throughput meter's snapshot (its history included).
         clock: Unix time, for timestamps and durations (tests pass a fake one).
+        writer: Who publishes: ``"trainer"`` (the saving process) or ``"agent"`` (a node agent).
     """
 
     def __init__(
@@ -119,8 +133,10 @@ class StatusRecorder:
         interval: float,
         meter: Callable[[], dict[str, Any]],
         clock: Callable[[], float] = time.time,
+        writer: str = "trainer",
     ) -> None:
         self._write_fn = write
+        self._writer = writer
         self._interval = interval
         self._meter = meter
         self._clock = clock
@@ -130,10 +146,15 @@ class StatusRecorder:
         self._staged: dict[str, Any] | None = None
         self._branch = "main"
         self._training: dict[str, dict[str, float]] = {}
+        #: Newest step the advisor reported per branch (no version of its own: it never fails).
+        self._advised: dict[str, dict[str, float]] = {}
+        self._failed: set[str] = set()
         self._newest: dict[str, dict[str, dict[str, Any]]] = {}
         self._lag_history: deque[dict[str, Any]] = deque(maxlen=LAG_HISTORY)
         self._save_wait = Samples()
         self._time_to: dict[str, Samples] = {}
+        self._restore = Samples()
+        self._restart = Samples()
         self._pending: dict[str, set[str]] = {}
         self._versions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
@@ -176,7 +197,7 @@ class StatusRecorder:
             self._versions[vid] = {"branch": branch, "step": step, "created_at": started_at, "wait_s": wait_s,
                                    "levels": {lvl: {"state": "pending", "at": None, "reason": ""} for lvl in futures}}
             while len(self._versions) > RECENT_VERSIONS:
-                self._versions.popitem(last=False)
+                self._failed.discard(self._versions.popitem(last=False)[0])
             for lvl in futures:
                 self._pending.setdefault(lvl, set()).add(vid)
             self._touch(branch)
@@ -187,15 +208,45 @@ class StatusRecorder:
     def note_step(self, step: int, advice: Mapping[str, Any] | None = None) -> None:
         """Record that training reached ``step`` (on the branch of the newest save), and the current advice."""
         with self._cv:
-            self._see_step(self._branch, step, self._clock())
+            now = self._clock()
+            self._see_step(self._branch, step, now)
+            cur = self._advised.get(self._branch)
+            if cur is None or step >= cur["step"]:
+                self._advised[self._branch] = {"step": step, "at": now}
             if advice is not None:
                 self._advice = dict(advice)
             self._touch(self._branch)
+
+    def note_restore(self, seconds: float, *, at: float) -> None:
+        """Record a restore that took ``seconds`` and ended at Unix time ``at``."""
+        with self._cv:
+            self._restore.add(at, seconds)
+            self._dirty = True
+            self._cv.notify_all()
+
+    def note_restart(self, seconds: float, *, at: float) -> None:
+        """Record a restart: ``seconds`` from the failure until the new trainer began its restore, at ``at``."""
+        with self._cv:
+            self._restart.add(at, seconds)
+            self._dirty = True
+            self._cv.notify_all()
 
     def _see_step(self, branch: str, step: int, at: float) -> None:
         cur = self._training.get(branch)
         if cur is None or step >= cur["step"]:
             self._training[branch] = {"step": step, "at": at}
+
+    def _retract(self, vid: str, branch: str) -> None:
+        """Training of ``branch`` without ``vid``, a version that failed (call with the lock held)."""
+        self._failed.add(vid)
+        seen = [{"step": v["step"], "at": v["created_at"]} for k, v in self._versions.items()
+                if v["branch"] == branch and k not in self._failed]
+        if branch in self._advised:
+            seen.append(self._advised[branch])
+        if seen:
+            self._training[branch] = dict(max(seen, key=lambda t: (t["step"], t["at"])))
+        else:
+            self._training.pop(branch, None)
 
     def _settled(self, vid: str, branch: str, step: int, started_at: float, level: str, fut: Future[str]) -> None:
         now = self._clock()
@@ -224,10 +275,12 @@ class StatusRecorder:
                 state, reason = "skipped", str(err)
             else:
                 state = "failed"
-                reason = f"{type(err).__name__}: {err}" if err is not None else "cancelled"
+                name = public_name(err) if err is not None else "CancelledError"
+                reason = f"{name}: {err}" if err is not None else "cancelled"
                 self._errors.append({"t": now, "version": vid, "branch": branch, "step": step, "level": level,
-                                     "error": type(err).__name__ if err is not None else "CancelledError",
-                                     "message": str(err) if err is not None else "cancelled"})
+                                     "error": name, "message": str(err) if err is not None else "cancelled"})
+                if level == "durable" and vid in self._versions:
+                    self._retract(vid, branch)
             if level in levels:
                 levels[level] = {"state": state, "at": now, "reason": reason}
             self._touch(branch)
@@ -247,10 +300,11 @@ class StatusRecorder:
     # ------------------------------------------------------------------ what viewers read
 
     def costs(self) -> dict[str, Any]:
-        """The measurements alone, cheaply: ``{"save_wait": samples, "time_to": {level: samples}}``."""
+        """The measurements alone, cheaply: ``{"save_wait", "time_to": {level: samples}, "restore", "restart"}``."""
         with self._cv:
             return {"save_wait": self._save_wait.to_json(),
-                    "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()}}
+                    "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
+                    "restore": self._restore.to_json(), "restart": self._restart.to_json()}
 
     def newest_version(self) -> str | None:
         """Id of the newest version this process saved, or ``None``."""
@@ -264,6 +318,7 @@ class StatusRecorder:
             return {
                 "schema_version": STATUS_SCHEMA,
                 "pid": os.getpid(),
+                "writer": self._writer,
                 "started_at": self._started_at,
                 "updated_at": self._clock(),
                 "closed": self._closed,
@@ -275,6 +330,8 @@ class StatusRecorder:
                 "lag_history": list(self._lag_history),
                 "save_wait": self._save_wait.to_json(),
                 "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
+                "restore": self._restore.to_json(),
+                "restart": self._restart.to_json(),
                 "queues": {lvl: len(ids) for lvl, ids in self._pending.items()},
                 "versions": {vid: {**v, "levels": {k: dict(x) for k, x in v["levels"].items()}}
                              for vid, v in self._versions.items()},
@@ -322,6 +379,11 @@ class StatusRecorder:
             self._write()
 
 
+def public_name(err: BaseException) -> str:
+    """The name of ``err``'s first class in its MRO that is not private (``_Gone`` -> ``AgentUnavailableError``)."""
+    return next(c.__name__ for c in type(err).__mro__ if not c.__name__.startswith("_"))
+
+
 def read_status(data: bytes | None) -> dict[str, Any] | None:
     """Parse a stored status object; ``None`` if there is none or it is not one (a hint, never an error)."""
     if data is None:
@@ -336,4 +398,4 @@ def read_status(data: bytes | None) -> dict[str, Any] | None:
     return doc
 
 
-__all__ = ["ALL_LEVELS", "STATUS_KEY", "Samples", "StatusRecorder", "read_status"]
+__all__ = ["ALL_LEVELS", "STATUS_KEY", "Samples", "StatusRecorder", "public_name", "read_status"]

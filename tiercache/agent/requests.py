@@ -72,6 +72,8 @@ class Client:
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
     alive: bool = True
+    #: Versions (or parts) it published: a client that saves is a trainer, one that never does a viewer.
+    saves: int = 0
     #: What the engine asks this trainer about the parts of group versions it published.
     calls: Calls = dataclasses.field(init=False)
 
@@ -143,6 +145,8 @@ class Requests:
     _served: Counter[str]
     _errors: Counter[str]
     _recorder: StatusRecorder | None
+    #: Unix time the last connected trainer that saved here left (a restart may follow), or ``None``.
+    _trainer_left_at: float | None
     #: Where this agent takes and sends the peer copies of its ranks' group versions.
     _peers: PeerPort
 
@@ -280,6 +284,7 @@ class Requests:
             regions = client.reservations.pop(int(msg["rid"]), None)
         if regions is None:
             raise ProtocolError(f"unknown reservation {msg['rid']!r}")
+        client.saves += 1
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         assert self.cache is not None
@@ -586,6 +591,17 @@ class Requests:
         for source, n in dict(msg.get("nbytes", {})).items():
             self._restores[str(source)] += 1
             self._restore_bytes[str(source)] += int(n)
+        seconds, began = msg.get("seconds"), msg.get("began")
+        if self._recorder is None or not isinstance(seconds, int | float) or not isinstance(began, int | float):
+            return {}
+        now = time.time()
+        self._recorder.note_restore(float(seconds), at=now)
+        with self._lock:
+            left, self._trainer_left_at = self._trainer_left_at, None
+            saving = any(c.saves for c in self._clients.values())
+        if left is not None and not saving and began >= left:
+            # Every trainer that saved here had left, and a new one restores: the job restarted.
+            self._recorder.note_restart(float(began) - left, at=now)
         return {}
 
     def _stats(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
@@ -601,7 +617,7 @@ class Requests:
         engine = self.engine
         arena = engine.ramcache.arena
         with self._lock:
-            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins)}
+            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins), "saves": c.saves}
                        for c in self._clients.values()]
             tracked = len(self._tracked)
             parts = {"in_flight": sum(t.part is not None for t in self._tracked.values()),

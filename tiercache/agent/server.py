@@ -114,6 +114,7 @@ class AgentServer(Requests):
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._recorder: StatusRecorder | None = None
+        self._trainer_left_at: float | None = None
         self._peers = PeerPort()
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_server: Any = None
@@ -147,7 +148,8 @@ class AgentServer(Requests):
             engine = self.engine  # with an explicit capacity, the arena is made and pre-faulted now
             tier = next((t for n, t in self.cache.repo.durable.items() if self.cache.health.available(n)), None)
             self._recorder = StatusRecorder(None if tier is None else lambda data: tier.put(STATUS_KEY, data),
-                                            interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot)
+                                            interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot,
+                                            writer="agent")
             self._watch_ram(engine)
             self._listen()
             if self.settings.metrics is not None:
@@ -316,6 +318,8 @@ class AgentServer(Requests):
         client.conn.close()
         with self._lock:
             self._clients.pop(client.cid, None)
+            if client.saves and not any(c.saves for c in self._clients.values()):
+                self._trainer_left_at = time.time()  # the node's last trainer: a restart's clock starts
             reservations, client.reservations = list(client.reservations.values()), {}
             pins, client.pins = list(client.pins.values()), {}
         # Its parts of group versions fail here (nothing waits for it), once it is known gone: a

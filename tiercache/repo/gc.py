@@ -47,6 +47,10 @@ class GcReport:
         chunks: Chunk objects deleted, per tier.
         bytes_freed: Bytes of the deleted objects, per tier.
         spared: Unreferenced objects left alone because they are younger than the grace period.
+        kept_by_reflog: Versions no ref reaches that are kept only because a branch or tag move
+            left them behind less than ``reflog_keep`` seconds ago.
+        reflog_keep: The ``reflog_keep`` setting used, in seconds.
+        reflog_expires: Unix time at which the first of ``kept_by_reflog`` becomes collectable, or ``None``.
     """
 
     dry_run: bool
@@ -56,6 +60,9 @@ class GcReport:
     chunks: dict[str, int] = field(default_factory=dict)
     bytes_freed: dict[str, int] = field(default_factory=dict)
     spared: int = 0
+    kept_by_reflog: tuple[str, ...] = ()
+    reflog_keep: float = 0.0
+    reflog_expires: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -67,7 +74,8 @@ class GcReport:
         return {
             "dry_run": self.dry_run, "grace": self.grace, "versions": list(self.versions),
             "manifests": self.manifests, "chunks": self.chunks, "bytes_freed": self.bytes_freed,
-            "total_bytes": self.total_bytes, "spared": self.spared,
+            "total_bytes": self.total_bytes, "spared": self.spared, "kept_by_reflog": list(self.kept_by_reflog),
+            "reflog_keep": self.reflog_keep, "reflog_expires": self.reflog_expires,
         }
 
 
@@ -107,7 +115,7 @@ def _roots(repo: Repo) -> set[str]:
     return roots
 
 
-def _live(versions: dict[str, Version], roots: Iterable[str], extra: Iterable[str]) -> set[str]:
+def _live(versions: dict[str, Version], roots: Iterable[str], extra: Iterable[str], *, warn: bool = True) -> set[str]:
     """Every version reachable through parents from ``roots`` and ``extra`` (holes keep their branch)."""
     live: set[str] = set()
     todo = [*roots, *extra]
@@ -127,8 +135,9 @@ def _live(versions: dict[str, Version], roots: Iterable[str], extra: Iterable[st
         if not holes:
             return live
         for child in holes:
-            log.warning("gc: version %s names parent %s, which no tier holds: keeping every older version of "
-                        "branch %r", child.id, child.parent, child.branch)
+            if warn:
+                    log.warning("gc: version %s names parent %s, which no tier holds: keeping every older version "
+                            "of branch %r", child.id, child.parent, child.branch)
             todo += [o.id for o in versions.values()
                      if o.branch == child.branch and o.created_at < child.created_at and o.id not in live]
         holes = []
@@ -165,11 +174,13 @@ def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
     # Refs first (the reverse of the write order): anything a ref reaches now is kept, and so is
     # anything a branch or tag move left behind less than reflog_keep seconds ago.
     roots = _roots(repo)
+    ref_roots = set(roots)
     moves = cat.reflog()
-    expired = [m for m in moves if now - m.at.timestamp() >= repo.config.reflog_keep]
-    for m in moves:
-        if m not in expired:
-            roots |= {m.version, *([m.previous] if m.previous else [])}
+    keep_s = repo.config.reflog_keep
+    expired = [m for m in moves if now - m.at.timestamp() >= keep_s]
+    kept_moves = [m for m in moves if m not in expired]
+    for m in kept_moves:
+        roots |= {m.version, *([m.previous] if m.previous else [])}
     versions = {v.id: v for v in cat.all()}
     for name, tier in tiers.items():
         versions.update({vid: cat.materialize(v) for vid, v in _tier_manifests(tier, name, versions).items()})
@@ -178,6 +189,11 @@ def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
     extra = [*pending, *(p for p in pending.values() if p is not None), *young]
     live = _live(versions, roots, extra)
     dead = sorted(vid for vid in versions if vid not in live)
+    # What only the reflog keeps: a gc that frees nothing says why (see reflog_keep).
+    by_reflog = tuple(sorted(vid for vid in live - _live(versions, ref_roots, extra, warn=False) if vid in versions))
+    held = set(by_reflog)
+    expires = min((m.at.timestamp() + keep_s for m in kept_moves if m.version in held or m.previous in held),
+                  default=None)
     needed = {c for vid in live if vid in versions for c in cat.chunks_of(versions[vid])}
     for vid in sorted(live):
         v = versions.get(vid)
@@ -229,7 +245,8 @@ def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
         deleted += gone
     if deleted and on_chunks_deleted is not None:
         on_chunks_deleted(deleted)
-    report = GcReport(dry_run, grace, tuple(dead), {n: len(v) for n, v in manifests.items()}, chunks, freed, spared)
+    report = GcReport(dry_run, grace, tuple(dead), {n: len(v) for n, v in manifests.items()}, chunks, freed, spared,
+                      by_reflog, keep_s, expires)
     log.info("gc%s: %d versions, %d chunk objects, %d bytes", " (dry run)" if dry_run else "",
              len(dead), sum(report.chunks.values()), report.total_bytes)
     return report

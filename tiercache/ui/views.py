@@ -22,7 +22,7 @@ from typing import Any
 from tiercache.advisor import PlanInputs, plan
 from tiercache.errors import InvalidArgumentError
 from tiercache.handle import TIER_LEVEL
-from tiercache.manifest import RefMove, Version, VersionInfo
+from tiercache.manifest import RefMove, Version, VersionInfo, left_behind
 from tiercache.status import ALL_LEVELS
 
 #: How many versions the lineage and residency views list (newest first).
@@ -168,12 +168,11 @@ def lineage(cap: Capture) -> dict[str, Any]:
     for key in sorted(refs):
         labels.setdefault(refs[key], []).append(key)
     branches = []
-    reachable: dict[str, set[str]] = {}
+    behind = left_behind(versions, refs)
     for key, vid in sorted(refs.items()):
         kind, _, name = key.partition("/")
         if kind != "branch":
             continue
-        reachable[name] = _ancestors(vid, by_id)
         info = by_id.get(vid)
         branches.append({"name": name, "head": vid, "step": info.step if info else None,
                          "versions": sum(1 for v in versions if v.branch == name)})
@@ -183,7 +182,7 @@ def lineage(cap: Capture) -> dict[str, Any]:
         rows.append({
             "id": v.id, "short": v.id[:SHORT_ID], "step": v.step, "branch": v.branch, "parent": v.parent,
             "created_at": _ts(v.created_at), "nbytes": v.nbytes, "meta": v.meta, "refs": labels.get(v.id, []),
-            "rolled_back": v.branch in reachable and v.id not in reachable[v.branch],
+            "rolled_back": v.id in behind,
             "states": tier_states(v, cap.tiers, cap.status),
         })
     return {"tiers": cap.tiers, "total": len(versions), "versions": rows, "branches": branches, "tags": tags,
@@ -329,15 +328,26 @@ def advice(cap: Capture) -> dict[str, Any]:
 
 
 def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
-    """Body of ``/api/overview``: tiers, levels, policy, the saving process's liveness, the node agent, the refresh."""
+    """Body of ``/api/overview``: tiers, levels, policy, who publishes the status, the node agent, the refresh.
+
+    ``trainer`` is ``None`` without a status. Its ``writer`` is ``"trainer"`` when the training
+    process publishes (``pid`` is then the trainer's), or ``"agent"`` when a node agent does for
+    the trainers of its node: ``pid`` is then the agent's, which outlives them, and ``trainers``
+    lists the pids of the processes that saved through the agent and are still connected to it
+    (empty when none is, or the agent that wrote the status is not the one running now).
+    """
+    node_agent = cap.stats.get("agent")
     trainer = None
     if cap.status is not None:
         updated = cap.status.get("updated_at")
         age = cap.at - updated if isinstance(updated, int | float) and math.isfinite(updated) else None
-        trainer = {"pid": cap.status.get("pid"), "updated_at": updated, "age_s": age,
-                   "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+        trainer = {"writer": cap.status.get("writer", "trainer"), "pid": cap.status.get("pid"), "updated_at": updated,
+                   "age_s": age, "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+        if trainer["writer"] == "agent":
+            running = bool(node_agent) and node_agent.get("pid") == trainer["pid"]
+            trainer["trainers"] = sorted({c["pid"] for c in node_agent.get("clients", []) if c.get("saves")}
+                                         ) if running else []
     refs = cap.refs
-    node_agent = cap.stats.get("agent")
     agent = None if not node_agent else {
         "pid": node_agent.get("pid"), "clients": len(node_agent.get("clients", [])),
         "in_flight": node_agent.get("in_flight", 0), "queues": node_agent.get("queues", {}),

@@ -120,6 +120,19 @@ function renderOverview(ov) {
     `${ov.branches} branches, ${ov.tags} tags`;
   const t = ov.trainer, pill = $("trainer");
   if (!t) { pill.textContent = "no saving process has published a status"; pill.className = "pill"; }
+  else if (t.writer === "agent") {
+    // The agent publishes for the trainers of its node and outlives them: its pid is no trainer's.
+    const last = t.staged ? `, last save ${dur(ov.generated_at - t.staged.at)} ago` : "";
+    if (t.trainers.length) {
+      pill.textContent = `trainer pid ${t.trainers.join(", ")}: saving through node agent pid ${t.pid}` +
+        `, status ${dur(t.age_s)} old`;
+      pill.className = "pill live";
+    } else {
+      pill.textContent = `no trainer connected: status from node agent pid ${t.pid}` +
+        (t.closed ? `, closed ${dur(t.age_s)} ago` : "") + last;
+      pill.className = "pill closed";
+    }
+  }
   else if (t.closed) { pill.textContent = `trainer pid ${t.pid}: closed ${dur(t.age_s)} ago`; pill.className = "pill closed"; }
   else { pill.textContent = `trainer pid ${t.pid}: live, status ${dur(t.age_s)} old`; pill.className = "pill live"; }
   const a = ov.agent, ap = $("agent");
