@@ -179,7 +179,14 @@ class Placement:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Decides placement, eviction and what to do when the RAM arena is full."""
+    """Decides placement, eviction and what to do when the RAM arena is full.
+
+    Optional attributes the engine reads where a policy has them: ``retention_rule`` (see
+    :class:`~tiercache.policy.builtin.ThroughputAdaptive`) and ``probe_codecs``: when true, the
+    engine measures each codec not measured yet on a sample of a version before placing it
+    (:mod:`tiercache.pipeline.probe`), so the policy's :attr:`PolicyContext.codecs` fill in
+    without a version being compressed blind.
+    """
 
     def place(self, version: VersionView, ctx: PolicyContext) -> Placement:
         """Return the tiers ``version`` goes to (in order) with a codec each, or skips."""
