@@ -112,7 +112,8 @@ class TensorTable(Sequence[TensorEntry]):
         piece_nbytes: Per piece, its length (int64).
     """
 
-    __slots__ = ("chunk", "chunk_offset", "dtypes", "nbytes", "offset", "paths", "piece_nbytes", "shapes", "starts")
+    __slots__ = ("_dims", "chunk", "chunk_offset", "dtypes", "nbytes", "offset", "paths", "piece_nbytes", "shapes",
+                 "starts")
 
     def __init__(
         self,
@@ -135,25 +136,52 @@ class TensorTable(Sequence[TensorEntry]):
         self.chunk_offset = chunk_offset
         self.offset = offset
         self.piece_nbytes = piece_nbytes
+        self._dims: tuple[np.ndarray, np.ndarray] | None = None  # (ndim, dims) where known already
+
+    def _shape_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shapes as columns: rank per tensor, and every tensor's sizes one after the other.
+
+        Raises:
+            ValueError: If a shape holds something other than sizes that fit int64.
+        """
+        if self._dims is None:
+            ndim = np.fromiter(map(len, self.shapes), dtype=np.int64, count=len(self.shapes))
+            try:
+                dims = np.fromiter((d for s in self.shapes for d in s), dtype=np.int64, count=int(ndim.sum()))
+            except (OverflowError, TypeError, ValueError):
+                raise ValueError("tensor table: a shape holds something other than sizes") from None
+            self._dims = (ndim, dims)
+        return self._dims
 
     # ------------------------------------------------------------------ building
 
     @classmethod
+    def of(
+        cls,
+        paths: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        nbytes: Sequence[int],
+        pieces: Sequence[Sequence[tuple[int, int, int, int]]],
+    ) -> TensorTable:
+        """A table from per-tensor lists, each tensor's pieces as ``(chunk, chunk_offset, offset, nbytes)``.
+
+        Unchecked: :meth:`check` it against the version's chunks (a :class:`~tiercache.manifest.Version` does).
+        """
+        flat = [p for ps in pieces for p in ps]
+        counts = np.fromiter((len(ps) for ps in pieces), dtype=np.int64, count=len(pieces))
+        columns = np.array(flat, dtype=np.int64).reshape(len(flat), 4).T
+        return cls(list(paths), list(dtypes), [tuple(s) for s in shapes], np.array(nbytes, dtype=np.int64).reshape(-1),
+                   np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                   columns[0].copy(), columns[1].copy(), columns[2].copy(), columns[3].copy())
+
+    @classmethod
     def from_entries(cls, entries: Iterable[TensorEntry]) -> TensorTable:
-        """The table of ``entries`` (as code builds them when it saves)."""
+        """The table of ``entries``."""
         entries = list(entries)
-        pieces = [p for e in entries for p in e.pieces]
-        counts = np.fromiter((len(e.pieces) for e in entries), dtype=np.int64, count=len(entries))
-
-        def col(values: Iterable[int], n: int) -> np.ndarray:
-            return np.fromiter(values, dtype=np.int64, count=n)
-
-        return cls(
-            [e.path for e in entries], [e.dtype for e in entries], [tuple(e.shape) for e in entries],
-            col((e.nbytes for e in entries), len(entries)), np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-            col((p.chunk for p in pieces), len(pieces)), col((p.chunk_offset for p in pieces), len(pieces)),
-            col((p.offset for p in pieces), len(pieces)), col((p.nbytes for p in pieces), len(pieces)),
-        )
+        return cls.of([e.path for e in entries], [e.dtype for e in entries], [e.shape for e in entries],
+                      [e.nbytes for e in entries],
+                      [[(p.chunk, p.chunk_offset, p.offset, p.nbytes) for p in e.pieces] for e in entries])
 
     @classmethod
     def empty(cls) -> TensorTable:
@@ -201,24 +229,28 @@ class TensorTable(Sequence[TensorEntry]):
         counts = _decode_ints(doc["pieces"], n, "pieces")
         starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         m = int(starts[-1])
-        dim_list = dims.tolist()
-        ends = np.cumsum(ndim).tolist()
-        shapes = [tuple(dim_list[e - k : e]) for e, k in zip(ends, ndim.tolist(), strict=True)]
-        return cls(
+        if n and int(ndim.min()) == int(ndim.max()):  # all of one rank (the common case): no slicing per tensor
+            shapes = list(map(tuple, dims.reshape(n, int(ndim[0])).tolist()))
+        else:
+            dim_list = dims.tolist()
+            ends = np.cumsum(ndim).tolist()
+            shapes = [tuple(dim_list[e - k : e]) for e, k in zip(ends, ndim.tolist(), strict=True)]
+        table = cls(
             paths, [names[k] for k in kinds.tolist()], shapes, nbytes, starts,
             _decode_ints(doc["chunk"], m, "chunk"), _decode_ints(doc["chunk_offset"], m, "chunk_offset"),
             _decode_ints(doc["offset"], m, "offset"), _decode_ints(doc["piece_nbytes"], m, "piece_nbytes"),
         )
+        table._dims = (ndim, dims)
+        return table
 
     def encode(self) -> dict[str, Any]:
         """The stored form: a JSON object of columns (see the module docstring)."""
         names = sorted(set(self.dtypes))
         index = {d: i for i, d in enumerate(names)}
-        ndim = np.fromiter((len(s) for s in self.shapes), dtype=np.int64, count=len(self.shapes))
-        dims = np.fromiter((d for s in self.shapes for d in s), dtype=np.int64, count=int(ndim.sum()))
+        ndim, dims = self._shape_columns()
         return {
             "columns": COLUMNS_FORMAT, "count": len(self), "path": list(self.paths), "dtype_names": names,
-            "dtype": _encode_ints(np.fromiter((index[d] for d in self.dtypes), dtype=np.int64, count=len(self))),
+            "dtype": _encode_ints(np.fromiter(map(index.__getitem__, self.dtypes), dtype=np.int64, count=len(self))),
             "ndim": _encode_ints(ndim), "dims": _encode_ints(dims), "nbytes": _encode_ints(self.nbytes),
             "pieces": _encode_ints(np.diff(self.starts)), "chunk": _encode_ints(self.chunk),
             "chunk_offset": _encode_ints(self.chunk_offset), "offset": _encode_ints(self.offset),
@@ -245,15 +277,12 @@ class TensorTable(Sequence[TensorEntry]):
         n = len(self)
         if not (len(self.dtypes) == len(self.shapes) == self.nbytes.size == n and self.starts.size == n + 1):
             raise ValueError("tensor table: its columns differ in length")
-        itemsize = np.fromiter((DTYPES[d].itemsize if d in DTYPES else -1 for d in self.dtypes), np.int64, count=n)
+        sizes_of = {d: DTYPES[d].itemsize if d in DTYPES else -1 for d in set(self.dtypes)}
+        itemsize = np.fromiter(map(sizes_of.__getitem__, self.dtypes), np.int64, count=n)
         if n and int(itemsize.min()) < 0:
             i = int(np.argmin(itemsize))
             raise ValueError(f"tensor {self.paths[i]!r}: unknown dtype {self.dtypes[i]!r}")
-        ndim = np.fromiter((len(s) for s in self.shapes), dtype=np.int64, count=n)
-        try:
-            dims = np.fromiter((d for s in self.shapes for d in s), dtype=np.int64, count=int(ndim.sum()))
-        except (OverflowError, TypeError, ValueError):
-            raise ValueError("tensor table: a shape holds something other than sizes") from None
+        ndim, dims = self._shape_columns()
         wrong = (dims < 0) | (dims >= _MAX_VALUE)
         if wrong.any():
             i = int(np.repeat(np.arange(n), ndim)[int(np.argmax(wrong))])
