@@ -217,8 +217,17 @@ class Targets:
 
 
 def chunk_targets(version: Version, dests: Sequence[torch.Tensor]) -> list[Targets]:
-    """Per chunk of ``version``, the pieces of ``dests`` (one contiguous CPU tensor per entry) it fills."""
+    """Per chunk of ``version``, the pieces of ``dests`` (one contiguous CPU tensor per entry) it fills.
+
+    Raises:
+        ValueError: If ``dests`` are not one CPU tensor of each entry's size (the copies go to raw
+            addresses, so a wrong destination is refused here rather than written past).
+    """
     table = version.tensors
+    sizes = np.fromiter((t.nbytes if t.is_cpu else -1 for t in dests), dtype=np.int64, count=len(dests))
+    if sizes.shape != table.nbytes.shape or not np.array_equal(sizes, table.nbytes):
+        raise ValueError(f"restore of {version.id}: the destinations are not one CPU tensor of each saved "
+                         "tensor's size")
     owner = np.repeat(np.arange(len(table), dtype=np.int64), np.diff(table.starts))
     base = np.fromiter((t.data_ptr() for t in dests), dtype=np.int64, count=len(dests))
     addr = base[owner] + table.offset
