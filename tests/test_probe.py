@@ -22,7 +22,7 @@ from tiercache.pipeline import probe
 from tiercache.testing import ThrottledProxy
 
 MIB = 1 << 20
-LINK_BPS = 4_000_000
+LINK_BPS = 2_000_000  # slow enough that compressing wins even with the encoder timed on a busy machine
 
 
 def _stored_codecs(cache: tiercache.TierCache, tier: str, ref: str) -> dict[str, str]:
@@ -57,13 +57,13 @@ def test_a_fresh_cache_stores_its_first_version_raw_and_measures_the_codecs_on_a
         cache.save(state, step=1).wait("remote")
         assert set(_stored_codecs(cache, "s3", "main").values()) == {codecs.RAW}
         assert set(_stored_codecs(cache, "disk", "main").values()) == {codecs.RAW}
-        for name in (codecs.BGZSTD, codecs.ZSTD):
-            seen = cache.meter.codec_stats(name)
-            assert seen is not None and seen.encode_bps is not None, name
-            # A sample: the first MiB of the first chunks, at most 1/16 of the version.
-            assert 0 < seen.raw_bytes <= nbytes // probe.PROBE_SHARE, name
+        # The policy's candidate for floats, measured on a sample: the start of the first chunks, at
+        # most 1/512 of the version or 1 MiB; the other codec, which it would not choose, not at all.
         stats = cache.meter.codec_stats(codecs.BGZSTD)
-        assert stats is not None and stats.ratio is not None and stats.ratio < 1.5  # random floats barely shrink
+        assert stats is not None and stats.encode_bps is not None
+        assert 0 < stats.raw_bytes <= max(nbytes // probe.PROBE_SHARE, probe.PROBE_MIN) < nbytes
+        assert stats.ratio is not None and stats.ratio < 1.5  # random floats barely shrink
+        assert cache.meter.codec_stats(codecs.ZSTD) is None
     with tiercache.open(config) as cache:
         got = cache.restore("main")
     assert all(torch.equal(got[k], v) for k, v in state.items())

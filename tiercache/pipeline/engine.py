@@ -494,7 +494,15 @@ class Engine:
 
         See :mod:`tiercache.pipeline.probe`.
         """
-        names = probe.unmeasured(self.meter) if getattr(self.placement.policy, "probe_codecs", False) else []
+        ask = getattr(self.placement.policy, "probe_codecs", None)
+        if ask is None:
+            return
+        unmeasured = probe.unmeasured(self.meter)
+        if not unmeasured:
+            return
+        with self.jobs.lock:
+            view = job.view()
+        names = [n for n in ask(view) if n in unmeasured]
         if not names:
             return
         sizes = probe.sample_sizes([c.nbytes for c in job.layout.chunks], job.nbytes)

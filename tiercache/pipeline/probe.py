@@ -4,10 +4,10 @@ The default policy compresses for a tier only when :func:`~tiercache.policy.buil
 on the codec's measured speed and ratio and the tier's measured speed. A fresh cache has measured
 neither; it used to encode its whole first version for the slowest tier to find out, which slowed
 that version's write and read (1 GiB of random floats to S3: 1.61x the write-through time, its
-restore 1.97x, for 868 MB stored of 1074 MB). Now, while some codec is unmeasured, the engine
-encodes the first MiB of each of the version's first few chunks with it before placing the
-version: the sample gives the ratio and the encode speed, and the version itself goes out raw
-(docs/design.md, section 5).
+restore 1.97x, for 868 MB stored of 1074 MB). Now, while the codec the policy would choose for a
+version is unmeasured, the engine encodes the first MiB of each of the version's first few chunks
+with it (at most 1/512 of the version, or 1 MiB) before placing it: the sample gives the ratio and the
+encode speed, and the version itself goes out raw (docs/design.md, section 5).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from tiercache.policy.meter import ThroughputMeter
 PROBE_CHUNKS = 4
 #: Bytes sampled from the start of each.
 PROBE_BYTES = 1 << 20
-#: At most this share of a version is sampled, so a small version is never slowed by its probe.
-PROBE_SHARE = 16
+#: At most this share of a version is sampled (but :data:`PROBE_MIN` at least): encoding runs 10-30x
+#: slower than a fast disk writes, so a larger sample would slow the version's write by more than 10%.
+PROBE_SHARE = 512
+#: The smallest sample: timing a smaller one on a busy machine measures the scheduler, not the codec.
+PROBE_MIN = 1 << 20
 
 
 def unmeasured(meter: ThroughputMeter) -> list[str]:
@@ -38,7 +41,7 @@ def unmeasured(meter: ThroughputMeter) -> list[str]:
 
 def sample_sizes(chunk_nbytes: Sequence[int], version_nbytes: int) -> list[int]:
     """Bytes to sample from the start of each of the first chunks (a prefix of ``chunk_nbytes``)."""
-    budget = max(version_nbytes // PROBE_SHARE, 64 << 10)
+    budget = max(version_nbytes // PROBE_SHARE, PROBE_MIN)
     out: list[int] = []
     for n in chunk_nbytes[:PROBE_CHUNKS]:
         take = min(n, PROBE_BYTES, budget)

@@ -181,11 +181,11 @@ class Placement:
 class Policy(Protocol):
     """Decides placement, eviction and what to do when the RAM arena is full.
 
-    Optional attributes the engine reads where a policy has them: ``retention_rule`` (see
-    :class:`~tiercache.policy.builtin.ThroughputAdaptive`) and ``probe_codecs``: when true, the
-    engine measures each codec not measured yet on a sample of a version before placing it
-    (:mod:`tiercache.pipeline.probe`), so the policy's :attr:`PolicyContext.codecs` fill in
-    without a version being compressed blind.
+    Optional members the engine uses where a policy has them: ``retention_rule`` (see
+    :class:`~tiercache.policy.builtin.ThroughputAdaptive`) and ``probe_codecs(version)``: the codecs
+    it may choose for the version; those not measured yet are measured on a sample of it before it
+    is placed (:mod:`tiercache.pipeline.probe`), so :attr:`PolicyContext.codecs` fill in without a
+    version being compressed blind.
     """
 
     def place(self, version: VersionView, ctx: PolicyContext) -> Placement:

@@ -197,8 +197,6 @@ class ThroughputAdaptive:
         if compression not in ("auto", "on", "off"):
             self._fail("compression", f"expected auto, on or off, got {compression!r}")
         self.compression: Compression = compression
-        #: Whether the engine measures the codecs on a sample (only ``auto`` decides on measurements).
-        self.probe_codecs = compression == "auto"
         if codec is not None and (codec not in codec_names() or codec == RAW):
             known = ", ".join(c for c in codec_names() if c != RAW)
             self._fail("codec", f"expected one of {known}, got {codec!r}")
@@ -387,6 +385,10 @@ class ThroughputAdaptive:
         return worst
 
     # ------------------------------------------------------------------ codecs
+
+    def probe_codecs(self, version: VersionView) -> list[str]:
+        """The codec to measure on a sample of ``version`` (its candidate), when compression is ``auto``."""
+        return [self._candidate(version)] if self.compression == "auto" else []
 
     def _candidate(self, v: VersionView) -> str:
         if self.codec is not None:
