@@ -94,13 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected groups, print the table, write ``bench/out/results.json`` and ``bench.png``.
 
     ``python -m bench mlperf ...`` runs the MLPerf-Storage-style checkpoint mode instead (see
-    :mod:`bench.mlperf`).
+    :mod:`bench.mlperf`), ``python -m bench tensors ...`` the many-small-tensors comparison
+    (:mod:`bench.tensors`).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["mlperf"]:
         from bench.mlperf import main as mlperf
 
         return mlperf(argv[1:])
+    if argv[:1] == ["tensors"]:
+        from bench.tensors import main as tensors
+
+        return tensors(argv[1:])
     args = _parse(argv)
     # Piped output (CI logs, files) would otherwise wrap the wide table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)

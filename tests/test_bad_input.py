@@ -61,7 +61,7 @@ BAD_MANIFESTS: dict[str, bytes] = {
     "branch with slash": _with("branch", "a/b"),
     "step not int": _with("step", "x"),
     "bad date": _with("created_at", "yesterday"),
-    "future schema": _with("schema_version", 2),
+    "future schema": _with("schema_version", 3),
     "extra path field": _with("path", "/etc/passwd"),
     "unknown hash": _with("hash_algo", "md5"),
     "chunks not a list": _with("chunks", "x"),
@@ -79,6 +79,30 @@ BAD_MANIFESTS: dict[str, bytes] = {
     "meta not a dict": _with("meta", [1]),
     "pickled not bool": _with("pickled", {"a": 1}),
 }
+
+# The same manifest as the current code writes it: the tensor table as columns.
+GOOD_COLUMNS: dict[str, Any] = json.loads(Version.from_json(json.dumps(GOOD_MANIFEST).encode()).to_json())
+
+
+def _columns_with(column: str, value: Any) -> bytes:
+    m = copy.deepcopy(GOOD_COLUMNS)
+    m["tensors"][column] = value
+    return json.dumps(m).encode()
+
+
+BAD_MANIFESTS.update({
+    "columns: unknown layout": _columns_with("columns", 99),
+    "columns: extra field": _columns_with("extra", 1),
+    "columns: count vs paths": _columns_with("count", 2),
+    "columns: short column": _columns_with("nbytes", "u1:"),
+    "columns: not base64": _columns_with("chunk", "u1:!!"),
+    "columns: unknown width": _columns_with("chunk", "x9:AA=="),
+    "columns: dtype index": _columns_with("dtype", "u1:BQ=="),  # 5, of one name
+    "columns: unknown dtype name": _columns_with("dtype_names", ["object"]),
+    "columns: piece outside chunk": _columns_with("chunk_offset", "u1:ZA=="),  # 100
+    "columns: shape vs nbytes": _columns_with("dims", "u1:Aw=="),  # [3]
+    "columns: value out of range": _columns_with("offset", "u8:" + "/" * 10 + "8="),
+})
 
 GOOD_REF = {"schema_version": 1, "kind": "branch", "name": "main", "version": "01BADBADBADBADBADBADBADBAD", "seq": 0}
 BAD_REFS: dict[str, bytes] = {

@@ -382,7 +382,8 @@ def test_chunk_targets_and_a_single_process_cache_have_no_replicated_level(tmp_p
         version = cache.manifest("main")
     dests = [empty_aligned((10,), torch.float32)]
     [targets] = chunk_targets(version, dests)
-    assert [(off, n) for _, off, n in targets] == [(0, 40)]
+    assert list(zip(targets.offset.tolist(), targets.length.tolist(), strict=True)) == [(0, 40)]
+    assert targets.addr.tolist() == [dests[0].data_ptr()]
     assert chunk_key(version.chunks[0].id).startswith("chunks/")
 
 

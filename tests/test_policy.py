@@ -407,7 +407,7 @@ def test_a_full_disk_is_bypassed_unless_eviction_makes_room() -> None:
 def test_without_a_remote_tier_the_disk_is_never_bypassed() -> None:
     p = ThroughputAdaptive()
     c = ctx([disk(50 * MB, cap=1 * MB, used=1 * MB)], [ver(1)])
-    assert p.place(ver(1), c) == Placement((TierPlan("disk", BG),))  # the only tier is also the probe
+    assert p.place(ver(1), c) == Placement((TierPlan("disk", RAW),))  # nothing measured: raw
 
 
 # ---------------------------------------------------------------------- throughput-adaptive: codecs
@@ -430,11 +430,14 @@ def test_compression_is_on_for_a_slow_s3_link_and_off_for_a_fast_disk() -> None:
     assert plans(p.place(ver(1), incompressible)) == {"disk": (RAW, False), "s3": (RAW, False)}
 
 
-def test_until_the_codec_is_measured_the_slowest_tier_probes_it() -> None:
+def test_until_the_codec_and_the_tier_are_measured_versions_go_raw() -> None:
+    # No version is compressed blind (the engine measures the codec on a sample: test_probe.py).
     p = ThroughputAdaptive()
     c = ctx([disk(None), s3(None)], [ver(1)])
-    assert plans(p.place(ver(1), c)) == {"disk": (RAW, False), "s3": (BG, False)}
-    assert plans(p.place(ver(1, floats=0.2), c)) == {"disk": (RAW, False), "s3": (Z, False)}
+    assert plans(p.place(ver(1), c)) == {"disk": (RAW, False), "s3": (RAW, False)}
+    assert plans(p.place(ver(1, floats=0.2), c)) == {"disk": (RAW, False), "s3": (RAW, False)}
+    slow_tier_codec_unknown = ctx([disk(1000 * MB), s3(4 * MB)], [ver(1)])
+    assert plans(p.place(ver(1), slow_tier_codec_unknown)) == {"disk": (RAW, False), "s3": (RAW, False)}
     measured_codec_unknown_tier = ctx([disk(None), s3(None)], [ver(1)], codecs=codec())
     assert plans(p.place(ver(1), measured_codec_unknown_tier)) == {"disk": (RAW, False), "s3": (RAW, False)}
 

@@ -203,11 +203,11 @@ def test_restore_from_ram_verifies_in_place_and_copies_each_byte_once(
 ) -> None:
     state = _mixed_state()
     copied: list[int] = []
-    real_copy = restore_module.copy_bytes
+    real_move = restore_module._memmove
 
-    def counting_copy(dst: memoryview, src: Any) -> None:
-        copied.append(memoryview(src).nbytes)
-        real_copy(dst, src)
+    def counting_move(dst: int, src: int, n: int) -> None:
+        copied.append(n)
+        real_move(dst, src, n)
 
     def no_chunk_reads(self: RamTier, key: str, *args: Any, **kw: Any) -> Any:
         raise AssertionError(f"{key} copied out of the RAM tier instead of lent")
@@ -216,7 +216,7 @@ def test_restore_from_ram_verifies_in_place_and_copies_each_byte_once(
         cache.save(state, step=1).wait("local")
         version = cache.manifest("main")
         assert cache.catalog.residency(version)[0] == "ram"
-        monkeypatch.setattr(restore_module, "copy_bytes", counting_copy)
+        monkeypatch.setattr(restore_module, "_memmove", counting_move)
         monkeypatch.setattr(RamTier, "read_into", no_chunk_reads)
         monkeypatch.setattr(RamTier, "get", no_chunk_reads)
         out = cache.restore("main", into={k: torch.zeros_like(v) for k, v in state.items()} if into else None)

@@ -14,7 +14,6 @@ inside its chunk and its tensor, so a damaged or hostile manifest is refused wit
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import threading
@@ -24,13 +23,20 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tiercache.dtypes import DTYPES
 from tiercache.errors import IntegrityError, InvalidArgumentError, InvalidNameError
 from tiercache.names import check_chunk_id, check_name
 
+# Piece and TensorEntry are part of the manifest's vocabulary; they live with the table.
+from tiercache.tensor_table import Piece as Piece
+from tiercache.tensor_table import TensorEntry as TensorEntry
+from tiercache.tensor_table import TensorTable
+
 MANIFEST_SCHEMA = 1
+#: A version manifest's schema: 2 stores the tensor table as columns (:mod:`tiercache.tensor_table`);
+#: manifests of schema 1 (a list of tensor objects) still parse.
+VERSION_SCHEMA = 2
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,32 +80,6 @@ class ChunkRef(_Model):
         return self
 
 
-class Piece(_Model):
-    """A contiguous run of a tensor's bytes stored inside one chunk.
-
-    Attributes:
-        chunk: Index into :attr:`Version.chunks`.
-        chunk_offset: Where the run starts inside the chunk's raw bytes.
-        offset: Where the run starts inside the tensor's bytes.
-        nbytes: Length of the run.
-    """
-
-    chunk: int = Field(ge=0)
-    chunk_offset: int = Field(ge=0)
-    offset: int = Field(ge=0)
-    nbytes: int = Field(gt=0)
-
-
-class TensorEntry(_Model):
-    """A tensor of the state: its path, dtype, shape and where its bytes are."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int = Field(ge=0)
-    pieces: tuple[Piece, ...]
-
-
 class RankPart(_Model):
     """One rank's part of a multi-rank version, merged (see :mod:`tiercache.parts`).
 
@@ -138,7 +118,8 @@ class Version(_Stored):
     """The manifest of one checkpoint version.
 
     Attributes:
-        schema_version: Manifest schema version.
+        schema_version: Manifest schema version (2; 1 for manifests written before the tensor
+            table was stored as columns).
         id: Sortable unique id (26 Crockford base32 characters, time first).
         parent: Id of the version this one was saved after on its branch, or ``None``.
         branch: Branch the version was saved on.
@@ -147,7 +128,8 @@ class Version(_Stored):
         meta: User metadata (JSON).
         hash_algo: Content hash naming the chunks.
         chunks: The chunks, in layout order.
-        tensors: The tensor table, in the order of the tree's tensor indices.
+        tensors: The tensor table, in the order of the tree's tensor indices (given as a sequence of
+            :class:`TensorEntry`, held as columns: :class:`~tiercache.tensor_table.TensorTable`).
         tree: The object tree (JSON) with tensors replaced by their indices.
         pickled: Whether some leaf was stored with pickle (restore then needs ``allow_pickle``).
         nbytes: Total tensor bytes.
@@ -164,7 +146,7 @@ class Version(_Stored):
         rank: Set in a part manifest: this is rank ``rank``'s part of group version :attr:`id`.
     """
 
-    schema_version: Literal[1] = MANIFEST_SCHEMA
+    schema_version: Literal[1, 2] = VERSION_SCHEMA
     id: str
     parent: str | None
     branch: str
@@ -173,7 +155,7 @@ class Version(_Stored):
     meta: dict[str, Any] = Field(default_factory=dict)
     hash_algo: Literal["xxh3-128", "blake2b"] = "xxh3-128"
     chunks: tuple[ChunkRef, ...]
-    tensors: tuple[TensorEntry, ...]
+    tensors: TensorTable
     tree: Any
     pickled: bool = False
     nbytes: int = Field(ge=0)
@@ -182,29 +164,19 @@ class Version(_Stored):
     ranks: int = Field(default=0, ge=0)
     rank: int | None = Field(default=None, ge=0)
 
+    @field_validator("schema_version")
+    @classmethod
+    def _current_schema(cls, value: int) -> int:
+        # Held (and so written again) as the current schema: the table is columns once parsed.
+        return VERSION_SCHEMA
+
     @model_validator(mode="after")
     def _check(self) -> Version:
         check_name(self.id, "version id")
         check_name(self.branch, "branch")
         if self.parent is not None:
             check_name(self.parent, "parent version id")
-        total = 0
-        for t in self.tensors:
-            dt = DTYPES.get(t.dtype)
-            if dt is None:
-                raise ValueError(f"tensor {t.path!r}: unknown dtype {t.dtype!r}")
-            if any(d < 0 for d in t.shape) or math.prod(t.shape) * dt.itemsize != t.nbytes:
-                raise ValueError(f"tensor {t.path!r}: shape {t.shape} does not match {t.nbytes} bytes")
-            covered = 0
-            for p in t.pieces:
-                if p.chunk >= len(self.chunks):
-                    raise ValueError(f"tensor {t.path!r}: piece names chunk {p.chunk} of {len(self.chunks)}")
-                if p.chunk_offset + p.nbytes > self.chunks[p.chunk].nbytes or p.offset + p.nbytes > t.nbytes:
-                    raise ValueError(f"tensor {t.path!r}: piece lies outside its chunk or tensor")
-                covered += p.nbytes
-            if covered != t.nbytes:
-                raise ValueError(f"tensor {t.path!r}: pieces cover {covered} of {t.nbytes} bytes")
-            total += t.nbytes
+        total = self.tensors.check([c.nbytes for c in self.chunks])
         if self.rank is not None and (self.parts or self.ranks or self.nodes):
             raise ValueError("a part manifest holds one rank's part only (no parts, ranks or nodes)")
         if self.is_header:
@@ -248,12 +220,19 @@ class Version(_Stored):
             return self
         return self.model_copy(update={"chunks": (), "tensors": (), "tree": None, "pickled": False, "parts": ()})
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Version:
+        """A copy with ``update`` applied; a ``tensors`` update may be any sequence of :class:`TensorEntry`."""
+        if update is not None and "tensors" in update:
+            update = {**update, "tensors": TensorTable.coerce(update["tensors"])}
+        return super().model_copy(update=update, deep=deep)
+
     def rank_chunk_ids(self, ranks: Iterable[int]) -> frozenset[str]:
         """The chunks the parts of ``ranks`` name (this version's parts must be merged)."""
-        return frozenset(self.chunks[p.chunk].id
+        t = self.tensors
+        return frozenset(self.chunks[c].id
                          for r in ranks
-                         for t in self.tensors[self.parts[r].first : self.parts[r].first + self.parts[r].count]
-                         for p in t.pieces)
+                         for c in set(t.chunk[t.starts[self.parts[r].first]
+                                              : t.starts[self.parts[r].first + self.parts[r].count]].tolist()))
 
     def to_json(self) -> bytes:
         """Serialize for storage (leaving out empty multi-rank fields, so older readers still parse it).

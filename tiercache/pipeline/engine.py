@@ -47,6 +47,7 @@ from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_
 from tiercache.layout import Layout
 from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
 from tiercache.names import chunk_key, version_key
+from tiercache.pipeline import probe
 from tiercache.pipeline.catchup import CatchUp
 from tiercache.pipeline.deferred import Owned, deferrable
 from tiercache.pipeline.hasher import Hasher
@@ -475,6 +476,7 @@ class Engine:
         # Place first and hand the version to the writers right away: they write each chunk as
         # soon as it is hashed instead of waiting for the whole version.
         try:
+            self._probe_codecs(job)
             targets = self.placement.place(job)
         except BaseException as e:
             self._fail_staging(job, e)
@@ -491,6 +493,39 @@ class Engine:
             return
         if not targets:
             self.settle(job)  # every tier skipped: the first that can takes it after all
+
+    def _probe_codecs(self, job: Job) -> None:
+        """Measure the codecs not measured yet on a sample of ``job``'s first chunks, if the policy asks.
+
+        See :mod:`tiercache.pipeline.probe`.
+        """
+        ask = getattr(self.placement.policy, "probe_codecs", None)
+        if ask is None:
+            return
+        unmeasured = probe.unmeasured(self.meter)
+        if not unmeasured:
+            return
+        with self.jobs.lock:
+            view = job.view()
+        names = [n for n in ask(view) if n in unmeasured]
+        if not names:
+            return
+        sizes = probe.sample_sizes([c.nbytes for c in job.layout.chunks], job.nbytes)
+        waits = job.copied if self.hasher.wait_for_copy else job.copied[: len(sizes)]
+        for e in waits:  # (while every core copies for save(), the probe waits like the hasher)
+            e.wait()
+        if job.copy_error is not None:
+            return  # the hasher reports it
+        arena = self.ramcache.arena
+        assert arena is not None
+        hdr = codecs.HEADER_BYTES
+        samples = []
+        with self.jobs.lock:  # the regions stay this job's until the hasher (this thread, later) adopts them
+            for i, n in enumerate(sizes):
+                region = job.regions[i]
+                if region is not None:
+                    samples.append((arena.buffer(region)[hdr : hdr + n], job.layout.chunks[i].itemsize))
+        probe.measure(self.meter, names, samples)
 
     def early_hint(self, job: Job, tier: Tier, codec: str) -> list[bool]:
         """Per chunk: whether to write its payload to ``tier`` before its hash (its name) is known.

@@ -21,11 +21,12 @@ from datetime import UTC, datetime
 from tiercache import codecs
 from tiercache.config import CacheConfig
 from tiercache.layout import Layout
-from tiercache.manifest import ChunkRef, Piece, TensorEntry, Version
+from tiercache.manifest import ChunkRef, Version
 from tiercache.names import chunk_key, version_key
 from tiercache.pipeline.job import Job, JobTable
 from tiercache.pipeline.ramcache import RamCache
 from tiercache.repo import Repo
+from tiercache.tensor_table import TensorTable
 from tiercache.tiers.ram import Region
 
 
@@ -124,18 +125,16 @@ class Hasher:
         """Build the version's manifest from its chunk ids and make it known (RAM tier, catalog)."""
         ram = self.ramcache
         assert ram.ram is not None
-        tensors = []
-        for i, m in enumerate(job.flat.metas):
-            pieces = tuple(Piece(chunk=ci, chunk_offset=p.chunk_offset, offset=p.offset, nbytes=p.nbytes)
-                           for ci, p in job.layout.tensor_pieces[i])
-            tensors.append(
-                TensorEntry(path=m.path, dtype=m.dtype, shape=tuple(m.shape), nbytes=m.nbytes, pieces=pieces)
-            )
+        metas = job.flat.metas
+        # Straight into the table's columns: no object per tensor or piece (docs/design.md, section 2).
+        tensors = TensorTable.of(
+            [m.path for m in metas], [m.dtype for m in metas], [m.shape for m in metas], [m.nbytes for m in metas],
+            [[(ci, p.chunk_offset, p.offset, p.nbytes) for ci, p in tp] for tp in job.layout.tensor_pieces])
         manifest = Version(
             id=job.version_id, parent=job.parent, branch=job.branch, step=job.step,
             created_at=datetime.fromtimestamp(job.created_at, UTC), meta=job.meta, hash_algo=self.config.hash,
             chunks=tuple(ChunkRef(id=cid, nbytes=c.nbytes) for cid, c in zip(ids, job.layout.chunks, strict=True)),
-            tensors=tuple(tensors), tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
+            tensors=tensors, tree=job.flat.tree, pickled=job.flat.pickled, nbytes=job.nbytes,
         )
         job.manifest = manifest
         job.flat = dataclasses.replace(job.flat, tensors=[])  # drop references to the caller's tensors

@@ -113,7 +113,7 @@ class Placement:
                 view = hit[1]
             else:
                 share = hit[1].float_fraction if hit is not None else float_share(
-                    [(t.dtype, t.nbytes) for t in v.tensors])
+                    list(zip(v.tensors.dtypes, v.tensors.nbytes.tolist(), strict=True)))
                 view = VersionView(
                     id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=created,
                     tiers=frozenset(resid), pending=pending, pinned=v.id in pinned, meta=v.meta,

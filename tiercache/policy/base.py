@@ -179,7 +179,14 @@ class Placement:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Decides placement, eviction and what to do when the RAM arena is full."""
+    """Decides placement, eviction and what to do when the RAM arena is full.
+
+    Optional members the engine uses where a policy has them: ``retention_rule`` (see
+    :class:`~tiercache.policy.builtin.ThroughputAdaptive`) and ``probe_codecs(version)``: the codecs
+    it may choose for the version; those not measured yet are measured on a sample of it before it
+    is placed (:mod:`tiercache.pipeline.probe`), so :attr:`PolicyContext.codecs` fill in without a
+    version being compressed blind.
+    """
 
     def place(self, version: VersionView, ctx: PolicyContext) -> Placement:
         """Return the tiers ``version`` goes to (in order) with a codec each, or skips."""

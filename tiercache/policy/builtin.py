@@ -16,7 +16,7 @@ import importlib
 import inspect
 import math
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -147,10 +147,11 @@ class ThroughputAdaptive:
       directly, when it cannot make room for the version even after eviction, or when it is
       measured slower than the remote tier; one version is still written to it every
       ``disk_probe_s`` seconds so its speed stays measured.
-    * Each tier gets a codec only when :func:`compression_wins` on the measured numbers. Until
-      the codec is measured, the first versions are encoded for the slowest tier (the remote
-      one) as a probe. ``bgzstd/1`` is the candidate for mostly floating-point versions,
-      ``zstd/1`` otherwise, unless ``codec`` names one.
+    * Each tier gets a codec only when :func:`compression_wins` on the measured numbers; until
+      the codec and the tier are measured, versions go raw (the engine measures a codec on a
+      sample of a version, never by compressing a whole one: :mod:`tiercache.pipeline.probe`).
+      ``bgzstd/1`` is the candidate for mostly floating-point versions, ``zstd/1`` otherwise,
+      unless ``codec`` names one.
     * Under capacity pressure a tier drops the oldest versions another durable tier also holds;
       with a ``retention`` set, also the oldest versions it does not keep, first, even a last
       durable copy (they are pruned). Never a pinned one.
@@ -262,7 +263,7 @@ class ThroughputAdaptive:
         plans = []
         for t in durable:
             reason = reasons.get(t.name, "")
-            codec = RAW if reason else self._codec(version, t, ctx, durable)
+            codec = RAW if reason else self._codec(version, t, ctx)
             plans.append(TierPlan(t.name, codec, skip=bool(reason), reason=reason))
         # Soonest done first; unmeasured tiers keep their configured order after them.
         order = {t.name: i for i, t in enumerate(durable)}
@@ -385,28 +386,29 @@ class ThroughputAdaptive:
 
     # ------------------------------------------------------------------ codecs
 
+    def probe_codecs(self, version: VersionView) -> list[str]:
+        """The codec to measure on a sample of ``version`` (its candidate), when compression is ``auto``."""
+        return [self._candidate(version)] if self.compression == "auto" else []
+
     def _candidate(self, v: VersionView) -> str:
         if self.codec is not None:
             return self.codec
         return BGZSTD if v.float_fraction >= 0.5 else ZSTD
 
-    def _codec(self, v: VersionView, t: TierStats, ctx: PolicyContext, durable: Sequence[TierStats]) -> str:
+    def _codec(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> str:
         if self.compression == "off":
             return RAW
         cand = self._candidate(v)
         if self.compression == "on":
             return cand
         cs = ctx.codecs.get(cand)
-        if cs is None or cs.encode_bps is None or cs.ratio is None:
-            probe = next((x for x in durable if x.remote), durable[-1])
-            return cand if t.name == probe.name else RAW
-        if t.write_bps is None:
+        # Never blind: the engine measures an unmeasured codec on a sample of the version first.
+        if cs is None or cs.encode_bps is None or cs.ratio is None or t.write_bps is None:
             return RAW
         return cand if compression_wins(t.write_bps, cs.encode_bps, cs.ratio) else RAW
 
     def _ratio(self, v: VersionView, t: TierStats, ctx: PolicyContext) -> float:
-        durable = [x for x in ctx.tiers.values() if x.durable]
-        codec = self._codec(v, t, ctx, durable)
+        codec = self._codec(v, t, ctx)
         cs = ctx.codecs.get(codec)
         if codec == RAW or cs is None or cs.ratio is None:
             return 1.0
