@@ -919,7 +919,7 @@ def gc(
 
 
 @app.command("doctor", epilog=_examples("tiercache doctor", "tiercache doctor --probe",
-                                        "tiercache doctor --abort-stale 86400 --json"))
+                                        "tiercache doctor --abort-stale 86400 --json", "tiercache doctor --reindex"))
 def doctor(
     ctx: typer.Context,
     abort_stale: Annotated[
@@ -932,6 +932,9 @@ def doctor(
     probe: Annotated[
         bool, typer.Option("--probe", help="Probe conditional writes now (writes and deletes a scratch object).")
     ] = False,
+    reindex: Annotated[
+        bool, typer.Option("--reindex", help="Rebuild each tier's index of versions from the manifests first.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
     """Report on the S3 endpoint: conditional writes, read-after-write, stale uploads.
@@ -940,12 +943,21 @@ def doctor(
     first ref write (--probe runs one now on a scratch key) and lists unfinished multipart
     uploads (--abort-stale AGE aborts those older than AGE seconds, once it has checked that the
     store reports real upload start times). Exit 1 if remote ref commits would be refused.
+    --reindex first rebuilds every tier's index (what ls and restore read instead of every
+    manifest) from the manifests, on any cache; without an S3 tier it does only that.
     """
     with _session(ctx) as cache:
+        indexed = cache.reindex() if reindex else {}
+        if reindex and "s3" not in cache.tier_names:
+            for name, (n, p) in indexed.items():
+                typer.echo(f"reindexed {name}: {n} versions, {p} pruned")
+            return
         report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe, probe=probe)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        typer.echo(json.dumps({**report.to_json(), **({"reindexed": indexed} if reindex else {})}, indent=2))
     else:
+        for name, (n, p) in indexed.items():
+            typer.echo(f"reindexed {name}: {n} versions, {p} pruned")
         if report.probed_at is not None:
             typer.echo(f"conditional-write probe of {report.probed_at:%Y-%m-%d %H:%M:%S} UTC:")
         for check, passed in sorted(report.probe.items()):
