@@ -94,13 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected groups, print the table, write ``bench/out/results.json`` and ``bench.png``.
 
     ``python -m bench mlperf ...`` runs the MLPerf-Storage-style checkpoint mode instead (see
-    :mod:`bench.mlperf`).
+    :mod:`bench.mlperf`); ``python -m bench history ...`` open, ``ls`` and restore as the history
+    grows (see :mod:`bench.history`).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["mlperf"]:
         from bench.mlperf import main as mlperf
 
         return mlperf(argv[1:])
+    if argv[:1] == ["history"]:
+        from bench.history import main as history
+
+        return history(argv[1:])
     args = _parse(argv)
     # Piped output (CI logs, files) would otherwise wrap the wide table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)

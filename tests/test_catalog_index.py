@@ -21,7 +21,9 @@ from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StorageError
 from tiercache.manifest import PrunedRecord, Version
+from tiercache.names import CHUNKS
 from tiercache.repo import index
+from tiercache.tiers.s3 import S3Tier
 
 MIB = 1 << 20
 N = 8
@@ -252,16 +254,21 @@ def test_doctor_reindex_rebuilds_every_tier_from_the_manifests(tmp_path: Path, s
 
 
 def test_s3_alone_lists_from_its_index_and_restores_one_manifest(tmp_path: Path, s3_config: S3Config,
-                                                                 parsed: list[str]) -> None:
+                                                                 parsed: list[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = {**_disk(tmp_path), "s3": s3_config.model_dump()}
     ids = _save(cfg, n=4, level="durable")
     s3_only = {"s3": s3_config.model_dump(), "policy": {"name": "write-through"}}
     parsed.clear()
     assert _listing(s3_only) == _expected(ids, ("s3",))
     assert parsed == []
+    listed: list[str] = []
+    real_list = S3Tier.list
+    monkeypatch.setattr(S3Tier, "list", lambda self, prefix="": listed.append(prefix) or real_list(self, prefix))
     with tiercache.open(s3_only) as cache:
         assert torch.equal(cache.restore("main")["w"], _state(3)["w"])
     assert parsed == [f"s3:versions/{ids[-1]}.json"]
+    assert CHUNKS not in listed  # its manifest is there, so are its chunks: no listing of the history's
 
 
 _VERSION_ON_DISK = 2 * (MIB + 4096) + 8192

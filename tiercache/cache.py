@@ -292,7 +292,7 @@ class TierCache:
             return self._reader
 
     def _holds(self, tier: str, chunk_id: str) -> bool:
-        return chunk_id in self.catalog.chunks_on(tier)
+        return self.catalog.holds(tier, chunk_id)
 
     def _read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
         """A verified chunk object from the tier the reader ranks best among those holding it."""

@@ -317,20 +317,21 @@ class Catalog:
                       live: list[str]) -> None:
         """After reading tier ``name``'s index: add the lines it misses, or rebuild it if mostly dead lines."""
         tier = self._tiers[name]
+        rebuild = dead > max(index.SEGMENT, len(live))
+        # The lines first: the index lock is never held while waiting for the catalog's.
+        lines = [(vid, d) for vid in sorted(live if rebuild else unindexed) if (d := self._line(kind, vid)) is not None]
         with self._index_lock:
             self._index[(name, kind)] = seg
             seg.ids.difference_update(unindexed)  # a damaged line is superseded by a later one
             try:
-                if dead > max(index.SEGMENT, len(live)):
-                    lines = [(vid, d) for vid in sorted(live) if (d := self._line(kind, vid)) is not None]
+                if rebuild:
                     index.rewrite(tier, kind, seg, lines)
                     log.info("rebuilt the %s index of %s (%d lines, %d dropped)", kind, name, len(lines), dead)
-                elif unindexed:
-                    lines = [(vid, d) for vid in sorted(unindexed) if (d := self._line(kind, vid)) is not None]
+                elif lines:
                     index.append(tier, kind, seg, lines)
                     log.info("added %d missing lines to the %s index of %s", len(lines), kind, name)
             except StorageError as e:
-                log.warning("could not repair the %s index of %s (the next reader tries again): %s", kind, name, e)
+                log.info("could not repair the %s index of %s (the next reader tries again): %s", kind, name, e)
 
     def _segments(self, name: str, kind: str) -> index.Segments:
         """Where tier ``name``'s index of ``kind`` ends (read once; the index lock is held)."""
@@ -709,6 +710,30 @@ class Catalog:
                 self._residency.clear()
             listing.done.set()
             return got
+
+    def holds(self, tier: str, chunk_id: str) -> bool:
+        """Whether ``tier`` is believed to hold chunk ``chunk_id``, listing its chunks only if need be.
+
+        Once the tier's chunks are listed, the listing answers. Before that, a durable tier holds
+        the chunk if it holds the manifest of a single-process version naming it: chunks are
+        written before the manifest naming them and deleted after it (docs/design.md section 2),
+        so a restore need not list every chunk of the history (one request per 1000 on S3). A
+        wrong belief (a chunk lost behind the catalog's back) costs the reader one failed read
+        before the next tier. A multi-rank version's manifest on a node's disk covers only that
+        node's parts: its chunks are looked up in the listing.
+        """
+        with self._lock:
+            listed = self._chunks.get(tier)
+            if listed is not None:
+                return chunk_id in listed
+            t = self._tiers.get(tier)
+            if t is not None and t.durable:
+                held = self._on_tier[tier]
+                for vid in self._chunk_users.get(chunk_id, ()):
+                    known = self._known.get(vid)
+                    if known is not None and not known.ranks and vid in held:
+                        return True
+        return chunk_id in self.chunks_on(tier)
 
     def note_chunks(self, tier: str, ids: Iterable[str], present: bool = True) -> None:
         """Record chunks written to (or removed from) ``tier``."""

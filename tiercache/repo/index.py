@@ -82,9 +82,12 @@ class Summary:
 
     def to_line(self) -> dict[str, Any]:
         """The index line (as JSON-able data) of a stored manifest's summary."""
+        # A multi-rank version is stored as its group manifest, which names no chunks (its parts do).
+        header = self.ranks > 0
         return {"f": FORMAT, "id": self.id, "parent": self.parent, "branch": self.branch, "step": self.step,
                 "at": self.created_at.isoformat(), "nbytes": self.nbytes, "meta": self.meta, "ranks": self.ranks,
-                "chunks": list(self.chunks), "dtypes": [list(d) for d in self.dtypes]}
+                "chunks": [] if header else list(self.chunks),
+                "dtypes": [] if header else [list(d) for d in self.dtypes]}
 
     @classmethod
     def from_line(cls, d: Mapping[str, Any]) -> Summary:
@@ -186,7 +189,8 @@ def append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict
         room = SEGMENT - len(seg.lines)
         batch, todo = todo[:room], todo[room:]
         body = seg.lines + [line for _, line in batch]
-        tier.put(_key(kind, seg.last), b"".join(body))
+        # A cache of the manifests: the name need not be durable now (a reader repairs a lost line).
+        tier.put(_key(kind, seg.last), b"".join(body), sync_name=False)
         seg.lines = body
         seg.ids.update(vid for vid, _ in batch)
 
