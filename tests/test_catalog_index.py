@@ -20,7 +20,7 @@ from tiercache import failpoints
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StorageError
-from tiercache.manifest import PrunedRecord, Version
+from tiercache.manifest import PrunedRecord, Version, VersionStatus
 from tiercache.names import CHUNKS
 from tiercache.repo import index
 from tiercache.tiers.s3 import S3Tier
@@ -298,3 +298,32 @@ def test_pruned_records_come_from_the_index_and_stay_visible_without_it(tmp_path
             assert all(v.states["disk"].state == "pruned" for v in cache.pruned())
             assert [v.id for v in cache.versions()] == ids[2:]
         assert read == ([] if not lose_index else [f"disk:pruned/{vid}.json" for vid in ids[:2]])
+
+
+def test_evictions_stay_visible_from_the_status_index(tmp_path: Path, s3_config: S3Config, _s3_admin: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = {**_disk(tmp_path), "s3": s3_config.model_dump()}
+    ids = _save(cfg, n=3, level="durable")
+    with tiercache.open(cfg) as cache:
+        for vid in ids[:2]:
+            cache.evict(vid, "disk")
+    real = VersionStatus.from_json
+    read: list[str] = []
+    monkeypatch.setattr(VersionStatus, "from_json",
+                        staticmethod(lambda data, *, source="": read.append(source) or real(data, source=source)))
+
+    def states() -> list[tuple[str, str, str]]:
+        with tiercache.open(cfg) as cache:
+            return [(v.id, v.states["disk"].state, v.states["disk"].reason) for v in cache.versions()]
+
+    evicted = [(vid, "evicted", "evicted by the user") for vid in ids[:2]]
+    assert states() == [*evicted, (ids[2], "held", "")]
+    assert read == []  # from the index: no status record read
+    listing = _s3_admin.list_objects_v2(Bucket=s3_config.bucket, Prefix=f"{s3_config.prefix}/index/status/")
+    for obj in listing["Contents"]:
+        _s3_admin.delete_object(Bucket=s3_config.bucket, Key=obj["Key"])
+    assert states() == [*evicted, (ids[2], "held", "")]
+    assert sorted(read) == sorted(f"s3:status/{vid}.json" for vid in ids[:2])  # the records say, once
+    read.clear()
+    assert states() == [*evicted, (ids[2], "held", "")]
+    assert read == []

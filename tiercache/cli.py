@@ -974,7 +974,9 @@ def doctor(
     with _session(ctx) as cache:
         indexed = cache.reindex() if reindex else {}
         if reindex and "s3" not in cache.tier_names:
-            for name, (n, p) in indexed.items():
+            if as_json:
+                _echo_json({"reindexed": indexed})
+            for name, (n, p) in indexed.items() if not as_json else ():
                 typer.echo(f"reindexed {name}: {n} versions, {p} pruned")
             return
         report = cache.doctor(abort_stale=abort_stale, unsafe=unsafe, probe=probe)

@@ -137,6 +137,8 @@ class Catalog:
         # Why a version is not on some tier, per version (read lazily from status/ records).
         self._outcomes: dict[str, dict[str, TierOutcome]] = {}
         self._status_listed: set[str] | None = None
+        # Per tier: the status index's last line per version listed under status/ there.
+        self._status_lines: dict[str, dict[str, dict[str, Any]]] = {}
         # Versions a user-set rule deleted from their last durable tier (see note_pruned).
         self._pruned: dict[str, PrunedRecord] = {}
         self._loaded = False
@@ -363,7 +365,7 @@ class Catalog:
             index.try_append(t, "versions", seg, [(version.id, line)])
 
     def reindex(self) -> dict[str, tuple[int, int]]:
-        """Rebuild every available durable tier's index from its manifests and pruned records (``doctor --reindex``).
+        """Rebuild every available durable tier's index from its manifests and records (``doctor --reindex``).
 
         Every manifest is read and parsed (the index is a cache of them; this is the one
         operation whose cost grows with the history).
@@ -390,8 +392,20 @@ class Catalog:
             pruned = sorted(k[len(PRUNED) : -len(".json")] for k in tier.list(PRUNED) if k.endswith(".json"))
             self._load_pruned(name)
             plines = [(vid, d) for vid in pruned if (d := self._line("pruned", vid)) is not None]
+            slines = []
+            for key in sorted(k for k in tier.list(STATUS) if k.endswith(".json")):
+                data = tier.get(key)
+                try:
+                    record = VersionStatus.from_json(data, source=f"{name}:{key}") if data is not None else None
+                except IntegrityError as e:
+                    log.warning("ignoring damaged status record: %s", e)
+                    continue
+                if record is not None:
+                    slines.append((record.version, {"id": record.version, "r": record.model_dump(mode="json")}))
+            with self._lock:
+                self._status_lines[name] = dict(slines)
             with self._index_lock:
-                for kind, got in (("versions", lines), ("pruned", plines)):
+                for kind, got in (("versions", lines), ("pruned", plines), ("status", slines)):
                     seg = self._index.setdefault((name, kind), index.Segments())
                     index.rewrite(tier, kind, seg, got)
             out[name] = (len(lines), len(plines))
@@ -793,7 +807,11 @@ class Catalog:
     # ------------------------------------------------------------------ outcomes
 
     def outcomes(self, version_id: str) -> dict[str, TierOutcome]:
-        """Why tiers do not hold ``version_id`` (skipped, failed, evicted), as recorded."""
+        """Why tiers do not hold ``version_id`` (skipped, failed, evicted), as recorded.
+
+        Read from the tiers' status indexes, so listing every version reads no status record; a
+        record the index misses is read and its line added.
+        """
         with self._lock:
             known = self._outcomes.get(version_id)
             if known is not None:
@@ -801,26 +819,56 @@ class Catalog:
             listed = self._status_listed
         if listed is None:
             listed = set()
+            lines: dict[str, dict[str, dict[str, Any]]] = {}
             for name in self._durable:
                 if self.available(name):
                     with contextlib.suppress(StorageError):
-                        listed |= {k[len(STATUS) : -len(".json")] for k in self._tiers[name].list(STATUS)}
+                        tier = self._tiers[name]
+                        names = {k[len(STATUS) : -len(".json")] for k in tier.list(STATUS) if k.endswith(".json")}
+                        got, seg, _ = index.read(tier, "status")
+                        listed |= names
+                        lines[name] = {vid: d for vid, d in got.items() if vid in names}
+                        with self._index_lock:
+                            self._index[(name, "status")] = seg
             with self._lock:
                 self._status_listed = listed
+                self._status_lines = lines
         found: dict[str, TierOutcome] = {}
         if version_id in listed:
             for name in self._holders(version_id):
+                with self._lock:
+                    line = self._status_lines.get(name, {}).get(version_id)
+                if line is not None and line.get("r") is not None:
+                    try:
+                        found = dict(VersionStatus.model_validate(line["r"]).tiers)
+                        break
+                    except (ValidationError, ValueError, TypeError):
+                        pass  # a damaged line: the record says
                 with contextlib.suppress(StorageError):
                     data = self._tiers[name].get(status_key(version_id))
                     if data is not None:
                         try:
-                            found = dict(VersionStatus.from_json(data, source=f"{name}:{status_key(version_id)}").tiers)
+                            record = VersionStatus.from_json(data, source=f"{name}:{status_key(version_id)}")
                         except IntegrityError as e:
                             log.warning("ignoring damaged status record: %s", e)
                             continue
+                        found = dict(record.tiers)
+                        self._index_status(name, version_id, record)
                         break
         with self._lock:
             return dict(self._outcomes.setdefault(version_id, found))
+
+    def _index_status(self, name: str, version_id: str, record: VersionStatus | None) -> None:
+        """Append a status record's line (``None``: deleted) to tier ``name``'s status index."""
+        line = {"id": version_id, "r": record.model_dump(mode="json") if record is not None else None}
+        with self._lock:
+            self._status_lines.setdefault(name, {})[version_id] = line
+        with self._index_lock:
+            try:
+                seg = self._segments(name, "status")
+            except StorageError:
+                return  # a reader reads the record itself
+            index.try_append(self._tiers[name], "status", seg, [(version_id, line)], again=True)
 
     def note_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
         """Record in this process's view why tiers do not hold a version (:meth:`store_outcomes` persists it)."""
@@ -851,13 +899,15 @@ class Catalog:
             if self._status_listed is not None:
                 self._status_listed.add(version_id)
         key = status_key(version_id)
-        body = VersionStatus(version=version_id, tiers=outcomes).to_json() if outcomes else None
+        record = VersionStatus(version=version_id, tiers=outcomes) if outcomes else None
+        body = record.to_json() if record is not None else None
         for name in self._holders(version_id):
             tier = self._tiers[name]
             if body is None:
                 tier.delete(key)
             else:
                 tier.put(key, body)
+            self._index_status(name, version_id, record)  # after the record: the record is the truth
 
     def _holders(self, version_id: str) -> list[str]:
         with self._lock:

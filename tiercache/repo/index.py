@@ -1,17 +1,20 @@
 """The catalog's index: what listing and ref resolution need of every version, without its manifest.
 
 Each durable tier keeps, next to the manifests, an index of one JSON line per version
-(:class:`Summary`: id, parent, branch, step, time, size, meta, chunk ids, bytes per dtype) and
-one per pruned record, in segments of at most :data:`SEGMENT` lines
-(``index/<kind>/<n>.jsonl``). A commit appends its version's line after the manifest is durable
-and before the ref moves (docs/design.md section 2, "What grows" in section 3), rewriting only
-the last segment, so a save's cost does not grow with the history.
+(:class:`Summary`: id, parent, branch, step, time, size, meta, chunk ids, bytes per dtype), one
+per pruned record and one per write of a status record (why a tier lacks a version: the last line
+of a version counts), in segments of at most :data:`SEGMENT` lines (``index/<kind>/<n>.jsonl``).
+A commit appends its version's line after the manifest is durable and before the ref moves
+(docs/design.md section 2), rewriting only the last segment, so a save's cost does not grow with
+the history.
 
 The manifests stay the truth; the index is a cache of them. A reader lists the manifests' names
 (cheap, nothing parsed) and trusts a line only for a name so listed: a manifest with no line (a
 crash between the manifest and the index write, an index lost or damaged, a cache older than the
 index, two writers racing on one segment) is parsed and its line written again; a line whose
-manifest is gone (evicted, collected) is ignored and dropped at the next rewrite.
+manifest is gone (evicted, collected) is ignored and dropped at the next rewrite. A status line is
+written after its record: a crash in between leaves the line before it, which a reader shows until
+the record changes again or ``doctor --reindex``.
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ def _key(kind: str, n: int) -> str:
 
 
 def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, int]:
-    """Read tier ``tier``'s index of ``kind`` (``versions`` or ``pruned``).
+    """Read tier ``tier``'s index of ``kind`` (``versions``, ``pruned`` or ``status``).
+
+    Of an id with several lines (a status record rewritten), the last one counts.
 
     Returns:
         The lines by id (damaged lines left out), where the index ends (to append to it), and
@@ -174,15 +179,18 @@ def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, in
     return out, seg, bad
 
 
-def append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict[str, Any]]]) -> None:
+def append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict[str, Any]]], *,
+           again: bool = False) -> None:
     """Add lines to the end of the index (rewriting only its last segment, or starting new ones).
 
-    ``seg`` is updated to what the tier holds now.
+    ``seg`` is updated to what the tier holds now. A line of an id the index has is left out,
+    unless ``again`` (a record that changed: the last line of an id is the one read).
 
     Raises:
         StorageError: If the tier fails (the lines not written are not in ``seg``).
     """
-    todo = [(vid, json.dumps(d, separators=(",", ":")).encode() + b"\n") for vid, d in lines if vid not in seg.ids]
+    todo = [(vid, json.dumps(d, separators=(",", ":")).encode() + b"\n") for vid, d in lines
+            if again or vid not in seg.ids]
     while todo:
         if len(seg.lines) >= SEGMENT:
             seg.last, seg.lines = seg.last + 1, []
@@ -209,10 +217,11 @@ def rewrite(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dic
     seg.last, seg.lines, seg.ids = fresh.last, fresh.lines, fresh.ids
 
 
-def try_append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict[str, Any]]]) -> None:
+def try_append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict[str, Any]]], *,
+               again: bool = False) -> None:
     """:func:`append`, logging a failure: the manifests are the truth and a reader repairs the index."""
     try:
-        append(tier, kind, seg, lines)
+        append(tier, kind, seg, lines, again=again)
     except StorageError as e:
         log.warning("could not update the index on %s (a later reader rebuilds it from the manifests): %s",
                     tier.name, e)
