@@ -16,7 +16,7 @@ version costs S3 about 4 PUTs there, so 1,000 take minutes to save; ``--no-s3`` 
 
 Example::
 
-    python -m bench history --versions 1,100,1000 --s3-versions 1,100 --repeat 5
+    python -m bench history --versions 1,100,1000 --s3-versions 1,100 --repeat 3
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench history", description=__doc__.splitlines()[0])
     p.add_argument("--versions", default="1,100,1000", help="version counts to measure the disk at (1,100,1000)")
     p.add_argument("--s3-versions", default="1,100", help="version counts to measure S3 at (1,100)")
-    p.add_argument("--repeat", default=5, type=int, help="runs per figure; the table shows the median (5)")
+    p.add_argument("--repeat", default=3, type=int, help="runs per figure; the table shows the median (3)")
     p.add_argument("--leaves", default=2000, type=int, help="tensors in the newest version's state (2000)")
     p.add_argument("--leaf-floats", default=256, type=int, help="float32 elements per tensor (256)")
     p.add_argument("--dir", type=Path, default=None, help="where the caches go (default: bench/out)")

@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.repo.index")
 
 #: Lines per segment: a commit rewrites at most this many lines of its tier's index.
-SEGMENT = 256
+SEGMENT = 512
 #: The index's line format (a reader skips lines of another format, and parses their manifests).
 FORMAT = 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Summary:
     """What the catalog knows of a version without its manifest.
 
@@ -67,7 +67,7 @@ class Summary:
     step: int
     created_at: datetime
     nbytes: int
-    meta: dict[str, Any] = field(hash=False)
+    meta: dict[str, Any]
     ranks: int
     is_header: bool
     chunks: tuple[str, ...]
@@ -99,19 +99,21 @@ class Summary:
         Raises:
             ValueError: If it is not one (a reader then parses the manifest instead).
         """
+        # Thousands of lines are read per open: plain checks, no validation framework.
         try:
             vid, parent, branch = check_name(d["id"]), d["parent"], check_name(d["branch"])
             if parent is not None:
                 check_name(parent)
             step, nbytes, ranks, meta = d["step"], d["nbytes"], d["ranks"], d["meta"]
             chunks = tuple(d["chunks"])
-            dtypes = tuple((str(k), int(n)) for k, n in d["dtypes"])
+            dtypes = tuple((k, n) for k, n in d["dtypes"])
             at = datetime.fromisoformat(d["at"])
         except (KeyError, TypeError, ValueError, InvalidNameError) as e:
             raise ValueError(f"not an index line: {e}") from e
-        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (step, nbytes, ranks))
-        if (d.get("f") != FORMAT or not ints
-                or not isinstance(meta, dict) or not all(isinstance(c, str) for c in chunks) or at.tzinfo is None):
+        if (d["f"] != FORMAT or type(step) is not int or type(nbytes) is not int or type(ranks) is not int
+                or type(meta) is not dict or at.tzinfo is None
+                or any(type(c) is not str for c in chunks)
+                or any(type(k) is not str or type(n) is not int for k, n in dtypes)):
             raise ValueError("not an index line: wrong types")
         return cls(vid, parent, branch, step, at, nbytes, meta, ranks, ranks > 0, chunks, dtypes)
 
@@ -129,6 +131,13 @@ class Segments:
     last: int = 0
     lines: list[bytes] = field(default_factory=list)
     ids: set[str] = field(default_factory=set)
+
+
+def _loads(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _key(kind: str, n: int) -> str:
@@ -154,7 +163,7 @@ def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, in
             numbered.append((int(k.rsplit("/", 1)[-1][: -len(".jsonl")]), k))
         except ValueError:
             continue
-    if len(numbered) > 1:
+    if len(numbered) > 4:  # a few reads cost less than starting threads
         with ThreadPoolExecutor(min(8, len(numbered))) as pool:
             bodies = list(pool.map(lambda nk: tier.get(nk[1]), numbered))
     else:
@@ -163,17 +172,20 @@ def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, in
     seg = Segments()
     bad = 0
     for (n, _), body in zip(numbered, bodies, strict=True):
-        lines = (body or b"").splitlines(keepends=True)
+        lines = [line if line.endswith(b"\n") else line + b"\n" for line in (body or b"").splitlines(keepends=True)]
+        try:  # one parse for the whole segment (a line at a time only if some line is damaged)
+            parsed = json.loads(b"[" + b",".join(lines) + b"]") if lines else []
+        except ValueError:
+            parsed = [_loads(line) for line in lines]
         good = []
-        for line in lines:
+        for line, d in zip(lines, parsed, strict=True):
             try:
-                d = json.loads(line)
                 vid = check_name(d["id"])
-            except (ValueError, TypeError, KeyError, InvalidNameError):
+            except (TypeError, KeyError, InvalidNameError):
                 bad += 1  # a torn or damaged line: its manifest is parsed instead
                 continue
             out[vid] = d
-            good.append(line if line.endswith(b"\n") else line + b"\n")
+            good.append(line)
         seg.last, seg.lines = n, good
     seg.ids = set(out)
     return out, seg, bad
