@@ -1,8 +1,9 @@
 """``python -m bench history``: open, ``ls`` and restore as the history grows (1, 100, 1,000 versions).
 
 One cache grows version by version; at each count in ``--versions`` the newest version is a
-state of ``--leaves`` tensors of ``--leaf-floats`` float32 (2,000 x 256 by default, 2 MB), the
-versions before it small states of 64 tensors (so 1,000 of them save in seconds). At each count,
+state of ``--leaves`` tensors of ``--leaf-floats`` float32 (20,000 x 256 by default, 20 MB: the
+issue's many-tensor state), the versions before it small states of 64 tensors (so 1,000 of them
+save in seconds). At each count,
 each a fresh :func:`tiercache.open` (a new catalog, as in a new process; the page cache is warm):
 
 - ``open``: open and resolve ``main`` (the catalog's first load);
@@ -49,7 +50,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--versions", default="1,100,1000", help="version counts to measure the disk at (1,100,1000)")
     p.add_argument("--s3-versions", default="1,100", help="version counts to measure S3 at (1,100)")
     p.add_argument("--repeat", default=3, type=int, help="runs per figure; the table shows the median (3)")
-    p.add_argument("--leaves", default=2000, type=int, help="tensors in the newest version's state (2000)")
+    p.add_argument("--leaves", default=20000, type=int, help="tensors in the newest version's state (20000)")
     p.add_argument("--leaf-floats", default=256, type=int, help="float32 elements per tensor (256)")
     p.add_argument("--dir", type=Path, default=None, help="where the caches go (default: bench/out)")
     p.add_argument("--no-s3", action="store_true", help="measure the disk only")
