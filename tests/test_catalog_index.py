@@ -20,8 +20,9 @@ from tiercache import failpoints
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StorageError
-from tiercache.manifest import PrunedRecord, Version, VersionStatus
+from tiercache.manifest import ChunkRef, Piece, PrunedRecord, RefRecord, TensorEntry, Version, VersionStatus, utcnow
 from tiercache.names import CHUNKS
+from tiercache.parts import group_header, part_of
 from tiercache.repo import index
 from tiercache.tiers.s3 import S3Tier
 
@@ -327,3 +328,30 @@ def test_evictions_stay_visible_from_the_status_index(tmp_path: Path, s3_config:
     read.clear()
     assert states() == [*evicted, (ids[2], "held", "")]
     assert read == []
+
+
+def _rank_part(vid: str, chunk: str) -> Version:
+    entry = TensorEntry(path="w", dtype="uint8", shape=(100,), nbytes=100,
+                        pieces=(Piece(chunk=0, chunk_offset=0, offset=0, nbytes=100),))
+    return Version(id=vid, parent=None, branch="main", step=1, created_at=utcnow(),
+                   chunks=(ChunkRef(id=chunk, nbytes=100),), tensors=(entry,), tree=["dict", {"w": ["t", 0]}],
+                   nbytes=100)
+
+
+def test_a_group_version_lists_from_the_index_and_a_rank_parses_only_its_own_part(tmp_path: Path,
+                                                                                   parsed: list[str]) -> None:
+    cfg = _disk(tmp_path)
+    vid = "01J0000000000000000000000A"
+    header = group_header(id=vid, parent=None, branch="main", step=1, created_at=utcnow(), meta={"loss": 0.5},
+                          hash_algo="xxh3-128", ranks=2, nbytes=200)
+    with tiercache.open(cfg) as cache:
+        for rank in range(2):
+            cache.repo.put_part("disk", part_of(_rank_part(vid, f"{rank + 1:032x}"), rank))
+        cache.repo.commit("disk", header, RefRecord(kind="branch", name="main", version=vid, seq=1))
+    parsed.clear()
+    with tiercache.open(cfg) as cache:
+        assert [(v.id, v.step, v.meta, v.tiers) for v in cache.versions()] == [(vid, 1, {"loss": 0.5}, ("disk",))]
+        assert parsed == []
+        got = cache.catalog.part(cache.catalog.peek(cache.resolve("main")), 1)
+        assert got is not None and [c.id for c in got.chunks] == [f"{2:032x}"]
+    assert parsed == [f"disk:versions/{vid}.json", f"disk:parts/{vid}/1.json"]  # never rank 0's part
