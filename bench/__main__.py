@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``python -m bench mlperf ...`` runs the MLPerf-Storage-style checkpoint mode instead (see
     :mod:`bench.mlperf`), ``python -m bench tensors ...`` the many-small-tensors comparison
-    (:mod:`bench.tensors`).
+    (:mod:`bench.tensors`), ``python -m bench history ...`` open, ``ls`` and restore as the history
+    grows (see :mod:`bench.history`).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["mlperf"]:
@@ -106,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.tensors import main as tensors
 
         return tensors(argv[1:])
+    if argv[:1] == ["history"]:
+        from bench.history import main as history
+
+        return history(argv[1:])
     args = _parse(argv)
     # Piped output (CI logs, files) would otherwise wrap the wide table at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)

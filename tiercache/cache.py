@@ -295,7 +295,7 @@ class TierCache:
             return self._reader
 
     def _holds(self, tier: str, chunk_id: str) -> bool:
-        return chunk_id in self.catalog.chunks_on(tier)
+        return self.catalog.holds(tier, chunk_id)
 
     def _read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
         """A verified chunk object from the tier the reader ranks best among those holding it."""
@@ -642,7 +642,7 @@ class TierCache:
         if branch is not None:
             check_name(branch, "branch")
         out = []
-        for v in self.catalog.all():
+        for v in self.catalog.summaries():  # the index: no manifest is read to list versions
             if branch is not None and v.branch != branch:
                 continue
             pending = (self._engine.pending_tiers(v.id) if self._engine is not None
@@ -715,7 +715,8 @@ class TierCache:
         saves = [
             RefMove(id=v.id, kind="branch", name=v.branch, version=v.id, previous=v.parent, seq=0, at=v.created_at,
                     why="save")
-            for v in self.catalog.all() if (v.id, v.branch) not in targets and (branch is None or v.branch == branch)
+            for v in self.catalog.summaries()
+            if (v.id, v.branch) not in targets and (branch is None or v.branch == branch)
         ]
         return sorted([*recorded, *saves], key=lambda m: (m.at, m.id))
 
@@ -908,6 +909,19 @@ class TierCache:
         """
         self.check_open()
         return repo_ops.doctor(self.repo, abort_stale=abort_stale, unsafe=unsafe, probe=probe)
+
+    def reindex(self) -> dict[str, tuple[int, int]]:
+        """Rebuild each durable tier's index of versions and pruned records from its manifests (``doctor --reindex``).
+
+        Listing and resolving read the index, never every manifest; a reader repairs an index that
+        misses a manifest by itself, so this is needed only to check or compact one at will. It
+        reads every manifest.
+
+        Returns:
+            Per tier, ``(versions, pruned records)`` indexed.
+        """
+        self.check_open()
+        return self.catalog.reindex()
 
     # ------------------------------------------------------------------ stats and lifetime
 

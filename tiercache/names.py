@@ -27,6 +27,8 @@ REFLOG = "reflog/"
 PARTS = "parts/"
 #: Versions a user-set rule deleted from their last durable tier (which rule, when, their lineage).
 PRUNED = "pruned/"
+#: The catalog's index: one line per manifest or pruned record, so listing reads no manifest.
+INDEX = "index/"
 
 
 def check_name(name: object, what: str = "name") -> str:

@@ -101,7 +101,7 @@ class Placement:
         # Multi-rank versions as their group manifests: reading the other ranks' parts to place a
         # version would cost every rank a read of every part per save, from S3 too (docs/design.md
         # section 7: no rank parses another rank's tables to save a version).
-        for v in cat.all(whole=False):
+        for v in cat.summaries():  # the index's lines: no manifest is read to place a version
             job = by_job.get(v.id)
             resid = cat.residency(v, self._remote)
             pending = job_pending.get(v.id, frozenset())
@@ -112,8 +112,7 @@ class Placement:
                     and hit[1].pinned == (v.id in pinned) and hit[1].created_at == created):
                 view = hit[1]
             else:
-                share = hit[1].float_fraction if hit is not None else float_share(
-                    list(zip(v.tensors.dtypes, v.tensors.nbytes.tolist(), strict=True)))
+                share = hit[1].float_fraction if hit is not None else float_share(list(v.dtypes))
                 view = VersionView(
                     id=v.id, branch=v.branch, step=v.step, nbytes=v.nbytes, created_at=created,
                     tiers=frozenset(resid), pending=pending, pinned=v.id in pinned, meta=v.meta,

@@ -1,9 +1,13 @@
-"""The catalog: every known version manifest, the refs, ref resolution and chunk residency.
+"""The catalog: every known version, the refs, ref resolution and chunk residency.
 
 It merges what the durable tiers hold (listing ``versions/`` and ``refs/`` on each) with what
-this process has staged but not yet made durable. When tiers disagree about a ref, the record
-with the highest ``seq`` wins: a ref is written to the fast tier first, and a rollback always
-writes a higher ``seq`` than the move it undoes.
+this process has staged but not yet made durable. Listing and resolving read each tier's index
+(:mod:`tiercache.repo.index`: a line per version), not the manifests: a manifest is read and
+parsed only when its version is asked for (:meth:`Catalog.peek`, :meth:`Catalog.get`), so opening,
+listing and restoring cost the same with one version in the cache or thousands.
+
+When tiers disagree about a ref, the record with the highest ``seq`` wins: a ref is written to
+the fast tier first, and a rollback always writes a higher ``seq`` than the move it undoes.
 
 Several processes may share the tiers. Every ref write is a compare-and-swap that may only replace
 the head the move was based on (or this process's own moves since), so a commit whose branch was
@@ -20,7 +24,9 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, StorageError, VersionNotFoundError
 from tiercache.failpoints import failpoint
@@ -51,6 +57,8 @@ from tiercache.names import (
     version_key,
 )
 from tiercache.parts import check_part, merge
+from tiercache.repo import index
+from tiercache.repo.index import Summary
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -95,7 +103,13 @@ class Catalog:
         self._durable = [n for n, t in tiers().items() if t.durable]
         self._health = health
         self._lock = threading.RLock()
+        # Every known version, from the tiers' indexes or this process's commits.
+        self._known: dict[str, Summary] = {}
+        # The manifests read so far (or made by this process): a subset of _known.
         self._versions: dict[str, Version] = {}
+        # Per (tier, index kind): where that tier's index ends, to append to it.
+        self._index: dict[tuple[str, str], index.Segments] = {}
+        self._index_lock = threading.Lock()
         # The part manifests read so far of multi-rank versions known by their group manifest.
         self._parts: dict[str, dict[int, Version]] = {}
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
@@ -123,6 +137,8 @@ class Catalog:
         # Why a version is not on some tier, per version (read lazily from status/ records).
         self._outcomes: dict[str, dict[str, TierOutcome]] = {}
         self._status_listed: set[str] | None = None
+        # Per tier: the status index's last line per version listed under status/ there.
+        self._status_lines: dict[str, dict[str, dict[str, Any]]] = {}
         # Versions a user-set rule deleted from their last durable tier (see note_pruned).
         self._pruned: dict[str, PrunedRecord] = {}
         self._loaded = False
@@ -173,28 +189,31 @@ class Catalog:
         tier = self._tiers[name]
         keys = tier.list(VERSIONS)
         ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
-        for vid in ids:
-            self._on_tier[name].add(vid)
-        missing = [vid for vid in ids if vid not in self._versions]
-
-        def fetch(vid: str) -> Version | None:
-            data = tier.get(version_key(vid))
-            if data is None:
-                return None
-            try:
-                v = Version.from_json(data, source=f"{name}:{version_key(vid)}")
-            except IntegrityError as e:
-                log.warning("ignoring damaged manifest: %s", e)
-                return None
-            if v.id != vid:
-                log.warning("ignoring manifest %s on %s: it names version %s", vid, name, v.id)
-                return None
-            return v
-
-        with ThreadPoolExecutor(8) as pool:
-            for v in pool.map(fetch, missing):
-                if v is not None:
+        lines, seg, _ = index.read(tier, "versions")
+        with self._lock:
+            for vid in ids:
+                self._on_tier[name].add(vid)
+            good: set[str] = set()
+            for vid in ids:
+                d = lines.get(vid)
+                if d is None:
+                    continue
+                try:
+                    summary = Summary.from_line(d)
+                except ValueError as e:
+                    log.info("index of %s: damaged line of version %s, reading its manifest (%s)", name, vid, e)
+                    continue
+                good.add(vid)
+                if vid not in self._known:
+                    self._put_summary(summary)
+            # A manifest the index misses (a crash before its line, an index lost or older than it).
+            missing = [vid for vid in ids if vid not in self._known]
+        for v in self._read_manifests(name, missing):
+            with self._lock:
+                if v.id not in self._known:
                     self._put_version(v)
+        self._repair_index(name, "versions", seg, [vid for vid in ids if vid not in good],
+                           dead=len(lines.keys() - set(ids)), live=ids)
         self._residency.clear()
         for key in tier.list(REFS):
             parts = key.split("/")
@@ -212,17 +231,7 @@ class Catalog:
             cur = self._refs.get((rec.kind, rec.name))
             if cur is None or rec.seq > cur.seq:
                 self._refs[(rec.kind, rec.name)] = rec
-        for key in tier.list(PRUNED):
-            vid = key[len(PRUNED) : -len(".json")]
-            if vid in self._pruned or not key.endswith(".json"):
-                continue
-            data = tier.get(key)
-            if data is None:
-                continue
-            try:
-                self._pruned[vid] = PrunedRecord.from_json(data, source=f"{name}:{key}")
-            except IntegrityError as e:
-                log.warning("ignoring damaged pruned record: %s", e)
+        self._load_pruned(name)
         for key in tier.list(REFLOG):
             entry_id = key.rsplit("/", 1)[-1][: -len(".json")]
             if (name, entry_id) in self._logged or not key.endswith(".json"):
@@ -238,6 +247,170 @@ class Catalog:
             self._logged.add((name, move.id))
             self._reflog[move.id] = move
 
+    def _read_manifests(self, name: str, ids: list[str]) -> list[Version]:
+        """Read and parse manifests from tier ``name`` (a damaged or vanished one is logged and left out)."""
+        tier = self._tiers[name]
+
+        def fetch(vid: str) -> Version | None:
+            data = tier.get(version_key(vid))
+            if data is None:
+                return None
+            try:
+                v = Version.from_json(data, source=f"{name}:{version_key(vid)}")
+            except IntegrityError as e:
+                log.warning("ignoring damaged manifest: %s", e)
+                return None
+            if v.id != vid:
+                log.warning("ignoring manifest %s on %s: it names version %s", vid, name, v.id)
+                return None
+            return v
+
+        if len(ids) <= 1:
+            got = [fetch(vid) for vid in ids]
+        else:
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(fetch, ids))
+        return [v for v in got if v is not None]
+
+    def _load_pruned(self, name: str) -> None:
+        """Read tier ``name``'s pruned records: from its index, and those it misses from their objects."""
+        tier = self._tiers[name]
+        keys = [k for k in tier.list(PRUNED) if k.endswith(".json")]
+        ids = [k[len(PRUNED) : -len(".json")] for k in keys]
+        lines, seg, _ = index.read(tier, "pruned")
+        good: set[str] = set()
+        for vid, key in zip(ids, keys, strict=True):
+            d = lines.get(vid)
+            if d is not None:
+                try:
+                    rec = PrunedRecord.model_validate(d["r"])
+                except (ValidationError, ValueError, KeyError, TypeError):
+                    rec = None
+                if rec is not None and rec.version == vid:
+                    good.add(vid)
+                    with self._lock:
+                        self._pruned.setdefault(vid, rec)
+                    continue
+            if vid in self._pruned:
+                continue
+            data = tier.get(key)
+            if data is None:
+                continue
+            try:
+                rec = PrunedRecord.from_json(data, source=f"{name}:{key}")
+            except IntegrityError as e:
+                log.warning("ignoring damaged pruned record: %s", e)
+                continue
+            with self._lock:
+                self._pruned[vid] = rec
+        self._repair_index(name, "pruned", seg, [vid for vid in ids if vid not in good],
+                           dead=len(lines.keys() - set(ids)), live=ids)
+
+    def _line(self, kind: str, vid: str) -> dict[str, Any] | None:
+        """The index line of a known version or pruned record (``None`` if this process does not know it)."""
+        with self._lock:
+            if kind == "versions":
+                s = self._known.get(vid)
+                return s.to_line() if s is not None else None
+            rec = self._pruned.get(vid)
+            return {"id": vid, "r": rec.model_dump(mode="json")} if rec is not None else None
+
+    def _repair_index(self, name: str, kind: str, seg: index.Segments, unindexed: list[str], *, dead: int,
+                      live: list[str]) -> None:
+        """After reading tier ``name``'s index: add the lines it misses, or rebuild it if mostly dead lines."""
+        tier = self._tiers[name]
+        rebuild = dead > max(index.SEGMENT, len(live))
+        # The lines first: the index lock is never held while waiting for the catalog's.
+        lines = [(vid, d) for vid in sorted(live if rebuild else unindexed) if (d := self._line(kind, vid)) is not None]
+        with self._index_lock:
+            self._index[(name, kind)] = seg
+            seg.ids.difference_update(unindexed)  # a damaged line is superseded by a later one
+            try:
+                if rebuild:
+                    index.rewrite(tier, kind, seg, lines)
+                    log.info("rebuilt the %s index of %s (%d lines, %d dropped)", kind, name, len(lines), dead)
+                elif lines:
+                    index.append(tier, kind, seg, lines)
+                    log.info("added %d missing lines to the %s index of %s", len(lines), kind, name)
+            except StorageError as e:
+                log.info("could not repair the %s index of %s (the next reader tries again): %s", kind, name, e)
+
+    def _segments(self, name: str, kind: str) -> index.Segments:
+        """Where tier ``name``'s index of ``kind`` ends (read once; the index lock is held)."""
+        seg = self._index.get((name, kind))
+        if seg is None:
+            _, seg, _ = index.read(self._tiers[name], kind)
+            self._index[(name, kind)] = seg
+        return seg
+
+    def append_index(self, tier: str, version: Version) -> None:
+        """Append the line of ``version``, whose manifest is now durable on ``tier``, to the tier's index.
+
+        Called after the manifest write and before the ref moves (docs/design.md section 2): a
+        crash in between leaves a manifest the index misses, which the next reader adds. A
+        failure is logged, not raised: the manifest is the truth.
+        """
+        t = self._tiers[tier]
+        if not t.durable:
+            return
+        with self._lock:
+            known = self._known.get(version.id)
+            line = (known if known is not None else Summary.of(version)).to_line()
+        with self._index_lock:
+            try:
+                seg = self._segments(tier, "versions")
+            except StorageError as e:
+                log.warning("could not read the index of %s (a later reader rebuilds it): %s", tier, e)
+                return
+            index.try_append(t, "versions", seg, [(version.id, line)])
+
+    def reindex(self) -> dict[str, tuple[int, int]]:
+        """Rebuild every available durable tier's index from its manifests and records (``doctor --reindex``).
+
+        Every manifest is read and parsed (the index is a cache of them; this is the one
+        operation whose cost grows with the history).
+
+        Returns:
+            Per tier, the number of versions and of pruned records indexed.
+
+        Raises:
+            StorageError: If a tier fails.
+        """
+        out = {}
+        for name in self._durable:
+            if not self.available(name):
+                continue
+            tier = self._tiers[name]
+            ids = sorted(k[len(VERSIONS) : -len(".json")] for k in tier.list(VERSIONS) if k.endswith(".json"))
+            found = self._read_manifests(name, ids)
+            with self._lock:
+                for v in found:
+                    self._on_tier[name].add(v.id)
+                    if v.id not in self._known:
+                        self._put_version(v)
+            lines = [(v.id, Summary.of(v).to_line()) for v in found]
+            pruned = sorted(k[len(PRUNED) : -len(".json")] for k in tier.list(PRUNED) if k.endswith(".json"))
+            self._load_pruned(name)
+            plines = [(vid, d) for vid in pruned if (d := self._line("pruned", vid)) is not None]
+            slines = []
+            for key in sorted(k for k in tier.list(STATUS) if k.endswith(".json")):
+                data = tier.get(key)
+                try:
+                    record = VersionStatus.from_json(data, source=f"{name}:{key}") if data is not None else None
+                except IntegrityError as e:
+                    log.warning("ignoring damaged status record: %s", e)
+                    continue
+                if record is not None:
+                    slines.append((record.version, {"id": record.version, "r": record.model_dump(mode="json")}))
+            with self._lock:
+                self._status_lines[name] = dict(slines)
+            with self._index_lock:
+                for kind, got in (("versions", lines), ("pruned", plines), ("status", slines)):
+                    seg = self._index.setdefault((name, kind), index.Segments())
+                    index.rewrite(tier, kind, seg, got)
+            out[name] = (len(lines), len(plines))
+        return out
+
     # ------------------------------------------------------------------ versions
 
     def add(self, version: Version, tier: str | None = None) -> None:
@@ -250,21 +423,30 @@ class Catalog:
                 self._residency.pop(version.id, None)
 
     def _put_version(self, version: Version) -> None:
-        old = self._versions.get(version.id)
-        if old is not None:
-            self._drop_users(old)
         self._versions[version.id] = version
-        for cid in self._names(version):
-            self._chunk_users[cid].add(version.id)
-        self._residency.pop(version.id, None)
+        self._put_summary(Summary.of(version), replace=True)
 
-    def _names(self, version: Version) -> set[str]:
+    def _put_summary(self, summary: Summary, *, replace: bool = False) -> None:
+        """Know a version (by its index line, or its manifest's summary with ``replace``)."""
+        old = self._known.get(summary.id)
+        if old is not None:
+            if not replace:
+                return
+            self._drop_users(old)
+        self._known[summary.id] = summary
+        for cid in self._names(summary):
+            self._chunk_users[cid].add(summary.id)
+        self._residency.pop(summary.id, None)
+
+    def _names(self, version: Version | Summary) -> set[str]:
         """The chunks ``version`` names as far as known (of a group manifest: its parts read so far)."""
         if version.is_header:
             return {c.id for p in self._parts.get(version.id, {}).values() for c in p.chunks}
+        if isinstance(version, Summary):
+            return set(version.chunks)
         return {c.id for c in version.chunks}
 
-    def _drop_users(self, version: Version) -> None:
+    def _drop_users(self, version: Version | Summary) -> None:
         for cid in self._names(version):
             users = self._chunk_users.get(cid)
             if users is not None:
@@ -277,7 +459,8 @@ class Catalog:
         with self._lock:
             for vid in version_ids:
                 self._parts.pop(vid, None)
-                old = self._versions.pop(vid, None)
+                self._versions.pop(vid, None)
+                old = self._known.pop(vid, None)
                 if old is not None:
                     self._drop_users(old)
                 self._residency.pop(vid, None)
@@ -298,20 +481,30 @@ class Catalog:
                     self._tiers[name].put(pruned_key(record.version), body)
         with self._lock:
             self._pruned[record.version] = record
+        line = self._line("pruned", record.version)
+        assert line is not None
+        for name in self._durable:
+            if self.available(name):
+                with self._index_lock:
+                    try:
+                        seg = self._segments(name, "pruned")
+                    except StorageError:
+                        continue  # a reader adds the line from the record
+                    index.try_append(self._tiers[name], "pruned", seg, [(record.version, line)])
         self.forget([record.version])
 
     def pruned(self) -> list[PrunedRecord]:
         """Versions a user-set rule deleted (and that no tier holds again), oldest first."""
         self.load()
         with self._lock:
-            return sorted((r for vid, r in self._pruned.items() if vid not in self._versions),
+            return sorted((r for vid, r in self._pruned.items() if vid not in self._known),
                           key=lambda r: r.version)
 
     def pruned_record(self, version_id: str) -> PrunedRecord | None:
         """The record of a pruned version (``None`` if it is not one)."""
         self.load()
         with self._lock:
-            return self._pruned.get(version_id) if version_id not in self._versions else None
+            return self._pruned.get(version_id) if version_id not in self._known else None
 
     def mark_on(self, tier: str, version_id: str, present: bool = True) -> None:
         """Record that ``tier`` now holds (or no longer holds) the manifest of a version."""
@@ -343,9 +536,31 @@ class Catalog:
         self.load()
         with self._lock:
             v = self._versions.get(version_id)
-        if v is None:
+            known = version_id in self._known
+        if v is not None:
+            return v
+        if not known:
             raise VersionNotFoundError(f"version {version_id} not found on any tier")
-        return v
+        return self._read_manifest(version_id)
+
+    def _read_manifest(self, version_id: str) -> Version:
+        """Read and parse a known version's manifest from the first tier holding it that can give it."""
+        with self._lock:
+            holders = [n for n in self._durable if version_id in self._on_tier[n] and self.available(n)]
+        for name in holders:
+            try:
+                got = self._read_manifests(name, [version_id])
+            except StorageError as e:
+                log.warning("cannot read the manifest of version %s on %s: %s", version_id, name, e)
+                continue
+            if got:
+                with self._lock:
+                    if version_id not in self._known:  # forgotten meanwhile
+                        break
+                    return self._versions.setdefault(version_id, got[0])
+        raise VersionNotFoundError(
+            f"version {version_id}: no tier this process can read holds a readable manifest of it "
+            f"(tried {', '.join(holders) or 'none'}); see `tiercache verify`")
 
     def get(self, version_id: str) -> Version:
         """Return a version's whole manifest (a multi-rank version's parts read and merged, once).
@@ -378,10 +593,29 @@ class Catalog:
         """
         self.load()
         with self._lock:
-            known = sorted(self._versions.values(), key=lambda v: v.id)
+            ids = sorted(self._known)
+            unread = [vid for vid in ids if vid not in self._versions]
+        if unread:
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(self._try_read_manifest, unread))
+        with self._lock:
+            known = [self._versions[vid] for vid in ids if vid in self._versions]
         if not whole or not any(v.is_header for v in known):
             return known
         return [self.materialize(v) if v.is_header else v for v in known]
+
+    def _try_read_manifest(self, version_id: str) -> Version | None:
+        try:
+            return self._read_manifest(version_id)
+        except VersionNotFoundError as e:
+            log.warning("leaving out version %s: %s", version_id, e)
+            return None
+
+    def summaries(self) -> list[Summary]:
+        """Every known version as its index line tells it, oldest first (reading no manifest)."""
+        self.load()
+        with self._lock:
+            return [self._known[vid] for vid in sorted(self._known)]
 
     # ------------------------------------------------------------------ multi-rank versions
 
@@ -491,6 +725,30 @@ class Catalog:
             listing.done.set()
             return got
 
+    def holds(self, tier: str, chunk_id: str) -> bool:
+        """Whether ``tier`` is believed to hold chunk ``chunk_id``, listing its chunks only if need be.
+
+        Once the tier's chunks are listed, the listing answers. Before that, a durable tier holds
+        the chunk if it holds the manifest of a single-process version naming it: chunks are
+        written before the manifest naming them and deleted after it (docs/design.md section 2),
+        so a restore need not list every chunk of the history (one request per 1000 on S3). A
+        wrong belief (a chunk lost behind the catalog's back) costs the reader one failed read
+        before the next tier. A multi-rank version's manifest on a node's disk covers only that
+        node's parts: its chunks are looked up in the listing.
+        """
+        with self._lock:
+            listed = self._chunks.get(tier)
+            if listed is not None:
+                return chunk_id in listed
+            t = self._tiers.get(tier)
+            if t is not None and t.durable:
+                held = self._on_tier[tier]
+                for vid in self._chunk_users.get(chunk_id, ()):
+                    known = self._known.get(vid)
+                    if known is not None and not known.ranks and vid in held:
+                        return True
+        return chunk_id in self.chunks_on(tier)
+
     def note_chunks(self, tier: str, ids: Iterable[str], present: bool = True) -> None:
         """Record chunks written to (or removed from) ``tier``."""
         ids = list(ids)
@@ -505,7 +763,11 @@ class Catalog:
                 for vid in self._chunk_users.get(cid, ()):
                     self._residency.pop(vid, None)
 
-    def residency(self, version: Version, listed_only: Collection[str] = ()) -> tuple[str, ...]:
+    def _current(self, version: Version | Summary) -> bool:
+        """Whether ``version`` is what the catalog knows of its id now (so an answer about it may be kept)."""
+        return self._versions.get(version.id) is version or self._known.get(version.id) is version
+
+    def residency(self, version: Version | Summary, listed_only: Collection[str] = ()) -> tuple[str, ...]:
         """Tiers that hold every chunk of ``version``, fastest first.
 
         A tier named in ``listed_only`` is counted only once its chunks have been listed: until
@@ -515,7 +777,7 @@ class Catalog:
         """
         with self._lock:
             unknown = frozenset(n for n in listed_only if n in self._tiers and n not in self._chunks)
-            known = self._residency.get(version.id, {}) if self._versions.get(version.id) is version else {}
+            known = self._residency.get(version.id, {}) if self._current(version) else {}
             got = known.get(frozenset())  # a full answer holds for every caller
             if got is None:
                 got = known.get(unknown)
@@ -529,23 +791,27 @@ class Catalog:
             # eviction drops it first: so the tiers holding it hold the version.
             with self._lock:
                 got = tuple(n for n in names if n not in unknown and self.manifest_on(n, version.id))
-                if self._versions.get(version.id) is version:
+                if self._current(version):
                     self._residency.setdefault(version.id, {})[unknown] = got
                 return got
         # Listings first, without the lock: a listing in progress on another thread needs it to land.
         held = {n: self.chunks_on(n) for n in names if n not in unknown}
-        ids = {c.id for c in version.chunks}
+        ids = self._names(version)
         with self._lock:
             got = tuple(n for n in names if n in held and ids <= held[n]
                         and (self.manifest_on(n, version.id) or not ids))
-            if self._versions.get(version.id) is version:
+            if self._current(version):
                 self._residency.setdefault(version.id, {})[unknown] = got
             return got
 
     # ------------------------------------------------------------------ outcomes
 
     def outcomes(self, version_id: str) -> dict[str, TierOutcome]:
-        """Why tiers do not hold ``version_id`` (skipped, failed, evicted), as recorded."""
+        """Why tiers do not hold ``version_id`` (skipped, failed, evicted), as recorded.
+
+        Read from the tiers' status indexes, so listing every version reads no status record; a
+        record the index misses is read and its line added.
+        """
         with self._lock:
             known = self._outcomes.get(version_id)
             if known is not None:
@@ -553,26 +819,56 @@ class Catalog:
             listed = self._status_listed
         if listed is None:
             listed = set()
+            lines: dict[str, dict[str, dict[str, Any]]] = {}
             for name in self._durable:
                 if self.available(name):
                     with contextlib.suppress(StorageError):
-                        listed |= {k[len(STATUS) : -len(".json")] for k in self._tiers[name].list(STATUS)}
+                        tier = self._tiers[name]
+                        names = {k[len(STATUS) : -len(".json")] for k in tier.list(STATUS) if k.endswith(".json")}
+                        got, seg, _ = index.read(tier, "status")
+                        listed |= names
+                        lines[name] = {vid: d for vid, d in got.items() if vid in names}
+                        with self._index_lock:
+                            self._index[(name, "status")] = seg
             with self._lock:
                 self._status_listed = listed
+                self._status_lines = lines
         found: dict[str, TierOutcome] = {}
         if version_id in listed:
             for name in self._holders(version_id):
+                with self._lock:
+                    line = self._status_lines.get(name, {}).get(version_id)
+                if line is not None and line.get("r") is not None:
+                    try:
+                        found = dict(VersionStatus.model_validate(line["r"]).tiers)
+                        break
+                    except (ValidationError, ValueError, TypeError):
+                        pass  # a damaged line: the record says
                 with contextlib.suppress(StorageError):
                     data = self._tiers[name].get(status_key(version_id))
                     if data is not None:
                         try:
-                            found = dict(VersionStatus.from_json(data, source=f"{name}:{status_key(version_id)}").tiers)
+                            record = VersionStatus.from_json(data, source=f"{name}:{status_key(version_id)}")
                         except IntegrityError as e:
                             log.warning("ignoring damaged status record: %s", e)
                             continue
+                        found = dict(record.tiers)
+                        self._index_status(name, version_id, record)
                         break
         with self._lock:
             return dict(self._outcomes.setdefault(version_id, found))
+
+    def _index_status(self, name: str, version_id: str, record: VersionStatus | None) -> None:
+        """Append a status record's line (``None``: deleted) to tier ``name``'s status index."""
+        line = {"id": version_id, "r": record.model_dump(mode="json") if record is not None else None}
+        with self._lock:
+            self._status_lines.setdefault(name, {})[version_id] = line
+        with self._index_lock:
+            try:
+                seg = self._segments(name, "status")
+            except StorageError:
+                return  # a reader reads the record itself
+            index.try_append(self._tiers[name], "status", seg, [(version_id, line)], again=True)
 
     def note_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
         """Record in this process's view why tiers do not hold a version (:meth:`store_outcomes` persists it)."""
@@ -610,7 +906,8 @@ class Catalog:
             if self._status_listed is not None:
                 self._status_listed.add(version_id)
         key = status_key(version_id)
-        body = VersionStatus(version=version_id, tiers=outcomes).to_json() if outcomes else None
+        record = VersionStatus(version=version_id, tiers=outcomes) if outcomes else None
+        body = record.to_json() if record is not None else None
         for name in self._holders(version_id):
             if on is not None and name not in on:
                 continue
@@ -619,6 +916,7 @@ class Catalog:
                 tier.delete(key)
             else:
                 tier.put(key, body)
+            self._index_status(name, version_id, record)  # after the record: the record is the truth
 
     def _holders(self, version_id: str) -> list[str]:
         with self._lock:
@@ -820,7 +1118,7 @@ class Catalog:
             return
         self._refs[(cur.kind, cur.name)] = cur
         vid: str | None = cur.version
-        while vid is not None and vid not in self._versions:
+        while vid is not None and vid not in self._known:
             data = self._tiers[tier].get(version_key(vid))
             if data is None:
                 break
@@ -853,12 +1151,12 @@ class Catalog:
                 return self._at_step(vid, spec.base, spec.step, ref)
             for i in range(spec.back):
                 # A pruned version keeps its place in the lineage.
-                v = self._versions.get(vid) or self._pruned.get(vid)
+                v = self._known.get(vid) or self._pruned.get(vid)
                 parent = v.parent if v is not None else None
                 if parent is None:
                     raise VersionNotFoundError(f"{ref!r}: history of {spec.base!r} has only {i + 1} versions")
                 vid = parent
-            if vid not in self._versions:
+            if vid not in self._known:
                 gone = self._pruned.get(vid)
                 if gone is not None:
                     raise VersionNotFoundError(f"{ref!r}: version {vid} was {gone.why()}")
@@ -866,9 +1164,9 @@ class Catalog:
             return vid
 
     def _match_id(self, prefix: str, ref: str) -> str:
-        if prefix in self._versions:
+        if prefix in self._known:
             return prefix
-        hits = [v for v in self._versions if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
+        hits = [v for v in self._known if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
         if not hits and len(prefix) >= _MIN_PREFIX:
             # A pruned version resolves (for ~N) to itself; resolve() then says why it is gone.
             hits = [v for v in self._pruned if v.startswith(prefix.upper())]
@@ -883,14 +1181,14 @@ class Catalog:
 
     def _at_step(self, head: str, base: str, step: int, ref: str) -> str:
         vid: str | None = head
-        while vid is not None and vid in self._versions:
-            v = self._versions[vid]
+        while vid is not None and vid in self._known:
+            v = self._known[vid]
             if v.step == step:
                 return vid
             vid = v.parent
         # Not in the current history (e.g. rolled back past it): the newest version of that
         # step saved on the branch.
-        same = [v.id for v in self._versions.values() if v.branch == base and v.step == step]
+        same = [v.id for v in self._known.values() if v.branch == base and v.step == step]
         if same:
             return max(same)
         raise VersionNotFoundError(f"{ref!r}: no version of step {step} on {base!r}")

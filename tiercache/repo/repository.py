@@ -39,6 +39,7 @@ from tiercache.names import PARTS, chunk_key, part_key, status_key, version_key
 from tiercache.parts import part_of
 from tiercache.repo.catalog import Catalog
 from tiercache.repo.health import TierHealth
+from tiercache.repo.index import Summary
 from tiercache.repo.leases import Leases
 from tiercache.repo.objects import read_verified
 from tiercache.tiers.base import Buffer, Tier
@@ -152,6 +153,7 @@ class Repo:
         if owner is not None:
             self.leases.release(owner, tier)  # the manifest protects its chunks from here on
         failpoint("repo.after_manifest_write")
+        self.catalog.append_index(tier, version)
         if ref is not None:
             self.catalog.write_ref(tier, ref)
             self._record_probe(tier, t)
@@ -489,7 +491,8 @@ class Repo:
                 tried.append(f"{name}: {e}")
         raise IntegrityError(f"chunk {chunk_id} has no good copy on any tier ({'; '.join(tried) or 'none holds it'})")
 
-    def states(self, version: Version, tiers: Iterable[str], pending: Iterable[str] = ()) -> dict[str, TierState]:
+    def states(self, version: Version | Summary, tiers: Iterable[str],
+               pending: Iterable[str] = ()) -> dict[str, TierState]:
         """Where ``version`` stands on each of ``tiers``, and why where it is not held.
 
         Args:
