@@ -36,8 +36,7 @@ from tiercache.manifest import RefRecord
 from tiercache.names import CHUNKS, chunk_key
 from tiercache.pipeline.job import Job
 from tiercache.policy.base import COMMIT_REQUESTS, TierPlan
-from tiercache.tiers.base import Tier
-from tiercache.tiers.disk import PendingPut
+from tiercache.tiers.base import PendingWrite, Tier, early_writer
 from tiercache.tiers.ram import Region
 
 if TYPE_CHECKING:
@@ -266,17 +265,19 @@ class TierWriter:
             arena.retain(region)
             return region
 
-    def _write_payload(self, job: Job, i: int, region: Region) -> tuple[PendingPut, float, float]:
+    def _write_payload(self, job: Job, i: int, region: Region) -> tuple[PendingWrite, float, float]:
         """Write chunk ``i``'s payload from its lent region to a tmp file, before it is hashed.
 
         Returns the pending object and the write's start and duration.
         """
         arena = self.engine.ramcache.arena
         assert arena is not None
+        early = early_writer(self.tier)
+        assert early is not None, "Engine.early_hint writes early only to a tier that can"
         hdr = codecs.HEADER_BYTES
         n = job.layout.chunks[i].nbytes
         t0 = time.perf_counter()
-        pending = self.tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_name=False)  # type: ignore[attr-defined]
+        pending = early.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_name=False)
         try:
             pending.write(hdr, arena.buffer(region)[hdr : hdr + n])
         except BaseException:
@@ -285,7 +286,7 @@ class TierWriter:
         return pending, t0, time.perf_counter() - t0
 
     def _finish_early(
-        self, job: Job, i: int, region: Region, payload: Future[tuple[PendingPut, float, float]], written: set[str],
+        self, job: Job, i: int, region: Region, payload: Future[tuple[PendingWrite, float, float]], written: set[str],
     ) -> tuple[int, float, float]:
         """Name chunk ``i`` once hashed: write its header and commit it, then give its region back.
 
