@@ -342,11 +342,8 @@ class TierWriter:
         self.engine.meter.record_codec(codec, hdr.raw_len, len(payload), time.perf_counter() - t0)
         if len(payload) >= hdr.raw_len:
             return bytes(view)  # incompressible: storing it raw is smaller and faster to read
-        out = bytearray(codecs.HEADER_BYTES + len(payload))
-        codecs.write_header(memoryview(out)[: codecs.HEADER_BYTES], codecs.ChunkHeader(
-            hdr.chunk_id, hdr.raw_len, len(payload), codec, hdr.itemsize, hdr.hash_algo))
-        out[codecs.HEADER_BYTES :] = payload
-        return bytes(out)
+        return bytes(codecs.chunk_object(payload, hdr.chunk_id, hdr.hash_algo, codec=codec, raw_len=hdr.raw_len,
+                                         itemsize=hdr.itemsize))
 
 
 def _busy_seconds(spans: list[tuple[int, float, float]]) -> float:
