@@ -64,6 +64,7 @@ class TierWriter:
         self.engine = engine
         self.name = name
         self.tier = tier
+        self._early = early_writer(tier)  # once: the protocol check costs ~10 us, more than the flag
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"tiercache-{name}",
                                       initializer=lower_thread_priority, initargs=(nice,))
@@ -272,7 +273,7 @@ class TierWriter:
         """
         arena = self.engine.ramcache.arena
         assert arena is not None
-        early = early_writer(self.tier)
+        early = self._early
         assert early is not None, "Engine.early_hint writes early only to a tier that can"
         hdr = codecs.HEADER_BYTES
         n = job.layout.chunks[i].nbytes

@@ -34,11 +34,12 @@ Semantics every implementation must honour (checked by ``tests/tier_conformance.
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 if TYPE_CHECKING:
     from tiercache.tiers._s3pacing import Pacer
@@ -261,11 +262,29 @@ class MultipartAdmin(Protocol):
         """Abort one open multipart upload."""
 
 
+@functools.cache
+def _implements(cls: type, capability: type) -> bool:
+    """Whether tier class ``cls`` has the methods of ``capability``, checked once per class.
+
+    ``isinstance`` against a protocol looks every method up on each call (tens of microseconds),
+    and :func:`lender` runs once per chunk a restore reads.
+    """
+    return issubclass(cls, capability)
+
+
+def _is_early_writer(tier: Tier) -> TypeGuard[EarlyWriter]:
+    return tier.early_writes and _implements(type(tier), EarlyWriter)
+
+
+def _is_lender(tier: Tier) -> TypeGuard[Lender]:
+    return tier.lends and _implements(type(tier), Lender)
+
+
 def early_writer(tier: Tier) -> EarlyWriter | None:
     """``tier`` as an :class:`EarlyWriter` if it declares ``early_writes`` and implements it, else ``None``."""
-    return tier if tier.early_writes and isinstance(tier, EarlyWriter) else None
+    return tier if _is_early_writer(tier) else None
 
 
 def lender(tier: Tier) -> Lender | None:
     """``tier`` as a :class:`Lender` if it declares ``lends`` and implements it, else ``None``."""
-    return tier if tier.lends and isinstance(tier, Lender) else None
+    return tier if _is_lender(tier) else None
