@@ -77,9 +77,9 @@ from tiercache.format import flatten
 from tiercache.group.collective import Channel, Collective, Decision
 from tiercache.group.owners import plan_parts
 from tiercache.group.peers import Replicator
+from tiercache.group.phase_status import Status
 from tiercache.group.restore import _first_known, _union, _union_missing
 from tiercache.group.round import Plan
-from tiercache.group.status import Status
 from tiercache.group.topology import Topology, choose_peers
 from tiercache.group.view import GroupView
 from tiercache.layout import plan_layout

@@ -121,6 +121,21 @@ def test_errors_cross_as_their_own_class() -> None:
     assert type(other) is errors.TierCacheError and str(other) == "KeyError: 'k'"
 
 
+def test_the_agent_and_the_group_rebuild_a_remote_error_alike() -> None:
+    from tiercache.group.phase_status import Status
+
+    for err in (errors.TierFullError("no room"), errors.GroupSaveError("rank 1 failed"),
+                errors.RefExistsError("tag x exists", kind="tag", name="x", version="v"), KeyError("k")):
+        agent = error_from_wire(error_to_wire(err))
+        group = Status.decode(Status.of(err).encode()).error_object()
+        assert str(agent) == str(group)
+        # What this tiercache has no class for arrives as each side's root: any error over the socket,
+        # a failed version in a group.
+        roots = (errors.TierCacheError, errors.GroupSaveError)
+        assert type(agent) is type(group) or (type(agent), type(group)) == roots
+    assert str(error_from_wire(error_to_wire(KeyError("k")))) == "KeyError: 'k'"
+
+
 # ------------------------------------------------------------------------ the arena
 
 

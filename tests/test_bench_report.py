@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,46 @@ def test_the_paired_commit_check_prints_its_medians(tmp_path: Path) -> None:
     assert all(figures[k] > 0 for k in figures if k.endswith("_s"))
     assert figures["save_wait_s"] <= figures["to_local_s"]
     assert list(tmp_path.iterdir()) == []  # the disk tier is removed afterwards
+
+
+def test_the_paired_check_alternates_which_side_goes_first_and_tables_the_ratios() -> None:
+    from bench.regress import paired_runs, table
+
+    order: list[str] = []
+
+    def side(name: str, figures: list[tuple[float, float, float]]) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            order.append(name)
+            wait, local, cold = figures.pop(0)
+            return {"save_wait_s": wait, "to_local_s": local, "restore_into_cold_s": cold}
+        return run
+
+    runs = paired_runs(3, side("base", [(0.030, 0.150, 0.200), (0.040, 0.160, 0.300), (0.035, 0.140, 0.250)]),
+                       side("this", [(0.033, 0.150, 0.220), (0.040, 0.120, 0.300), (0.035, 0.154, 0.200)]))
+    assert order == ["base", "this", "this", "base", "base", "this"]
+    assert table("22bf048", "c44", runs).splitlines() == [
+        "| figure | 22bf048 | c44 | c44 / 22bf048 (per pair) |",
+        "|---|---|---|---|",
+        "| `save()`: training waits | 35 (30-40) ms | 35 (33-40) ms | 1.00x (1.00x-1.10x) |",
+        "| save until local (disk) | 150 (140-160) ms | 150 (120-154) ms | 1.00x (0.75x-1.10x) |",
+        "| restore from disk into existing tensors, cold | 250 (200-300) ms | 220 (200-300) ms | 1.00x (0.80x-1.10x) |",
+    ]
+
+
+def test_the_base_of_the_paired_check_is_a_worktree_removed_afterwards() -> None:
+    from bench.regress import base_worktree
+
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with base_worktree(root, "HEAD") as tree:
+        assert (tree / "bench" / "regress.py").is_file()
+        assert subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() == head
+        listed = subprocess.run(["git", "-C", str(root), "worktree", "list"], capture_output=True, text=True,
+                                check=True).stdout
+        assert str(tree) in listed
+    assert not tree.exists()
+    listed = subprocess.run(["git", "-C", str(root), "worktree", "list"], capture_output=True, text=True,
+                            check=True).stdout
+    assert str(tree) not in listed

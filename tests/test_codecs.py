@@ -18,6 +18,7 @@ from tiercache.codecs import (
     RAW,
     ZSTD,
     ChunkHeader,
+    chunk_object,
     codec_names,
     content_id,
     decode,
@@ -25,6 +26,7 @@ from tiercache.codecs import (
     hasher,
     pack_header,
     read_header,
+    seal_chunk,
     write_header,
 )
 from tiercache.errors import ConfigError, IntegrityError
@@ -288,6 +290,22 @@ def test_write_header_fills_exactly_the_header_of_a_larger_span() -> None:
     assert bytes(span[:HEADER_BYTES]) == pack_header(HEADER)
     assert bytes(span[HEADER_BYTES:]) == b"\xaa" * 512
     assert read_header(memoryview(span)) == HEADER
+
+
+def test_a_chunk_object_is_its_header_then_its_payload() -> None:
+    data = bytes(range(256)) * 16
+    cid = content_id(memoryview(data))
+    raw = chunk_object(data, cid, "xxh3-128")
+    assert read_header(memoryview(raw)) == ChunkHeader(cid, len(data), len(data), RAW, 1, "xxh3-128")
+    assert bytes(raw[HEADER_BYTES:]) == data
+    # Sealed in place (the arena, DCP's buffers): the same bytes.
+    span = bytearray(HEADER_BYTES) + bytearray(data)
+    seal_chunk(memoryview(span), cid, "xxh3-128")
+    assert span == raw
+    packed = encode(ZSTD, memoryview(data))
+    zstd = chunk_object(packed, cid, "xxh3-128", codec=ZSTD, raw_len=len(data), itemsize=4)
+    assert read_header(memoryview(zstd)) == ChunkHeader(cid, len(data), len(packed), ZSTD, 4, "xxh3-128")
+    assert bytes(zstd[HEADER_BYTES:]) == packed
 
 
 def test_header_from_a_numpy_page() -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tiercache import failpoints
 from tiercache.errors import GroupBrokenError, GroupSaveError, InvalidArgumentError
 from tiercache.group.collective import Collective, Decision, Verdict
-from tiercache.group.status import OK, Status
+from tiercache.group.phase_status import OK, Status
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache import repo as repo_ops
-from tiercache.config import CacheConfig, parse_duration
+from tiercache.config import DURABLE_TIERS, CacheConfig, parse_duration
 from tiercache.errors import (
     BranchNotFoundError,
     CacheClosedError,
@@ -217,7 +217,7 @@ class TierCache:
     def tier_names(self) -> list[str]:
         """Configured tiers, fastest first (``ram`` when a RAM tier or the node agent is configured)."""
         names = ["ram"] if self.config.ram is not None or self.config.agent is not None else []
-        return names + [n for n in ("disk", "s3") if n in self._tiers]
+        return names + [n for n in DURABLE_TIERS if n in self._tiers]
 
     @property
     def agent(self) -> AgentLink | None:
@@ -1025,7 +1025,7 @@ class TierCache:
     @property
     def levels(self) -> list[str]:
         """The durability levels this cache's saves can reach, fastest first."""
-        durable = [TIER_LEVEL[n] for n in ("disk", "s3") if n in self._tiers]
+        durable = [TIER_LEVEL[n] for n in DURABLE_TIERS if n in self._tiers]
         return ["staged", *durable, *(["durable"] if durable else [])]
 
     def plan_inputs(

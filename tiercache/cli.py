@@ -2,10 +2,9 @@
 
 Every verb is one function registered on :data:`app`; it opens the cache through
 :func:`_session`, which also turns library errors into one ``error: ...`` line on stderr and an
-exit status (2 for bad input, 1 for runtime failures) unless ``--debug`` asks for the traceback.
-Messages that would name a Python call name the CLI verb instead: the mapping goes by error
-type and attributes (:class:`~tiercache.errors.RefExistsError`, ...), never by message text.
-Every verb that prints results takes ``--json``, and its ``--help`` ends with examples.
+exit status (see :mod:`tiercache.cli_support`, which ``tiercache agent`` shares; the verbs use its
+helpers under the names they had here). Every verb that prints results takes ``--json``, and its
+``--help`` ends with examples.
 """
 
 import enum
@@ -17,22 +16,22 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
+from tiercache.cli_support import JSON_HELP as _JSON_HELP
+from tiercache.cli_support import Options as _Options
+from tiercache.cli_support import cli_errors as _cli_errors
+from tiercache.cli_support import examples as _examples
+from tiercache.cli_support import human_bytes, human_duration
+from tiercache.cli_support import options_config as _config
 from tiercache.errors import (
-    AmbiguousRefError,
     BranchNotFoundError,
     ConfigError,
     InvalidArgumentError,
-    RefExistsError,
-    StorageError,
-    TierCacheError,
-    UnsupportedStateError,
     VersionNotFoundError,
 )
 from tiercache.names import check_name
@@ -42,34 +41,12 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from tiercache.cache import TierCache
-    from tiercache.config import CacheConfig
     from tiercache.manifest import VersionInfo
 
 __all__ = ["GraphRow", "app", "layout_graph", "main"]
 
 #: Shortest version id prefix shown in tables and graphs (longer where a listing needs it).
 SHORT_ID = 10
-
-# Errors that mean the user asked for something wrong (exit 2). ValueError covers ConfigError,
-# InvalidNameError, InvalidArgumentError and StateMismatchError. StorageError is checked first
-# because some storage failures also subclass FileNotFoundError and friends.
-_BAD_INPUT: tuple[type[BaseException], ...] = (
-    ValueError,
-    VersionNotFoundError,
-    AmbiguousRefError,
-    RefExistsError,
-    UnsupportedStateError,
-    FileExistsError,
-    FileNotFoundError,
-    IsADirectoryError,
-    NotADirectoryError,
-)
-
-
-def _examples(*lines: str) -> str:
-    """An ``--help`` epilog listing example command lines (a backspace line keeps click from rewrapping them)."""
-    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
-
 
 app = typer.Typer(
     name="tiercache",
@@ -107,15 +84,6 @@ class LogLevel(enum.StrEnum):
 _LEVELS = [logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR]
 
 
-@dataclass(frozen=True)
-class _Options:
-    """Global options shared by every verb (stored in ``ctx.obj``)."""
-
-    config: Path | None
-    debug: bool
-    policy: str | None = None
-
-
 def _setup_logging(level: LogLevel, verbose: int, quiet: bool) -> Callable[[], None]:
     """Send ``tiercache.*`` log records of ``level`` (each ``-v`` one step lower, ``-q``: errors) to stderr.
 
@@ -144,45 +112,6 @@ def _setup_logging(level: LogLevel, verbose: int, quiet: bool) -> Callable[[], N
 # Error handling and cache sessions
 
 
-def _exit_code(exc: BaseException) -> int:
-    """Exit status for an error: 2 for bad input, 1 for runtime failures."""
-    if isinstance(exc, StorageError):
-        return 1
-    return 2 if isinstance(exc, _BAD_INPUT) else 1
-
-
-def _message(exc: BaseException) -> str:
-    """One-line description of an error (OS errors name the file they are about).
-
-    Errors whose library message suggests a Python call get the matching CLI verb instead.
-    """
-    if isinstance(exc, RefExistsError) and exc.kind == "branch":
-        text = (f"branch {exc.name!r} already exists (at {exc.version}): move it with "
-                f"`tiercache rollback {exc.name} REF`, or pick another name")
-    elif isinstance(exc, RefExistsError):
-        text = f"{exc.kind} {exc.name!r} already points at {exc.version}: tags never move; pick another name"
-    elif isinstance(exc, BranchNotFoundError):
-        text = (f"branch {exc.branch!r} does not exist: create it with `tiercache branch {exc.branch} --from REF` "
-                "(`tiercache ls` lists versions and refs)")
-    elif isinstance(exc, OSError) and not isinstance(exc, TierCacheError) and exc.strerror:
-        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    else:
-        text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
-
-
-@contextmanager
-def _cli_errors(debug: bool) -> Iterator[None]:
-    """Turn library, OS and value errors into ``error: <message>`` and an exit status."""
-    try:
-        yield
-    except (TierCacheError, OSError, ValueError) as exc:
-        if debug:
-            raise
-        typer.echo(f"error: {_message(exc)}", err=True)
-        raise typer.Exit(_exit_code(exc)) from None
-
-
 @contextmanager
 def _session(ctx: typer.Context) -> "Iterator[TierCache]":
     """Open the cache named by the global options for one verb, mapping errors on the way out.
@@ -194,16 +123,6 @@ def _session(ctx: typer.Context) -> "Iterator[TierCache]":
 
     with _cli_errors(opts.debug), open_cache(_config(opts)) as cache:
         yield cache
-
-
-def _config(opts: _Options) -> "CacheConfig":
-    """The config the global options name, with ``--policy`` applied."""
-    from tiercache.config import PolicyConfig, load_config  # not at import: `--help` stays quick
-
-    cfg = load_config(opts.config)
-    if opts.policy is not None:
-        cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
-    return cfg
 
 
 def _console(**kwargs: Any) -> "Console":
@@ -294,18 +213,6 @@ def _byte_progress(description: str, total: int | None) -> Iterator[_Bar]:
 
 # ---------------------------------------------------------------------------------------------
 # Formatting helpers
-
-
-def human_bytes(n: int) -> str:
-    """Format a byte count with binary units, e.g. ``512.0 MiB`` (``512 B`` below 1 KiB)."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def human_age(created_at: datetime, now: datetime) -> str:
@@ -592,9 +499,6 @@ def _root(
     """Read the global options: config, policy, log level, --debug."""
     ctx.call_on_close(_setup_logging(log_level, verbose, quiet))
     ctx.obj = _Options(config=config, debug=debug, policy=policy)
-
-
-_JSON_HELP = "Print the result as JSON (full ids)."
 
 
 @app.command("ls", epilog=_examples("tiercache ls", "tiercache ls --branch ft-lr3e-5", "tiercache ls --json"))
@@ -1107,17 +1011,6 @@ def stats(
             console.print(line)
 
 
-def human_duration(seconds: float) -> str:
-    """Format seconds as ``0.42 s``, ``42.0 s``, ``17m 04s``, ``3h 00m`` or ``2d 03h``."""
-    if seconds < 60:
-        return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
-    whole = round(seconds)
-    for big, small, name_big, name_small in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
-        if whole >= big:
-            return f"{whole // big}{name_big} {(whole % big) // small:02d}{name_small}"
-    return f"{whole} s"  # unreachable: seconds >= 60 is caught above
-
-
 def _mttf_option(mttf: str | None, gpu_mtbf: str | None, gpus: int | None) -> float | None:
     """The job's MTTF in seconds from ``--mttf`` or ``--gpu-mtbf`` and ``--gpus`` (``None``: the config's)."""
     from tiercache.config import parse_duration
@@ -1340,7 +1233,7 @@ def main() -> None:
     raise SystemExit(rc if isinstance(rc, int) else 0)
 
 
-# `tiercache agent` lives in a module of its own; it uses the helpers above.
+# `tiercache agent` lives in a module of its own; it shares tiercache.cli_support with the verbs.
 from tiercache.cli_agent import agent_app  # noqa: E402
 
 app.add_typer(agent_app)

@@ -3,7 +3,8 @@
 ``tiercache agent [--config FILE]`` is what a systemd unit, a Kubernetes sidecar or
 ``srun --ntasks-per-node=1`` runs; it stops on SIGTERM or SIGINT after finishing every version it
 holds. ``tiercache agent status`` and ``tiercache agent stop`` talk to the running one. Registered
-on :data:`tiercache.cli.app` by that module; it reuses its error handling and config options.
+on :data:`tiercache.cli.app` by that module; it shares the verbs' error handling and config options
+(:mod:`tiercache.cli_support`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tiercache.cli import _JSON_HELP, _cli_errors, _config, _examples, _Options, human_bytes, human_duration
+from tiercache.cli_support import JSON_HELP, Options, cli_errors, examples, human_bytes, human_duration, options_config
 from tiercache.handle import LEVELS
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ agent_app = typer.Typer(
     "The agent owns the node's RAM tier (a file in /dev/shm) and does the background work of the tiers "
     "below it for every process of the node; with [agent] start = \"auto\" (the default) the first process "
     "that saves starts one by itself.",
-    epilog=_examples(
+    epilog=examples(
         "tiercache agent --config tiercache.toml        # foreground: systemd, a sidecar, srun",
         "tiercache agent status",
         "tiercache agent stop",
@@ -41,7 +42,7 @@ agent_app = typer.Typer(
 )
 
 
-def _agent_config(opts: _Options, spec_fd: int | None) -> CacheConfig:
+def _agent_config(opts: Options, spec_fd: int | None) -> CacheConfig:
     """The config the agent runs: from ``--spec-fd`` (a process that started it), else the global one.
 
     The spec comes through a descriptor the starting process holds the other end of (a pipe),
@@ -59,7 +60,7 @@ def _agent_config(opts: _Options, spec_fd: int | None) -> CacheConfig:
             raise ConfigError(f"cannot read the agent's spec from descriptor {spec_fd}: {e}") from None
         cfg = load_config(data, env={})  # the trainer's config, its environment applied already
     else:
-        cfg = _config(opts)
+        cfg = options_config(opts)
     return cfg if cfg.agent is not None else cfg.model_copy(update={"agent": AgentConfig()})
 
 
@@ -72,29 +73,29 @@ def agent(
     exist_ok: Annotated[bool, typer.Option("--exist-ok", hidden=True)] = False,
 ) -> None:
     """Run the node agent of the cache in the foreground until SIGTERM, SIGINT or `tiercache agent stop`."""
-    opts: _Options = ctx.obj
+    opts: Options = ctx.obj
     if config is not None:
         opts = ctx.obj = dataclasses.replace(opts, config=config)
     if ctx.invoked_subcommand is not None:
         return
-    with _cli_errors(opts.debug):
+    with cli_errors(opts.debug):
         from tiercache.agent.server import run
 
         cfg = _agent_config(opts, spec_fd)
         raise typer.Exit(run(cfg, exist_ok=exist_ok, echo=lambda line: typer.echo(line, err=True)))
 
 
-@agent_app.command("status", epilog=_examples("tiercache agent status", "tiercache agent status --json"))
+@agent_app.command("status", epilog=examples("tiercache agent status", "tiercache agent status --json"))
 def status(
     ctx: typer.Context,
-    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Show the running agent: pid, arena, clients, versions in flight, queues, levels reached, restores.
 
     Exits 1 when no agent runs for the cache.
     """
-    opts: _Options = ctx.obj
-    with _cli_errors(opts.debug):
+    opts: Options = ctx.obj
+    with cli_errors(opts.debug):
         from tiercache.agent.client import call
 
         data = call(_agent_config(opts, None), "stats")
@@ -158,7 +159,7 @@ def _parts_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-@agent_app.command("stop", epilog=_examples("tiercache agent stop", "tiercache agent stop --timeout 60"))
+@agent_app.command("stop", epilog=examples("tiercache agent stop", "tiercache agent stop --timeout 60"))
 def stop(
     ctx: typer.Context,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds to let it finish what it holds "
@@ -168,8 +169,8 @@ def stop(
 
     Exits 1 when no agent runs for the cache.
     """
-    opts: _Options = ctx.obj
-    with _cli_errors(opts.debug):
+    opts: Options = ctx.obj
+    with cli_errors(opts.debug):
         from tiercache.agent.client import call
         from tiercache.agent.naming import place
 

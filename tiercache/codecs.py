@@ -179,6 +179,43 @@ def pack_header(header: ChunkHeader) -> bytes:
     return bytes(out)
 
 
+def seal_chunk(
+    obj: bytearray | memoryview, chunk_id: str, hash_algo: str, *, codec: str = RAW, raw_len: int | None = None,
+    itemsize: int = 1,
+) -> None:
+    """Write the header of the chunk object ``obj`` in place: the one way a chunk object gets its header.
+
+    Args:
+        obj: The whole object: :data:`HEADER_BYTES` of room for the header, then the payload as
+            stored (so its stored length is ``len(obj) - HEADER_BYTES``). The payload may be
+            written before or after.
+        chunk_id: The content id of the raw bytes.
+        hash_algo: The hash that made ``chunk_id``.
+        codec: The payload's codec (raw by default).
+        raw_len: The raw content's length (default: the stored length, as for a raw payload).
+        itemsize: The element size byte grouping used (1: none).
+
+    Raises:
+        ConfigError: As :func:`write_header`.
+    """
+    view = _byte_view(obj)
+    stored = len(view) - HEADER_BYTES
+    header = ChunkHeader(chunk_id, stored if raw_len is None else raw_len, stored, codec, itemsize, hash_algo)
+    write_header(view[:HEADER_BYTES], header)
+
+
+def chunk_object(
+    payload: bytes | bytearray | memoryview, chunk_id: str, hash_algo: str, *, codec: str = RAW,
+    raw_len: int | None = None, itemsize: int = 1,
+) -> bytearray:
+    """A new chunk object: its header (see :func:`seal_chunk`, same arguments), then a copy of ``payload``."""
+    data = _byte_view(payload)
+    out = bytearray(HEADER_BYTES + len(data))
+    out[HEADER_BYTES:] = data
+    seal_chunk(out, chunk_id, hash_algo, codec=codec, raw_len=raw_len, itemsize=itemsize)
+    return out
+
+
 def _text_field(raw: bytes, what: str) -> str:
     """Decode a NUL-padded ASCII header field."""
     text = raw.rstrip(b"\0")
@@ -515,6 +552,7 @@ __all__ = [
     "ZSTD",
     "ChunkHeader",
     "Hasher",
+    "chunk_object",
     "codec_names",
     "content_id",
     "decode",
@@ -522,5 +560,6 @@ __all__ = [
     "hasher",
     "pack_header",
     "read_header",
+    "seal_chunk",
     "write_header",
 ]

@@ -32,6 +32,8 @@ MIB = 1 << 20
 GIB = 1 << 30
 #: The smallest ``chunk_bytes``: it bounds the number of chunks of a state.
 MIN_CHUNK_BYTES = 64 * KIB
+#: The durable tiers a cache may have, fastest first (each is a table of the config).
+DURABLE_TIERS: tuple[str, ...] = ("disk", "s3")
 
 log = logging.getLogger("tiercache.config")
 
@@ -452,7 +454,7 @@ class CacheConfig(_Model):
 
     def tier_names(self) -> list[str]:
         """Names of the configured durable tiers, fastest first."""
-        return [n for n in ("disk", "s3") if getattr(self, n) is not None]
+        return [n for n in DURABLE_TIERS if getattr(self, n) is not None]
 
 
 #: TIERCACHE_* variables that are not config fields: the config file, the CLI's log level and the

@@ -143,6 +143,33 @@ class CacheClosedError(TierCacheError, RuntimeError):
     """The cache was closed; no further calls are accepted."""
 
 
+def error_parts(e: BaseException) -> tuple[str, str]:
+    """An error as it crosses to another process (the agent's socket, a group's exchange): class name, message.
+
+    :func:`rebuild_error` rebuilds it there. Only names and text cross: nothing received is
+    ever unpickled.
+    """
+    return type(e).__name__, str(e)
+
+
+def rebuild_error(name: str, message: str, *, fallback: type[TierCacheError] = TierCacheError) -> TierCacheError:
+    """The error :func:`error_parts` described: the same class of this module where there is one.
+
+    Args:
+        name: The error's class name.
+        message: Its message.
+        fallback: The class of the error returned for any other class, and for a class whose
+            constructor needs keyword attributes (its message then starts with ``name: ``).
+    """
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, TierCacheError):
+        try:
+            return cls(message)
+        except TypeError:  # an error class with required keyword attributes
+            pass
+    return fallback(f"{name}: {message}" if name and cls is not fallback else message)
+
+
 def _rebuild(cls: type[TierCacheError], message: str, attrs: dict[str, str]) -> TierCacheError:
     """Unpickle an error whose constructor takes keyword attributes (errors cross process boundaries)."""
     return cls(message, **attrs)
@@ -173,4 +200,6 @@ __all__ = [
     "TierUnavailableError",
     "UnsupportedStateError",
     "VersionNotFoundError",
+    "error_parts",
+    "rebuild_error",
 ]

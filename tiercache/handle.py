@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from typing import Literal
+from typing import Literal, get_args
 
 from tiercache.errors import InvalidArgumentError
 
 log = logging.getLogger("tiercache.handle")
 
 Level = Literal["staged", "local", "replicated", "remote", "durable"]
-LEVELS: tuple[str, ...] = ("staged", "local", "replicated", "remote", "durable")
+#: Every durability level a handle may have, in the order they are shown; "replicated" exists
+#: only where the cache has peer copies.
+LEVELS: tuple[Level, ...] = get_args(Level)
 #: The durability level each durable tier provides.
 TIER_LEVEL = {"disk": "local", "s3": "remote"}
 #: Levels that only a multi-rank save with peer copies provides (no tier of one process does).

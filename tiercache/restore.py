@@ -39,7 +39,7 @@ from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo.objects import check_header, decode_verify
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import Tier, lender
 from tiercache.tiers.ram import ALIGN, aligned_buffer, buffer_address
 
 log = logging.getLogger("tiercache.restore")
@@ -440,10 +440,11 @@ class Reader:
         self, tier: Tier, chunk_id: str, nbytes: int, algo: str, targets: Targets
     ) -> bool:
         key = chunk_key(chunk_id)
-        if tier.lends:
+        lent = lender(tier)
+        if lent is not None:
             # The RAM tier lends its memory: verify the payload in place and copy each piece once
             # (reading it like a file would copy it whole and then hash the copy from memory).
-            with self._lent, tier.borrow(key) as obj:  # type: ignore[attr-defined]
+            with self._lent, lent.borrow(key) as obj:
                 if obj is None:
                     return False
                 return self._decode_scatter(obj, chunk_id, nbytes, algo, targets, tier.name)

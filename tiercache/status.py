@@ -63,16 +63,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
-from tiercache.handle import SaveHandle
+from tiercache.handle import LEVELS, SaveHandle
 
 log = logging.getLogger("tiercache.status")
 
 #: Where the saving process leaves its status (on its first durable tier).
 STATUS_KEY = "stats/status.json"
 STATUS_SCHEMA = 1
-#: Every durability level a handle may have, in the order they are shown; "replicated" exists
-#: only where the cache has peer copies.
-ALL_LEVELS = ("staged", "local", "replicated", "remote", "durable")
 RECENT_VERSIONS = 64
 RECENT_ERRORS = 20
 RECENT_SAMPLES = 32
@@ -183,9 +180,9 @@ class StatusRecorder:
             wait_s: Seconds the caller was blocked in ``save()``.
         """
         futures: dict[str, Future[str]] = {}
-        for level in ALL_LEVELS:
+        for level in LEVELS:
             try:
-                futures[level] = handle.future(level)  # type: ignore[arg-type]
+                futures[level] = handle.future(level)
             except InvalidArgumentError:
                 continue  # a level this cache's handles do not have
         vid = handle.version
@@ -263,7 +260,7 @@ class StatusRecorder:
                 return
             if level not in self._levels:
                 self._levels.append(level)
-                self._levels.sort(key=ALL_LEVELS.index)
+                self._levels.sort(key=LEVELS.index)
             if err is None and not cancelled:
                 self._time_to.setdefault(level, Samples()).add(now, now - started_at)
                 cur = self._newest.setdefault(branch, {}).get(level)
@@ -398,4 +395,4 @@ def read_status(data: bytes | None) -> dict[str, Any] | None:
     return doc
 
 
-__all__ = ["ALL_LEVELS", "STATUS_KEY", "Samples", "StatusRecorder", "public_name", "read_status"]
+__all__ = ["STATUS_KEY", "Samples", "StatusRecorder", "public_name", "read_status"]

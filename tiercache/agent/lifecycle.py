@@ -212,10 +212,10 @@ def _same_code_env() -> dict[str, str]:
     The agent then runs the very code of the process that started it (a source checkout, a
     virtual environment with another version installed), whatever its working directory.
     """
-    import tiercache
-
+    # This file's place in the package, not an import of the package: tiercache imports the
+    # agent's client, which starts the agent through this module (no import cycle).
     env = dict(os.environ)
-    home = str(Path(tiercache.__file__).resolve().parent.parent)
+    home = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([home, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return env
 

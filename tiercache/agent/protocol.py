@@ -73,8 +73,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tiercache import errors
-from tiercache.errors import TierCacheError
+from tiercache.errors import TierCacheError, error_parts, rebuild_error
 
 if TYPE_CHECKING:  # imported where used: they import torch, which reading node RAM never needs
     from tiercache.format import TensorMeta
@@ -185,18 +184,14 @@ def _finite(text: str) -> float:
 
 
 def error_to_wire(e: BaseException) -> dict[str, str]:
-    """An error as it crosses the socket: its class name and message."""
-    return {"type": type(e).__name__, "message": str(e)}
+    """An error as it crosses the socket: its class name and message (see :func:`~tiercache.errors.error_parts`)."""
+    name, message = error_parts(e)
+    return {"type": name, "message": message}
 
 
 def error_from_wire(d: Mapping[str, Any]) -> TierCacheError:
     """The error an ``"error"`` field stands for: the same :mod:`tiercache.errors` class where there is one."""
-    name, message = str(d.get("type", "")), str(d.get("message", ""))
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, TierCacheError):
-        with contextlib.suppress(TypeError):  # a class with required keyword attributes
-            return cls(message)
-    return TierCacheError(f"{name}: {message}" if name else message)
+    return rebuild_error(str(d.get("type", "")), str(d.get("message", "")))
 
 
 def metas_to_wire(metas: Iterable[TensorMeta]) -> list[list[Any]]:

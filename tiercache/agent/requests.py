@@ -332,7 +332,7 @@ class Requests:
                     self._group_versions[vid] = None
                     while len(self._group_versions) > LIMIT:
                         self._group_versions.popitem(last=False)
-                handle = SaveHandle(vid, {lvl: t.handle.future(lvl) for lvl in LEVELS}) if first else None  # type: ignore[arg-type]
+                handle = SaveHandle(vid, {lvl: t.handle.future(lvl) for lvl in LEVELS}) if first else None
             if handle is not None:
                 self._recorder.note_save(handle, step=t.step, branch=t.branch, started_at=created_at, wait_s=wait_s)
         for lvl in LEVELS:
@@ -387,7 +387,7 @@ class Requests:
                 and job.manifest is not None and job.final.parent != job.manifest.parent:
             event["manifest"] = job.final.to_json().decode()
         self._send_level(t, event)
-        if all(t.handle.done(lvl) for lvl in LEVELS):  # type: ignore[arg-type]
+        if all(t.handle.done(lvl) for lvl in LEVELS):
             with self._lock:
                 last = self._tracked.pop(t.version, None) is not None
             if last:
@@ -543,7 +543,7 @@ class Requests:
                 for lvl in LEVELS:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     with contextlib.suppress(Exception):
-                        t.handle.future(lvl).exception(left)  # type: ignore[arg-type]
+                        t.handle.future(lvl).exception(left)
             return {}
         self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), report=False)
         return {}

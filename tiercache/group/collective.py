@@ -1,7 +1,7 @@
 """The group's one collective layer: tagged exchanges over the job's store, always answered.
 
 Every step of a multi-rank save or restore is an :meth:`Channel.exchange`: each rank sends its
-:class:`~tiercache.group.status.Status` under a tag naming the version and the phase
+:class:`~tiercache.group.phase_status.Status` under a tag naming the version and the phase
 (``<version id>/<phase>``, never a call count alone), the coordinator (rank 0 of the group)
 gathers the statuses, derives the group's verdict and publishes it, and every rank returns that
 same verdict. A rank whose local work failed still answers, with an error status, so the others
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import GroupBrokenError, GroupSaveError
 from tiercache.failpoints import failpoint
-from tiercache.group.status import Status, first_failure
+from tiercache.group.phase_status import Status, first_failure
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -21,7 +21,7 @@ from tiercache.errors import IntegrityError
 from tiercache.failpoints import failpoint
 from tiercache.group.transfer import Move
 from tiercache.manifest import Version
-from tiercache.names import chunk_key, part_key
+from tiercache.names import part_key
 from tiercache.restore import byte_view
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class PeerFiles:
         self.algo = cache.config.hash
         self._lock = threading.Lock()
         self._written: list[str] = []
-        self._parts: list[tuple[str, bytes]] = []  # written once the chunks they name are durable
+        self._parts: list[Version] = []  # written once the chunks they name are durable
 
     def read(self, m: Move) -> torch.Tensor:
         """The raw bytes ``m`` sends (a uint8 tensor of ``m.nbytes``).
@@ -76,25 +76,20 @@ class PeerFiles:
             if part.id != self.vid or part.rank != rank:
                 raise IntegrityError(f"{m.chunk} from rank {m.src} is not rank {rank}'s part of version {self.vid}")
             with self._lock:
-                self._parts.append((part_key(self.vid, rank), bytes(raw)))
+                self._parts.append(part)
             return
         if codecs.content_id(raw, self.algo) != m.chunk:
             raise IntegrityError(f"chunk {m.chunk} from rank {m.src} does not match its id")
-        obj = bytearray(codecs.HEADER_BYTES + m.nbytes)
-        codecs.write_header(memoryview(obj)[: codecs.HEADER_BYTES],
-                            codecs.ChunkHeader(m.chunk, m.nbytes, m.nbytes, codecs.RAW, 1, self.algo))
-        obj[codecs.HEADER_BYTES :] = raw
-        self.disk.put(chunk_key(m.chunk), obj, sync_name=False)
+        self.cache.repo.put_chunk(self.tier, m.chunk, codecs.chunk_object(raw, m.chunk, self.algo))
         with self._lock:
             self._written.append(m.chunk)
 
     def finish(self) -> None:
         """Make the landed chunks' names durable, then write the part manifests that name them."""
         repo = self.cache.repo
-        repo.stored(self.tier, self._written)
         repo.sync_chunks(self.tier, self._written)
-        for key, data in self._parts:
-            self.disk.put(key, data)
+        for part in self._parts:
+            repo.put_part(self.tier, part)
 
 
 __all__ = ["PART", "PeerFiles"]

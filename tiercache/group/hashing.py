@@ -35,7 +35,7 @@ from tiercache.errors import GroupSaveError
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat
 from tiercache.group.collective import Channel, Decision
-from tiercache.group.status import Status
+from tiercache.group.phase_status import Status
 from tiercache.layout import Layout
 
 

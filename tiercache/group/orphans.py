@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tiercache.errors import TierCacheError
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
-from tiercache.group.status import Status
+from tiercache.group.phase_status import Status
 from tiercache.manifest import Version
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from tiercache.errors import AgentUnavailableError, GroupSaveError, IntegrityErr
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.copies import PART, PeerFiles
+from tiercache.group.phase_status import Status
 from tiercache.group.round import Round
-from tiercache.group.status import Status
 from tiercache.group.topology import Topology
 from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
 

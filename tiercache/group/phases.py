@@ -40,8 +40,8 @@ from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.hashing import trade
 from tiercache.group.owners import plan_parts
+from tiercache.group.phase_status import Status
 from tiercache.group.round import Round
-from tiercache.group.status import Status
 from tiercache.manifest import Version
 from tiercache.parts import group_header, part_of
 

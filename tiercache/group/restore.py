@@ -50,7 +50,7 @@ from tiercache.errors import (
 from tiercache.failpoints import failpoint
 from tiercache.group.collective import Channel, Decision
 from tiercache.group.orphans import adopt_orphans
-from tiercache.group.status import Status
+from tiercache.group.phase_status import Status
 from tiercache.group.transfer import Move, Slot, run_moves, schedule, shares
 from tiercache.manifest import Version
 from tiercache.names import chunk_key, part_key

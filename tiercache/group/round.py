@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError, SkippedError, TierCacheError
-from tiercache.group.status import Status
+from tiercache.group.phase_status import Status
 from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle
 from tiercache.manifest import NodePart, RefRecord, TierOutcome, Version
 from tiercache.parts import part_of

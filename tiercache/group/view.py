@@ -50,9 +50,9 @@ from tiercache.format import Flat, flatten
 from tiercache.group.collective import Blame, Collective, Decision
 from tiercache.group.hashing import SharedHashing, declared_chunks, signature
 from tiercache.group.peers import Replicator
+from tiercache.group.phase_status import Status
 from tiercache.group.phases import Phases
 from tiercache.group.round import Round
-from tiercache.group.status import Status
 from tiercache.group.topology import Topology, choose_peers
 from tiercache.handle import SaveHandle
 from tiercache.layout import PAGE, round_up

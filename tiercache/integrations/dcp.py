@@ -173,7 +173,7 @@ def put_blobs(
             view[hdr + p.chunk_offset : hdr + p.chunk_offset + p.nbytes].copy_(src)
         mv = memoryview(buf)
         cid = codecs.content_id(mv[hdr:], cfg.hash)
-        codecs.write_header(mv[:hdr], codecs.ChunkHeader(cid, chunk.nbytes, chunk.nbytes, "raw/1", 1, cfg.hash))
+        codecs.seal_chunk(mv, cid, cfg.hash)
         objects[cid] = buf
         ids.append(cid)
     written = [cache.repo.store(owner, name, objects) for name in tiers]

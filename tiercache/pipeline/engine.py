@@ -62,7 +62,7 @@ from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo
 from tiercache.repo.health import is_outage
 from tiercache.saver import ObjectReader, absent_levels
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import Tier, early_writer
 from tiercache.tiers.ram import Arena, RamTier, Region
 
 if TYPE_CHECKING:
@@ -535,7 +535,7 @@ class Engine:
         only those that changed between the last two versions: a chunk that turns out to be
         stored already was written for nothing.
         """
-        if not (self.early_writes and tier.early_writes and codec == codecs.RAW and job.committer is None):
+        if not (self.early_writes and early_writer(tier) is not None and codec == codecs.RAW and job.committer is None):
             return [False] * len(job.ready)
         changed = self.hasher.changed(job.layout)
         return changed if changed is not None else [True] * len(job.ready)

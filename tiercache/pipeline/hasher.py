@@ -110,8 +110,7 @@ class Hasher:
         """Write chunk ``i``'s header (its id ``cid``) in place and hand its region to the RAM tier."""
         c = job.layout.chunks[i]
         hdr = codecs.HEADER_BYTES
-        codecs.write_header(buf[:hdr], codecs.ChunkHeader(cid, c.nbytes, c.nbytes, codecs.RAW, c.itemsize,
-                                                          self.config.hash))
+        codecs.seal_chunk(buf[: hdr + c.nbytes], cid, self.config.hash, itemsize=c.itemsize)
         key = chunk_key(cid)
         with self.jobs.lock:
             # (An early write still reading this copy retained it: it goes back after.)

@@ -36,8 +36,7 @@ from tiercache.manifest import RefRecord
 from tiercache.names import CHUNKS, chunk_key
 from tiercache.pipeline.job import Job
 from tiercache.policy.base import COMMIT_REQUESTS, TierPlan
-from tiercache.tiers.base import Tier
-from tiercache.tiers.disk import PendingPut
+from tiercache.tiers.base import PendingWrite, Tier, early_writer
 from tiercache.tiers.ram import Region
 
 if TYPE_CHECKING:
@@ -65,6 +64,7 @@ class TierWriter:
         self.engine = engine
         self.name = name
         self.tier = tier
+        self._early = early_writer(tier)  # once: the protocol check costs ~10 us, more than the flag
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"tiercache-{name}",
                                       initializer=lower_thread_priority, initargs=(nice,))
@@ -266,17 +266,19 @@ class TierWriter:
             arena.retain(region)
             return region
 
-    def _write_payload(self, job: Job, i: int, region: Region) -> tuple[PendingPut, float, float]:
+    def _write_payload(self, job: Job, i: int, region: Region) -> tuple[PendingWrite, float, float]:
         """Write chunk ``i``'s payload from its lent region to a tmp file, before it is hashed.
 
         Returns the pending object and the write's start and duration.
         """
         arena = self.engine.ramcache.arena
         assert arena is not None
+        early = self._early
+        assert early is not None, "Engine.early_hint writes early only to a tier that can"
         hdr = codecs.HEADER_BYTES
         n = job.layout.chunks[i].nbytes
         t0 = time.perf_counter()
-        pending = self.tier.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_name=False)  # type: ignore[attr-defined]
+        pending = early.begin_put(hdr + n, CHUNKS.rstrip("/"), sync_name=False)
         try:
             pending.write(hdr, arena.buffer(region)[hdr : hdr + n])
         except BaseException:
@@ -285,7 +287,7 @@ class TierWriter:
         return pending, t0, time.perf_counter() - t0
 
     def _finish_early(
-        self, job: Job, i: int, region: Region, payload: Future[tuple[PendingPut, float, float]], written: set[str],
+        self, job: Job, i: int, region: Region, payload: Future[tuple[PendingWrite, float, float]], written: set[str],
     ) -> tuple[int, float, float]:
         """Name chunk ``i`` once hashed: write its header and commit it, then give its region back.
 
@@ -341,11 +343,8 @@ class TierWriter:
         self.engine.meter.record_codec(codec, hdr.raw_len, len(payload), time.perf_counter() - t0)
         if len(payload) >= hdr.raw_len:
             return bytes(view)  # incompressible: storing it raw is smaller and faster to read
-        out = bytearray(codecs.HEADER_BYTES + len(payload))
-        codecs.write_header(memoryview(out)[: codecs.HEADER_BYTES], codecs.ChunkHeader(
-            hdr.chunk_id, hdr.raw_len, len(payload), codec, hdr.itemsize, hdr.hash_algo))
-        out[codecs.HEADER_BYTES :] = payload
-        return bytes(out)
+        return bytes(codecs.chunk_object(payload, hdr.chunk_id, hdr.hash_algo, codec=codec, raw_len=hdr.raw_len,
+                                         itemsize=hdr.itemsize))
 
 
 def _busy_seconds(spans: list[tuple[int, float, float]]) -> float:

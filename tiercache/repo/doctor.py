@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError, InvalidArgumentError, StorageError
+from tiercache.tiers.base import MultipartAdmin
 
 if TYPE_CHECKING:
     from tiercache.repo.repository import Repo
@@ -122,18 +123,18 @@ def doctor(repo: Repo, *, abort_stale: float | None = None, unsafe: bool = False
             trusted (more than 5 minutes off this clock); nothing is aborted.
     """
     s3 = repo.durable.get("s3")
-    if s3 is None or repo.config.s3 is None:
+    if not isinstance(s3, MultipartAdmin) or repo.config.s3 is None:
         raise ConfigError("doctor checks the S3 tier and this cache has none: add an [s3] table to the config")
     if abort_stale is not None and abort_stale < 0:
         raise InvalidArgumentError(f"--abort-stale must be >= 0 seconds, got {abort_stale}")
     if probe:
-        found: dict[str, bool] = dict(s3.probe_conditional_writes())  # type: ignore[attr-defined]
+        found: dict[str, bool] = dict(s3.probe_conditional_writes())
         probed_at: datetime | None = datetime.now(UTC)
     else:
         recorded = repo.recorded_probe("s3")
         found, probed_at = recorded if recorded is not None else ({}, None)
     if abort_stale is not None:
-        skew = s3.upload_clock_skew()  # type: ignore[attr-defined]
+        skew = s3.upload_clock_skew()
         if abs(skew) > MAX_CLOCK_SKEW_S:
             raise StorageError(
                 f"refusing to abort uploads by age: the store reports upload start times {skew:+.0f} s off this "
@@ -142,11 +143,11 @@ def doctor(repo: Repo, *, abort_stale: float | None = None, unsafe: bool = False
             )
     now = datetime.now(UTC)
     uploads = []
-    for key, upload_id, initiated in s3.list_multipart_uploads():  # type: ignore[attr-defined]
+    for key, upload_id, initiated in s3.list_multipart_uploads():
         age = (now - initiated).total_seconds()
         aborted = abort_stale is not None and age >= abort_stale
         if aborted:
-            s3.abort_multipart_upload(key, upload_id)  # type: ignore[attr-defined]
+            s3.abort_multipart_upload(key, upload_id)
             log.info("doctor: aborted multipart upload %s of %s (%.0f s old)", upload_id, key, age)
         uploads.append(Upload(key, upload_id, age, aborted))
     return DoctorReport(found, probed_at, repo.config.s3.allow_unsafe_refs or unsafe, tuple(uploads))

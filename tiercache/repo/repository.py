@@ -235,14 +235,22 @@ class Repo:
 
     def store(self, owner: str, tier: str, objects: Mapping[str, Buffer]) -> list[str]:
         """Put the chunk objects ``tier`` lacks (names unsynced; commit syncs them); return their ids."""
-        t = self._require(tier)
+        self._require(tier)
         missing = self.claim(owner, tier, objects)
         written = []
         for cid in sorted(missing):
-            t.put(chunk_key(cid), objects[cid], sync_name=False)
+            self.put_chunk(tier, cid, objects[cid])
             written.append(cid)
-            self.stored(tier, [cid])
         return written
+
+    def put_chunk(self, tier: str, chunk_id: str, obj: Buffer) -> None:
+        """Put one chunk object on ``tier`` and note it there (its name unsynced: :meth:`sync_chunks`).
+
+        For a chunk whose version is protected otherwise (a peer copy of a version the group is
+        committing); a version's own writes lease theirs first (:meth:`store`, :meth:`claim`).
+        """
+        self._all[tier].put(chunk_key(chunk_id), obj, sync_name=False)
+        self.stored(tier, [chunk_id])
 
     def copy_version(self, version: Version, to: str, read: ObjectReader,
                      progress: Callable[[int], None] | None = None, ref: RefRecord | None = None) -> int:

@@ -34,11 +34,12 @@ Semantics every implementation must honour (checked by ``tests/tier_conformance.
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 if TYPE_CHECKING:
     from tiercache.tiers._s3pacing import Pacer
@@ -72,10 +73,12 @@ class Tier(ABC):
     #: Whether a put with ``sync_name=False`` needs :meth:`sync_names` before its name is durable
     #: (a directory-based tier); the repo then also syncs, once, names it found but did not write.
     names_need_sync: bool = False
-    #: Whether a chunk's payload can be written before its name (hash) is known (``begin_put``):
-    #: the engine then starts writing while the rest of the state is still being copied.
+    #: Whether a chunk's payload can be written before its name (hash) is known (the tier is an
+    #: :class:`EarlyWriter`): the engine then starts writing while the rest of the state is still
+    #: being copied. Reach ``begin_put`` through :func:`early_writer`.
     early_writes: bool = False
-    #: Whether reads may borrow the stored bytes in place (``borrow``) instead of copying them out.
+    #: Whether reads may borrow the stored bytes in place (the tier is a :class:`Lender`) instead
+    #: of copying them out. Reach ``borrow`` through :func:`lender`.
     lends: bool = False
     #: Threads the engine writes this tier's chunks with (``None``: the config's ``io_threads``).
     write_threads: int | None = None
@@ -206,3 +209,82 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections, file descriptors and memory; the tier is unusable afterwards."""
+
+
+# Optional capabilities. A tier that sets one of the flags above also implements the protocol it
+# names; callers reach the extra methods through the narrowing functions below, which check both,
+# so a tier that declares a flag without the method is treated as not having the capability.
+
+
+class PendingWrite(Protocol):
+    """One object being written whose key is chosen when it is committed (see :class:`EarlyWriter`)."""
+
+    def write(self, offset: int, src: Buffer) -> None:
+        """Write ``src`` at byte ``offset`` of the object."""
+
+    def commit(self, key: str) -> None:
+        """Make the object durable under ``key``."""
+
+    def abort(self) -> None:
+        """Drop the object and what it reserved; a no-op once committed, so it may always be called."""
+
+
+@runtime_checkable
+class EarlyWriter(Protocol):
+    """A tier that can write an object before its key is known (``Tier.early_writes``)."""
+
+    def begin_put(self, nbytes: int, under: str, *, sync_name: bool = True) -> PendingWrite:
+        """Start writing an object of ``nbytes`` bytes under key prefix ``under``, named at commit."""
+
+
+@runtime_checkable
+class Lender(Protocol):
+    """A tier that lends its stored bytes in place instead of copying them out (``Tier.lends``)."""
+
+    def borrow(self, key: str) -> AbstractContextManager[memoryview | None]:
+        """A read-only view of the object at ``key`` for the block (``None`` if there is none)."""
+
+
+@runtime_checkable
+class MultipartAdmin(Protocol):
+    """A tier on an S3 store: the checks and the clean-up ``tiercache doctor`` runs there."""
+
+    def probe_conditional_writes(self) -> dict[str, bool]:
+        """Which conditional writes the store honours, found by trying each on scratch keys."""
+
+    def upload_clock_skew(self) -> float:
+        """Seconds the store's upload start times are off this clock."""
+
+    def list_multipart_uploads(self) -> list[tuple[str, str, datetime]]:
+        """``(key, upload id, initiated)`` of every multipart upload left open under the prefix."""
+
+    def abort_multipart_upload(self, key: str, upload_id: str) -> None:
+        """Abort one open multipart upload."""
+
+
+@functools.cache
+def _implements(cls: type, capability: type) -> bool:
+    """Whether tier class ``cls`` has the methods of ``capability``, checked once per class.
+
+    ``isinstance`` against a protocol looks every method up on each call (tens of microseconds),
+    and :func:`lender` runs once per chunk a restore reads.
+    """
+    return issubclass(cls, capability)
+
+
+def _is_early_writer(tier: Tier) -> TypeGuard[EarlyWriter]:
+    return tier.early_writes and _implements(type(tier), EarlyWriter)
+
+
+def _is_lender(tier: Tier) -> TypeGuard[Lender]:
+    return tier.lends and _implements(type(tier), Lender)
+
+
+def early_writer(tier: Tier) -> EarlyWriter | None:
+    """``tier`` as an :class:`EarlyWriter` if it declares ``early_writes`` and implements it, else ``None``."""
+    return tier if _is_early_writer(tier) else None
+
+
+def lender(tier: Tier) -> Lender | None:
+    """``tier`` as a :class:`Lender` if it declares ``lends`` and implements it, else ``None``."""
+    return tier if _is_lender(tier) else None

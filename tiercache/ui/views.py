@@ -21,9 +21,8 @@ from typing import Any
 
 from tiercache.advisor import PlanInputs, plan
 from tiercache.errors import InvalidArgumentError
-from tiercache.handle import TIER_LEVEL
+from tiercache.handle import LEVELS, TIER_LEVEL
 from tiercache.manifest import RefMove, Version, VersionInfo, left_behind
-from tiercache.status import ALL_LEVELS
 
 #: How many versions the lineage and residency views list (newest first).
 MAX_VERSIONS = 200
@@ -255,7 +254,7 @@ def lag(cap: Capture) -> dict[str, Any]:
     from: its head and the head's ancestors (a version rolled back past is no resume point).
     """
     status = cap.status or {}
-    levels = [lvl for lvl in ALL_LEVELS if lvl in {*(status.get("levels") or []), *cap.levels}]
+    levels = [lvl for lvl in LEVELS if lvl in {*(status.get("levels") or []), *cap.levels}]
     by_id = {v.id: v for v in cap.versions}
     heads = {k.partition("/")[2]: vid for k, vid in cap.refs.items() if k.startswith("branch/")}
     listed = _newest_held([v for v in cap.versions if v.branch not in heads

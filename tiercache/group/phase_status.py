@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tiercache import errors
-from tiercache.errors import GroupSaveError, SkippedError, TierCacheError
+from tiercache.errors import GroupSaveError, SkippedError, TierCacheError, error_parts, rebuild_error
 
 Kind = Literal["ok", "skip", "error"]
 #: ``json.dumps`` with these separators builds an encoder per call; the coordinator encodes one
@@ -54,7 +53,8 @@ class Status:
         """The status a rank sends for a phase whose local work ended with ``err``."""
         if isinstance(err, SkippedError):
             return cls("skip", message=str(err))
-        return cls("error", error=type(err).__name__, message=str(err))
+        name, message = error_parts(err)
+        return cls("error", error=name, message=message)
 
     def failed(self, message: str, **extra: Any) -> Status:
         """This failure (``skip`` or ``error``) with ``message`` in place of its own."""
@@ -73,13 +73,7 @@ class Status:
             return SkippedError(self.message)
         if wrap and self.error != "GroupBrokenError":
             return GroupSaveError(self.message)
-        cls = getattr(errors, self.error, None)
-        if isinstance(cls, type) and issubclass(cls, TierCacheError):
-            try:
-                return cls(self.message)
-            except TypeError:  # an error class with required keyword attributes
-                pass
-        return GroupSaveError(self.message if cls is GroupSaveError else f"{self.error}: {self.message}")
+        return rebuild_error(self.error, self.message, fallback=GroupSaveError)
 
     def encode(self) -> bytes:
         """Serialize (JSON: nothing a rank receives is ever unpickled)."""
