@@ -22,7 +22,7 @@ def test_control_plane_in_one_process_commits_every_version_and_a_rank_traffic_i
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     part = results["per_rank"]
     assert part["chunks"] == 1  # 300 leaves of 16 KiB pack into one 64 MiB chunk
-    assert part["part_bytes"] > 30_000
+    assert part["part_bytes"] > 15_000  # the part names its 300 leaves (their table is columnar)
     rows = {(r["world"], r["layout"]): r for r in results["rows"]}
     assert set(rows) == {(16, "fsdp"), (16, "ddp"), (32, "fsdp"), (32, "ddp")}
     for (world, layout), r in rows.items():
