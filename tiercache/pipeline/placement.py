@@ -231,6 +231,7 @@ class Placement:
             if not self.engine.health.available(name):
                 job.skipped_down.add(name)
             finished = not job.pending
+            jobs.changed()
         log.info("version %s skipped for %s: %s", job.version_id, name, reason)
         if job.committer is not None:
             # The group settles a multi-rank version tier by tier, and waits for each rank's level
