@@ -118,10 +118,9 @@ def test_a_full_filesystem_is_reported_full_by_stats_the_ui_and_doctor(
         report = cache.doctor()
         assert not report.ok and list(report.full) == ["disk"]
         assert any(p.startswith("disk has no room for the next version (") for p in report.problems)
-    doctor = runner.invoke(app, ["--config", str(config), "doctor"])
-    assert doctor.exit_code == 1 and "disk has no room for the next version" in doctor.output
-    # Room again: full no more, and the version is where it was.
-    filler.unlink()
-    with tiercache.open(cfg) as cache:
+        doctor = runner.invoke(app, ["--config", str(config), "doctor"])
+        assert doctor.exit_code == 1 and "disk has no room for the next version" in doctor.output
+        # Room again: full no more, and the version is where it was.
+        filler.unlink()
         assert cache.stats()["tiers"]["disk"]["state"] == "available"
         assert torch.equal(cache.restore(vid)["w"], _state(0)["w"])

@@ -910,8 +910,8 @@ class TierCache:
         except TierCacheError:
             return {"full": None, "free_bytes": None, "reclaimable_bytes": None, "next_version_bytes": None,
                     "state": "unavailable"}
-        engine = self._engine
-        out["full"] = out["full"] or (engine is not None and name in engine.placement.full)
+        placement = getattr(self._engine, "placement", None)  # a node agent's is in the agent
+        out["full"] = out["full"] or (placement is not None and name in placement.full)
         out["state"] = "full" if out["full"] else "available"
         return out
 

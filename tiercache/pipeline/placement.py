@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiercache.pipeline.placement")
 
+#: More than a version's manifest takes on a tier, with 1 KiB per tensor on top (checked before
+#: its size is known, see make_room).
+_MANIFEST_BOUND = 4 << 20
+
 
 class Placement:
     """The policy-facing part of the engine (see the module docstring).
@@ -264,7 +268,15 @@ class Placement:
         """
         eng = self.engine
         tier = eng.repo.durable[name]
-        if tier.budget() is None:  # no capacity, and not on a filesystem that may fill
+        budget = tier.budget()
+        if budget is None:  # no capacity, and not on a filesystem that may fill
+            return True
+        # Room for every chunk of it, stored whole, and a generous manifest: no need to wait for
+        # its hashes (a disk writes chunks before they are hashed, see TierWriter).
+        whole = (sum(c.nbytes + codecs.HEADER_BYTES for c in job.layout.chunks) + _MANIFEST_BOUND
+                 + 1024 * len(job.flat.metas))
+        if tier.used_bytes() + whole <= budget:
+            self.room_back(name)
             return True
         # Only chunks the tier lacks need room (dedup), so wait for the ids; hashing is quick.
         manifest = job.published.result()

@@ -191,7 +191,7 @@ class TierWriter:
             return None
         with eng.jobs.lock:
             local = [n for n in job.pending if n != self.name and TIER_LEVEL.get(n) == "local"]
-        mine, theirs = eng.meter.rate(self.name, "write"), None
+        mine = eng.meter.rate(self.name, "write")
         for n in local:
             theirs = eng.meter.rate(n, "write")
             if mine is not None and theirs is not None and theirs < mine:
