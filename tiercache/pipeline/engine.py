@@ -479,8 +479,10 @@ class Engine:
         with self.jobs.lock:
             for job in self.jobs.snapshot():
                 if not job.ram_released:
-                    local = {n for n in job.pending if TIER_LEVEL.get(n) == "local"}
-                    names |= local or job.pending
+                    # Not placed yet (still hashing): it goes to the durable tiers.
+                    pending = set(job.pending) if job.order else set(self.repo.durable)
+                    local = {n for n in pending if TIER_LEVEL.get(n) == "local"}
+                    names |= local or pending
         return "/".join(sorted(names))
 
     def _say_waiting(self, staged_bytes: int) -> None:
