@@ -3,8 +3,9 @@
 The S3 tier talks to the real local S3 server through :class:`ThrottledProxy` (a few MB/s).
 With ``throughput-adaptive`` the arena never fills (the trainer never waits for RAM), the disk
 gets every version, S3 gets the newest one each time the link frees up, and, once the proxy's
-limit is lifted, every version again. With ``write-through`` the same link builds a backlog that
-fills the arena and blocks the trainer. Everything asserted is data recorded by the test: which
+limit is lifted, every version again. With ``write-through`` the same link builds a backlog, which
+S3 reads back from the disk: the arena holds each version only until the disk has it, so the
+trainer does not wait for it either (issue 45). Everything asserted is data recorded by the test: which
 versions the S3 bucket holds, manifests' parents, futures' outcomes, the contexts the policy
 was shown, and save/remote-completion timestamps (compared with the configured bound only).
 """
@@ -46,11 +47,13 @@ class _Recorder:
         self.on_full_calls = 0
         self.ram: list[tuple[int, int | None]] = []
         self.s3_depth_when_full: list[int] = []
+        self.s3_depth: list[int] = []
 
     def saw(self, ctx: PolicyContext) -> None:
         ram = ctx.tiers["ram"]
         with self.lock:
             self.ram.append((ram.used_bytes, ram.capacity))
+            self.s3_depth.append(ctx.tiers["s3"].queue_depth)
 
     def full(self, ctx: PolicyContext) -> None:
         with self.lock:
@@ -220,7 +223,7 @@ def test_adaptive_coalesces_on_a_slow_link_and_uploads_everything_once_it_is_fas
     assert run.max_remote_lag(until=done) <= BOUND_S
 
 
-def test_write_through_on_the_same_link_builds_the_backlog_adaptive_avoids(
+def test_write_through_on_the_same_link_builds_a_backlog_that_s3_reads_back_from_the_disk(
     tmp_path: Path, s3_server: Any, s3_config: S3Config, proxy: ThrottledProxy
 ) -> None:
     cfg = _config(tmp_path, s3_config, proxy, "RecordingWriteThrough")
@@ -235,9 +238,10 @@ def test_write_through_on_the_same_link_builds_the_backlog_adaptive_avoids(
     # Every version went to S3 in order...
     assert set(in_bucket) == set(run.ids())
     assert all(h.future("remote").exception() is None for h in run.handles)
-    # ...so the S3 queue grew until the arena was full and save() had to wait for it.
-    assert rec.on_full_calls >= 1
-    assert max(rec.s3_depth_when_full) >= 3
+    # ...so the S3 queue grew; but RAM held each version only until the disk had it (S3 read
+    # the backlog back from there), so the arena never filled and save() never waited.
+    assert max(rec.s3_depth) >= 3
+    assert rec.on_full_calls == 0
     assert all(used <= cap for used, cap in run.arena_used)
 
 

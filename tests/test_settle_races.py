@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -123,6 +124,14 @@ def _holding(*holds: Hold) -> Iterator[Claims]:
         yield claims
 
 
+def _until(check: Callable[[], bool]) -> None:
+    """Wait until ``check()`` holds (a liveness bound of ``HOLD_S``, never reached when the test passes)."""
+    deadline = time.monotonic() + HOLD_S
+    while not check():
+        assert time.monotonic() < deadline, "the awaited state was never reached"
+        time.sleep(0.01)
+
+
 def _state(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(4096, generator=g), "step": step}  # one chunk per version
@@ -207,8 +216,14 @@ def test_a_version_sent_to_a_tier_after_all_is_written_there_once(
             y = cache.save(_state(2), step=2)
             x_fallback.wait()  # X reached no durable tier: S3 takes it after all
             p_on_s3.go()  # the S3 writer goes on: P, then X (its queue still holds it), then Y
-            claims.wait_for("s3", "tiercache-writer-s3", 2)  # its next claim: X's, or Y's if X is left out
+            # It passes X and takes Y, which it reads back from the disk once the disk has it (Y's
+            # disk commit waits for its parent X's outcome, so for the held fallback: its claim
+            # comes after).
+            y_job = cache.engine.jobs.get(y.version)
+            assert y_job is not None
+            _until(lambda: "s3" in y_job.writing)
             x_fallback.go()
+            claims.wait_for("s3", "tiercache-writer-s3", 2)  # its next claim: Y's (X is left out)
             assert x.wait("remote", timeout=HOLD_S) == x.version
             assert y.wait("remote", timeout=HOLD_S) == y.version
             cache.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ def _cli(cfg: Path, *args: str) -> Result:
 
 
 def _stored(root: Path) -> int:
-    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs", "stats") for p in (root / sub).rglob("*")
+    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs", "stats", "index") for p in (root / sub).rglob("*")
                if p.is_file() and not p.name.startswith("."))
 
 
@@ -47,8 +48,12 @@ def test_stats_in_process_counts_what_was_written(tmp_path: Path) -> None:
         # Two observations: the chunks' bulk write, then the commit (manifest and ref).
         assert write["total_bytes"] == chunks + manifests and write["transfers"] == 2 and write["bps"] > 0
         assert write["latency_s"] >= 0 and write["bandwidth_bps"] > 0
-        assert stats["tiers"]["disk"] == {"capacity": None, "used_bytes": _stored(tmp_path), "available": True,
-                                          "unavailable": None}
+        disk = stats["tiers"]["disk"]
+        free = disk.pop("free_bytes")  # the filesystem's free space (less a reserve), as the tier's room
+        assert disk == {"capacity": None, "used_bytes": _stored(tmp_path), "available": True, "unavailable": None,
+                        "full": False, "state": "available", "reclaimable_bytes": 0,
+                        "next_version_bytes": 1 << 18}
+        assert 0 < free <= os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
         assert stats["errors"] == {"lost_versions": 0, "recent": []}
 
 
@@ -57,11 +62,16 @@ def test_stats_table_and_json(setup: tuple[Path, Path, list[str]]) -> None:
     table = _cli(cfg, "stats")
     assert table.exit_code == 0, table.output
     header, row = table.output.splitlines()[:2]
-    assert header.split() == ["tier", "used", "capacity", "read", "write"]
-    assert row.split()[0] == "disk"
+    assert header.split() == ["tier", "state", "used", "capacity", "free", "read", "write"]
+    assert row.split()[:2] == ["disk", "available"]
     data = json.loads(_cli(cfg, "stats", "--json").stdout)
-    assert data["tiers"] == {"disk": {"capacity": None, "used_bytes": _stored(root), "available": True,
-                                      "unavailable": None}}
+    assert set(data["tiers"]) == {"disk"}
+    disk = data["tiers"]["disk"]
+    assert disk["free_bytes"] > 0
+    # The older version is not evictable: no other durable tier holds it (the keep rule).
+    assert {k: v for k, v in disk.items() if k != "free_bytes"} == {
+        "capacity": None, "used_bytes": _stored(root), "available": True, "unavailable": None, "full": False,
+        "state": "available", "reclaimable_bytes": 0, "next_version_bytes": 3 * 16 * 1024 * 4}
     assert set(data["meter"]) == {"half_life", "tiers", "codecs", "history"}
     # A fresh process shows the speed the saving process measured (left in stats/meter.json).
     assert data["meter"]["tiers"]["disk"]["write"]["bps"] > 0

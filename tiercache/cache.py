@@ -942,6 +942,8 @@ class TierCache:
                 "capacity": t.capacity, "used_bytes": t.used_bytes() if outage is None else None,
                 "available": outage is None, "unavailable": outage.reason if outage else None,
             }
+            if name in self.repo.durable:
+                tiers[name].update(self._room(name, outage is None))
         engine = self._engine
         errors = {"lost_versions": engine.errors_total if engine else 0,
                   "recent": list(engine.recent_errors) if engine else []}
@@ -951,6 +953,26 @@ class TierCache:
                 agent = out["agent"] = self._link.request("stats")
                 out["meter"] = agent.pop("meter")  # the agent does the writes: its figures are the cache's
                 errors["lost_versions"] += agent["lost_versions"]
+        return out
+
+    def _room(self, name: str, up: bool) -> dict[str, Any]:
+        """A durable tier's room for the next version, for :meth:`stats` (see :mod:`tiercache.repo.room`).
+
+        ``state`` is ``"full"`` when the next version does not fit even after eviction, or new
+        versions of this process skip the tier for lack of room; else ``"available"`` or
+        ``"unavailable"`` (down: what it holds is unknown).
+        """
+        if not up:
+            return {"full": None, "free_bytes": None, "reclaimable_bytes": None, "next_version_bytes": None,
+                    "state": "unavailable"}
+        try:
+            out = repo_ops.room(self.repo, name).to_json()
+        except TierCacheError:
+            return {"full": None, "free_bytes": None, "reclaimable_bytes": None, "next_version_bytes": None,
+                    "state": "unavailable"}
+        placement = getattr(self._engine, "placement", None)  # a node agent's is in the agent
+        out["full"] = out["full"] or (placement is not None and name in placement.full)
+        out["state"] = "full" if out["full"] else "available"
         return out
 
     def status(self) -> dict[str, Any] | None:

@@ -927,12 +927,13 @@ def doctor(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Report on the S3 endpoint: conditional writes, read-after-write, stale uploads.
+    """Report on the S3 endpoint (conditional writes, read-after-write, stale uploads) and full tiers.
 
     Writes nothing: it shows the conditional-write probe a saving process recorded before its
     first ref write (--probe runs one now on a scratch key) and lists unfinished multipart
     uploads (--abort-stale AGE aborts those older than AGE seconds, once it has checked that the
-    store reports real upload start times). Exit 1 if remote ref commits would be refused.
+    store reports real upload start times). Exit 1 if remote ref commits would be refused, or a
+    durable tier has no room for the next version even after eviction.
     --reindex first rebuilds every tier's index (what ls and restore read instead of every
     manifest) from the manifests, on any cache; without an S3 tier it does only that.
     """
@@ -959,7 +960,8 @@ def doctor(
             typer.echo(f"multipart upload {u.upload_id} of {u.key}: {u.age:.0f} s old, {state}")
         for problem in report.problems:
             typer.echo(f"problem: {problem}")
-        typer.echo("doctor: OK" if report.ok else "doctor: remote ref commits are refused on this store")
+        typer.echo("doctor: OK" if report.ok else "doctor: remote ref commits are refused on this store"
+                   if not report.refs_ok else f"doctor: {'/'.join(report.full)} full: new versions skip it")
     if not report.ok:
         raise typer.Exit(1)
 
@@ -974,9 +976,11 @@ def stats(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Show observed throughput and capacity per tier.
+    """Show observed throughput, capacity and room per tier.
 
-    Read and write speeds the meter observed per tier, codec ratios, and used bytes and capacity.
+    Read and write speeds the meter observed per tier, codec ratios, used bytes, capacity, the
+    room left (a filesystem's free space counts) and each tier's state: "full" when the next
+    version does not fit even after eviction.
     """
     with _session(ctx) as cache:
         data = cache.stats()
@@ -985,14 +989,15 @@ def stats(
         return
     observed = data["meter"]["tiers"]
     table = _table()
-    for name in ("tier", "used", "capacity", "read", "write"):
-        table.add_column(name, justify="left" if name == "tier" else "right", no_wrap=True)
+    for name in ("tier", "state", "used", "capacity", "free", "read", "write"):
+        table.add_column(name, justify="left" if name in ("tier", "state") else "right", no_wrap=True)
     for name, usage in data["tiers"].items():
-        cap = usage["capacity"]
+        cap, free = usage["capacity"], usage.get("free_bytes")
         seen = observed.get(name, {})
         used = "unavailable" if usage["used_bytes"] is None else human_bytes(usage["used_bytes"])
-        table.add_row(name, used, "-" if cap is None else human_bytes(cap),
-                      _rate(seen.get("read")), _rate(seen.get("write")))
+        state = usage.get("state") or ("available" if usage["available"] else "unavailable")
+        table.add_row(name, state, used, "-" if cap is None else human_bytes(cap), "-" if free is None else
+                      human_bytes(free), _rate(seen.get("read")), _rate(seen.get("write")))
     console = _console(highlight=False)
     console.print(table)
     if data["meter"]["codecs"]:

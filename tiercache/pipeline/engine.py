@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiercache.pipeline.engine")
 
+#: Seconds between two WARNINGs that ``save()`` waits for room in the RAM arena.
+WAIT_WARNING_INTERVAL_S = 60.0
+
 
 def _lane(job: Job) -> int:
     """The lane (hashing thread and writers) of ``job``: its rank's, for a part of a multi-rank version."""
@@ -120,6 +123,7 @@ class Engine:
         self.recent_errors: deque[str] = deque(maxlen=16)
         self._saved = False
         self._closed = False
+        self._said_waiting = float("-inf")  # when save() last said it waits for room (see _say_waiting)
         #: Whether tiers that can write chunk payloads before their hash do so (off only in A/Bs).
         self.early_writes = True
         self.catchup = CatchUp(self)
@@ -445,9 +449,9 @@ class Engine:
             if ram.grow(staged_bytes):
                 return
             if not said:
-                log.warning("save() waits for the versions in flight to finish on every tier so that the RAM "
-                            "arena can grow from %d bytes for a version of %d bytes (once per growth; set "
-                            "ram.capacity to size it up front)", ram.capacity or 0, staged_bytes)
+                log.warning("save() waits for the versions in flight to reach %s so that the RAM arena can grow "
+                            "from %d bytes for a version of %d bytes (once per growth; set ram.capacity to size "
+                            "it up front)", self._holders() or "their tiers", ram.capacity or 0, staged_bytes)
                 said = True
             ram.wait_for_room(frees, timeout=1.0)
 
@@ -468,7 +472,43 @@ class Engine:
             if decision == "evict" and self.placement.cancel_oldest_pending():
                 continue
             # "wait": until a version in flight gives regions back.
+            self._say_waiting(layout.staged_bytes)
             ram.wait_for_room(frees)
+
+    def _holders(self) -> str:
+        """The tiers the versions holding the RAM arena wait for, as ``"disk"`` or ``"disk/s3"``.
+
+        A version holds the arena until a local durable tier has it (see :meth:`release_ram`),
+        or every tier it goes to if none does.
+        """
+        names: set[str] = set()
+        with self.jobs.lock:
+            for job in self.jobs.snapshot():
+                if not job.ram_released:
+                    # Not placed yet (still hashing): it goes to the durable tiers.
+                    pending = set(job.pending) if job.order else set(self.repo.durable)
+                    local = {n for n in pending if TIER_LEVEL.get(n) == "local"}
+                    names |= local or pending
+        return "/".join(sorted(names))
+
+    def _say_waiting(self, staged_bytes: int) -> None:
+        """Say at WARNING (at most once a minute) that ``save()`` waits for room, for which tier, and what helps."""
+        now = time.monotonic()
+        if now - self._said_waiting < WAIT_WARNING_INTERVAL_S:
+            return
+        self._said_waiting = now
+        holders = self._holders() or "their tiers"
+        cap = self.ramcache.capacity or 0
+        local = [n for n in self.repo.durable if TIER_LEVEL.get(n) == "local"]
+        if not local:
+            why = "; a [disk] tier would hold them sooner"
+        elif not set(local) & set(holders.split("/")):
+            why = f"; they skipped {'/'.join(local)} (full or down: `tiercache stats` says which)"
+        else:
+            why = ""
+        log.warning("save() waits for room in the RAM arena: the versions in flight hold it until %s has them%s; "
+                    "raise ram.capacity above %d bytes (room for %d versions of %d bytes) or save less often "
+                    "(said at most once a minute)", holders, why, cap, cap // max(staged_bytes, 1) + 1, staged_bytes)
 
     # ------------------------------------------------------------------ hashing and placement
 
@@ -589,6 +629,9 @@ class Engine:
         with self.jobs.lock:
             job.committed.add(name)
         lvl = TIER_LEVEL.get(name)
+        if lvl == "local":
+            # Before the level resolves: whoever sees ``local`` sees the arena given back.
+            self.release_ram(job)
         if lvl:
             job.futures[lvl].set_result(job.version_id)
         self._level(job, "durable").reach()  # the first tier to commit decides it
@@ -634,6 +677,7 @@ class Engine:
             job.pending.discard(name)
             job.writing.discard(name)
             finished = not job.pending
+            self.jobs.changed()
         if finished:
             self.settle(job)
 
@@ -775,7 +819,23 @@ class Engine:
     def _release(self, job: Job) -> None:
         self.repo.leases.close(job.version_id)
         self.jobs.remove(job)
-        self.ramcache.unpin(job.chunk_keys)
+        self.release_ram(job)
+
+    def release_ram(self, job: Job) -> None:
+        """Unpin ``job``'s chunks in the RAM arena (once): a local durable tier holds it, or it settled.
+
+        RAM holds a version only until its first durable tier has it (docs/design.md section 3):
+        a slower tier still writing it reads it back from that tier (see :meth:`TierWriter.source`),
+        so a slow S3 never keeps ``save()`` waiting for room while the disk keeps up. The
+        version stays open (:meth:`Leases.open`) until it settles, so no eviction drops the copy
+        being read back meanwhile.
+        """
+        with self.jobs.lock:
+            if job.ram_released:
+                return
+            job.ram_released = True
+            keys = list(job.chunk_keys)
+        self.ramcache.unpin(keys)
 
     # ------------------------------------------------------------------ queries
 

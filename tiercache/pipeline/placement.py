@@ -18,15 +18,20 @@ from typing import TYPE_CHECKING
 
 from tiercache import codecs
 from tiercache.dtypes import float_share
-from tiercache.errors import SkippedError
+from tiercache.errors import SkippedError, TierCacheError
 from tiercache.handle import TIER_LEVEL
 from tiercache.pipeline.job import Job
 from tiercache.policy.base import CodecView, Policy, PolicyContext, TierPlan, TierStats, VersionView
+from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tiercache.pipeline.engine import Engine
 
 log = logging.getLogger("tiercache.pipeline.placement")
+
+#: More than a version's manifest takes on a tier, with 1 KiB per tensor on top (checked before
+#: its size is known, see make_room).
+_MANIFEST_BOUND = 4 << 20
 
 
 class Placement:
@@ -70,11 +75,11 @@ class Placement:
         for n, t in tiers.items():
             # Only a tier with a budget is asked for its usage: no decision needs it otherwise, and
             # counting a bucket that has no budget could mean listing it.
-            used = t.used_bytes() if t.capacity is not None else 0
+            budget, used = self._usage(t)
             model = eng.meter.model(n, "write")
             outage = eng.health.outage(n)
             stats[n] = TierStats(
-                n, True, t.capacity, used, eng.meter.rate(n, "read"), model.bps if model else None,
+                n, True, budget, used, eng.meter.rate(n, "read"), model.bps if model else None,
                 len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote",
                 write_latency_s=model.latency_s if model else None,
                 available=outage is None, unavailable=outage.reason if outage else "",
@@ -86,6 +91,19 @@ class Placement:
         return PolicyContext(now=time.time(), tiers=stats, codecs=codec_views,
                              versions=self._version_views(jobs, job_pending),
                              pending={k: tuple(v) for k, v in pending.items()}, seconds_since_remote=since)
+
+    @staticmethod
+    def _usage(tier: Tier) -> tuple[int | None, int]:
+        """``tier``'s budget (see :meth:`Tier.budget`) and bytes used, or ``(capacity, 0)`` if it cannot tell now.
+
+        A disk whose root is gone fails its next write and is marked down then; a decision
+        about another tier must not fail meanwhile.
+        """
+        try:
+            budget = tier.budget()
+            return budget, tier.used_bytes() if budget is not None else 0
+        except TierCacheError:
+            return tier.capacity, 0
 
     def _version_views(self, jobs: list[Job], job_pending: dict[str, frozenset[str]]) -> tuple[VersionView, ...]:
         """Every known version as the policy sees it, oldest first, staged ones included."""
@@ -170,11 +188,10 @@ class Placement:
         for name in tiers:
             # A tier the policy bypassed for being full: its versions have no other copy (or
             # eviction would have made room), so catch-up drains the oldest of them onward.
-            cap = tiers[name].capacity
-            if name not in targets and cap is not None and name not in self._remote:
-                short = tiers[name].used_bytes() + job.nbytes - cap
-                if short > 0:
-                    self.tier_full(name, short)
+            if name not in targets and name not in self._remote:
+                cap, used = self._usage(tiers[name])
+                if cap is not None and used + job.nbytes > cap:
+                    self.tier_full(name, used + job.nbytes - cap)
         self.coalesce(job)
         return targets
 
@@ -233,6 +250,7 @@ class Placement:
             if not self.engine.health.available(name):
                 job.skipped_down.add(name)
             finished = not job.pending
+            jobs.changed()
         self.engine.skips.skipped(name, job.version_id, reason)
         if job.committer is not None:
             # The group settles a multi-rank version tier by tier, and waits for each rank's level
@@ -252,7 +270,15 @@ class Placement:
         """
         eng = self.engine
         tier = eng.repo.durable[name]
-        if tier.capacity is None:
+        budget = tier.budget()
+        if budget is None:  # no capacity, and not on a filesystem that may fill
+            return True
+        # Room for every chunk of it, stored whole, and a generous manifest: no need to wait for
+        # its hashes (a disk writes chunks before they are hashed, see TierWriter).
+        whole = (sum(c.nbytes + codecs.HEADER_BYTES for c in job.layout.chunks) + _MANIFEST_BOUND
+                 + 1024 * len(job.flat.metas))
+        if tier.used_bytes() + whole <= budget:
+            self.room_back(name)
             return True
         # Only chunks the tier lacks need room (dedup), so wait for the ids; hashing is quick.
         manifest = job.published.result()
@@ -263,12 +289,13 @@ class Placement:
         rule = getattr(self.policy, "retention_rule", None)
         pruned: list[str] = []
         try:
-            while tier.used_bytes() + need > tier.capacity:
+            # The budget is asked again each round: a full filesystem gains what eviction frees.
+            while tier.used_bytes() + need > (budget := tier.budget() or 0):
                 dropped = [vid for vid in self.policy.evict(name, self.context())
                            if eng.repo.evict(vid, name, by="policy", rule=rule) is not None]
                 pruned += [vid for vid in dropped if not eng.repo.committed_on(vid)]
                 if not dropped:
-                    self.tier_full(name, tier.used_bytes() + need - tier.capacity)
+                    self.tier_full(name, tier.used_bytes() + need - budget)
                     return False
         finally:
             if pruned:
@@ -298,8 +325,11 @@ class Placement:
             onward = (f"new versions skip it until catch-up has copied the oldest of them to {'/'.join(remotes)}"
                       if remotes else "new versions skip it (no other durable tier to copy them to): free room, "
                       "raise its capacity, or set a retention")
-            log.warning("%s is full of versions no other durable tier holds (capacity %d bytes): %s", name,
-                        eng.repo.durable[name].capacity or 0, onward)
+            tier = eng.repo.durable[name]
+            budget, _used = self._usage(tier)
+            limit = (f"capacity {tier.capacity} bytes" if tier.capacity is not None and tier.capacity == budget
+                     else f"its filesystem has room for {budget or 0} bytes of it")
+            log.warning("%s is full of versions no other durable tier holds (%s): %s", name, limit, onward)
         eng.catchup.drain(name, short)
 
     def room_back(self, name: str) -> None:

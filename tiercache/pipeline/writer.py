@@ -32,6 +32,7 @@ from tiercache.errors import (
     TierUnavailableError,
 )
 from tiercache.failpoints import failpoint
+from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import RefRecord
 from tiercache.names import CHUNKS, chunk_key
 from tiercache.pipeline.job import Job
@@ -134,7 +135,8 @@ class TierWriter:
                 eng.fail_tier(name, job, e, group=True)
                 return
         written: set[str] = set()
-        spans = self._put_chunks(job, plan.codec, mine, written)
+        source = self.source(job)
+        spans = self._put_chunks(job, plan.codec, mine, written, source)
         t_commit = time.perf_counter()
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
@@ -174,13 +176,41 @@ class TierWriter:
         else:
             eng.fail_tier(self.name, job, err, group=True)
 
+    def source(self, job: Job) -> str | None:
+        """The local durable tier this (remote) tier reads ``job`` back from, or ``None``: from RAM.
+
+        RAM holds a version only until its first durable tier has it (docs/design.md section
+        3): a remote tier waits for the version's outcome on a local tier being written at the
+        same time, unless the meter says that tier writes slower than this one, and then reads
+        the version back from it if it committed there (:meth:`Engine.release_ram` gave the
+        arena back meanwhile). A multi-rank version is not waited for (its commit on a local
+        tier waits for the whole group); a chunk gone from RAM is read back all the same.
+        """
+        eng = self.engine
+        if TIER_LEVEL.get(self.name) != "remote" or job.committer is not None:
+            return None
+        with eng.jobs.lock:
+            local = [n for n in job.pending if n != self.name and TIER_LEVEL.get(n) == "local"]
+        mine = eng.meter.rate(self.name, "write")
+        for n in local:
+            theirs = eng.meter.rate(n, "write")
+            if mine is not None and theirs is not None and theirs < mine:
+                return None  # a disk slower than the link: upload from RAM at once
+        if local:
+            eng.jobs.wait_for(lambda: not any(n in job.pending for n in local))
+        with eng.jobs.lock:
+            return next((n for n in job.order if n in job.committed and TIER_LEVEL.get(n) == "local"), None)
+
     def _put_chunks(
-        self, job: Job, codec: str, mine: Collection[str] | None, written: set[str]
+        self, job: Job, codec: str, mine: Collection[str] | None, written: set[str], source: str | None
     ) -> list[tuple[int, float, float]]:
-        """Write the chunks of ``job`` this tier lacks, each as soon as it is hashed (or earlier)."""
+        """Write the chunks of ``job`` this tier lacks, each as soon as it is hashed (or earlier).
+
+        ``source``: the durable tier to read them from (see :meth:`source`), else the RAM arena.
+        """
         eng = self.engine
         futs: list[Future[tuple[int, float, float]]] = []
-        hint = eng.early_hint(job, self.tier, codec)
+        hint = eng.early_hint(job, self.tier, codec) if source is None else [False] * len(job.ready)
         # Chunks written before they are hashed and not yet named: each holds an open tmp file.
         early: deque[Future[tuple[int, float, float]]] = deque()
         try:
@@ -197,7 +227,7 @@ class TierWriter:
                 cid = ready.result()  # raises the hashing error, failing this level
                 if (mine is not None and cid not in mine) or not self._claim(job, cid, written):
                     continue
-                futs.append(self._io.submit(self._put_chunk, chunk_key(cid), codec))
+                futs.append(self._io.submit(self._put_chunk, job, cid, codec, source))
         except BaseException:
             futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
             raise
@@ -317,22 +347,50 @@ class TierWriter:
             ram.arena.free(region)  # the lent reference
             ram.notify()
 
-    def _put_chunk(self, key: str, codec: str) -> tuple[int, float, float]:
-        """Write one chunk object; return its stored size and the put's start and end times."""
-        ram = self.engine.ramcache.ram
-        assert ram is not None
-        # Borrowed, not viewed: if the version is released while this put still reads (a
-        # deadline passed), the region must not take the next save's bytes, which the tier
-        # would then store under this chunk's name.
-        with ram.borrow(key) as view:
-            if view is None:
-                raise TierCacheError(f"chunk {key} vanished from the RAM arena before it was written to {self.name}")
-            data: memoryview | bytes = view
-            if codec != codecs.RAW:
-                data = self._encode(view, codec)
-            t0 = time.perf_counter()
-            self.tier.put(key, data, sync_name=False)  # the commit syncs the names once per version
-            t1 = time.perf_counter()
+    def _put_chunk(self, job: Job, cid: str, codec: str, source: str | None) -> tuple[int, float, float]:
+        """Write one chunk object; return its stored size and the put's start and end times.
+
+        From ``source`` (a durable tier holding the version, see :meth:`source`) if given, else
+        from the RAM arena; a chunk gone from RAM (a local tier committed the version meanwhile,
+        and :meth:`Engine.release_ram` let it go) is read back from a tier that holds it.
+        """
+        key = chunk_key(cid)
+        if source is None:
+            ram = self.engine.ramcache.ram
+            assert ram is not None
+            # Borrowed, not viewed: if the version is released while this put still reads (a
+            # deadline passed), the region must not take the next save's bytes, which the tier
+            # would then store under this chunk's name.
+            with ram.borrow(key) as view:
+                if view is not None:
+                    return self._put_object(key, view, codec)
+        return self._put_object(key, self._read_back(job, cid, source), codec)
+
+    def _read_back(self, job: Job, cid: str, source: str | None) -> bytes:
+        """Chunk ``cid`` of ``job`` as stored on ``source`` (verified), else on the best tier that holds it.
+
+        The version is open until it settles, so no eviction drops it from ``source`` meanwhile
+        (see :meth:`Repo.evict`); a damaged copy there is read from another tier instead.
+        """
+        eng = self.engine
+        manifest = job.published.result()
+        nbytes = next(c.nbytes for c in manifest.chunks if c.id == cid)
+        if source is not None:
+            try:
+                return eng.repo.read_object(cid, nbytes, manifest.hash_algo, order=[source])[0]
+            except TierCacheError as e:
+                log.warning("reading chunk %s back from %s for %s failed (%s): reading it from another tier",
+                            cid, source, self.name, e)
+        return eng.read_object(cid, nbytes, manifest.hash_algo)[0]
+
+    def _put_object(self, key: str, obj: memoryview | bytes, codec: str) -> tuple[int, float, float]:
+        """Put the stored chunk object ``obj`` (header and payload) at ``key``, encoded with ``codec`` if raw."""
+        data: memoryview | bytes = obj
+        if codec != codecs.RAW and codecs.read_header(memoryview(obj)[: codecs.HEADER_BYTES]).codec == codecs.RAW:
+            data = self._encode(memoryview(obj), codec)
+        t0 = time.perf_counter()
+        self.tier.put(key, data, sync_name=False)  # the commit syncs the names once per version
+        t1 = time.perf_counter()
         failpoint("engine.after_chunk_write")
         return len(data), t0, t1
 

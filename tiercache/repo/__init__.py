@@ -9,6 +9,7 @@ from tiercache.repo.doctor import DoctorReport, Upload, doctor
 from tiercache.repo.gc import GcReport, gc
 from tiercache.repo.health import TierHealth
 from tiercache.repo.repository import ObjectReader, Repo
+from tiercache.repo.room import Room, full_tiers, room
 from tiercache.repo.verify import Damage, VerifyReport, verify
 
 __all__ = [
@@ -17,10 +18,13 @@ __all__ = [
     "GcReport",
     "ObjectReader",
     "Repo",
+    "Room",
     "TierHealth",
     "Upload",
     "VerifyReport",
     "doctor",
+    "full_tiers",
     "gc",
+    "room",
     "verify",
 ]

@@ -1,4 +1,4 @@
-"""Doctor: what the S3 endpoint really enforces, and multipart uploads left unfinished.
+"""Doctor: what the S3 endpoint really enforces, multipart uploads left unfinished, and tiers that are full.
 
 Plain ``doctor`` writes nothing: it reports the conditional-write probe a saving process recorded
 before its first ref write, and lists unfinished multipart uploads under the cache's prefix.
@@ -10,11 +10,13 @@ emulators report a fixed date, which would abort uploads in flight).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError, InvalidArgumentError, StorageError
+from tiercache.repo.room import Room, full_tiers
 from tiercache.tiers.base import MultipartAdmin
 
 if TYPE_CHECKING:
@@ -55,12 +57,15 @@ class DoctorReport:
         allow_unsafe_refs: Whether the config lets refs be committed on a store without
             conditional writes.
         uploads: Unfinished multipart uploads under the prefix (aborted ones marked).
+        full: Durable tiers with no room for the next version, even after eviction, with their
+            room (see :mod:`tiercache.repo.room`).
     """
 
     probe: dict[str, bool]
     probed_at: datetime | None
     allow_unsafe_refs: bool
     uploads: tuple[Upload, ...]
+    full: Mapping[str, Room] = field(default_factory=dict)
 
     @property
     def conditional_writes(self) -> bool:
@@ -82,6 +87,10 @@ class DoctorReport:
             )
         if self.probed_at is not None and not self.probe.get("read_after_write", False):
             out.append("the S3 endpoint is not read-after-write consistent: a restore may read stale refs")
+        for name, r in self.full.items():
+            out.append(f"{name} has no room for the next version ({r.free_bytes} bytes free of {r.budget}, "
+                       f"{r.reclaimable_bytes} more evictable, the newest version has {r.next_bytes}): new versions "
+                       f"skip it; free room on it, raise {name}.capacity or its filesystem, or set a retention")
         stale = [u for u in self.uploads if not u.aborted]
         if stale:
             out.append(f"{len(stale)} unfinished multipart upload(s) under the prefix: run `tiercache doctor "
@@ -89,9 +98,14 @@ class DoctorReport:
         return out
 
     @property
-    def ok(self) -> bool:
+    def refs_ok(self) -> bool:
         """Whether refs can be committed safely (or the unsafe flag accepts the risk)."""
         return (self.conditional_writes or self.allow_unsafe_refs) and self.probe.get("read_after_write", False)
+
+    @property
+    def ok(self) -> bool:
+        """Whether refs can be committed safely and every durable tier has room for the next version."""
+        return self.refs_ok and not self.full
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-able data."""
@@ -100,11 +114,12 @@ class DoctorReport:
             "probed_at": self.probed_at.isoformat() if self.probed_at else None,
             "allow_unsafe_refs": self.allow_unsafe_refs, "problems": self.problems,
             "uploads": [u.__dict__ for u in self.uploads],
+            "full": {name: {"budget": r.budget, **r.to_json()} for name, r in self.full.items()},
         }
 
 
 def doctor(repo: Repo, *, abort_stale: float | None = None, unsafe: bool = False, probe: bool = False) -> DoctorReport:
-    """Report on the S3 tier: conditional writes, read-after-write, unfinished multipart uploads.
+    """Report on the S3 tier (conditional writes, read-after-write, unfinished multipart uploads) and full tiers.
 
     Args:
         repo: The storage layer (it must have an S3 tier).
@@ -150,4 +165,5 @@ def doctor(repo: Repo, *, abort_stale: float | None = None, unsafe: bool = False
             s3.abort_multipart_upload(key, upload_id)
             log.info("doctor: aborted multipart upload %s of %s (%.0f s old)", upload_id, key, age)
         uploads.append(Upload(key, upload_id, age, aborted))
-    return DoctorReport(found, probed_at, repo.config.s3.allow_unsafe_refs or unsafe, tuple(uploads))
+    return DoctorReport(found, probed_at, repo.config.s3.allow_unsafe_refs or unsafe, tuple(uploads),
+                        full_tiers(repo))

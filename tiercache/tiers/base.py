@@ -207,6 +207,18 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Return the bytes this tier currently holds (for capacity decisions and ``stats``)."""
 
+    def budget(self) -> int | None:
+        """The most bytes this tier may hold now (what it holds included), or ``None`` if nothing bounds it.
+
+        Its :attr:`capacity` here; a tier on a filesystem also stops at what the filesystem has
+        room for, so a full filesystem is treated like a capacity (evicted into, reported full).
+        Cheap enough to call per decision; only called where :meth:`used_bytes` may be too.
+
+        Raises:
+            StorageError: If the tier cannot tell (its root is gone).
+        """
+        return self.capacity
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections, file descriptors and memory; the tier is unusable afterwards."""
 

@@ -68,6 +68,25 @@ _REF_MAGIC = b"tiercache-ref/1\n"
 _NONCE_BYTES = 16
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+#: Share of a filesystem's size a disk tier with no room set leaves free (between 1 MiB and 64 MiB):
+#: what the filesystem itself needs for directories and whole blocks, and a margin for other writers.
+FS_RESERVE_FRACTION = 0.01
+_FS_RESERVE_MIN = 1 << 20
+_FS_RESERVE_MAX = 64 << 20
+
+
+def fs_space(path: str) -> tuple[int, int]:
+    """The bytes free for an unprivileged writer, and the size, of the filesystem holding ``path``.
+
+    The disk tier's one look at the filesystem (``statvfs``): its :meth:`DiskTier.budget` and its
+    probe go through here, so a test may stand in a filesystem of any size for it.
+
+    Raises:
+        OSError: If ``path`` is gone.
+    """
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 _DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
@@ -533,13 +552,32 @@ class DiskTier(Tier):
                 writable, ``StorageError`` if the root is gone.
         """
         try:
-            st = os.statvfs(self._root)
+            free, _size = fs_space(self._root)
             if not os.access(self._root, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "not writable", self._root)
         except OSError as e:
             raise _storage_error(e, f"root directory {self._root}") from e
-        if st.f_bavail * st.f_frsize == 0:
+        if free == 0:
             raise TierFullError(f"disk tier: the filesystem of {self._root} has no free space")
+
+    def budget(self) -> int:
+        """The most bytes this tier may hold now: what it holds plus the filesystem's free space, within its capacity.
+
+        A filesystem with no room is treated like a capacity (docs/design.md section 3): the
+        engine evicts copies another durable tier holds to make room, and ``stats`` reports the
+        tier full when even that leaves no room for the next version. A share of the
+        filesystem (:data:`FS_RESERVE_FRACTION`) stays free.
+
+        Raises:
+            StorageError: If the root directory is gone.
+        """
+        try:
+            free, size = fs_space(self._root)
+        except OSError as e:
+            raise _storage_error(e, f"root directory {self._root}") from e
+        reserve = min(max(int(size * FS_RESERVE_FRACTION), _FS_RESERVE_MIN), _FS_RESERVE_MAX)
+        room = self.used_bytes() + max(free - reserve, 0)
+        return room if self.capacity is None else min(self.capacity, room)
 
     def used_bytes(self) -> int:
         """Return the bytes of stored objects (scanned once, then tracked per write)."""

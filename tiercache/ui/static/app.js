@@ -273,8 +273,11 @@ function renderThroughput(th) {
     el("tr", { "data-level": l }, el("td", {}, l), el("td", { class: "num" }, n))));
   table($("codecs"), ["codec", { label: "ratio", num: true }, "encode"], Object.entries(th.codecs).map(([c, s]) =>
     el("tr", {}, el("td", {}, c), el("td", { class: "num" }, s.ratio ? s.ratio.toFixed(3) : "-"), el("td", {}, rate(s.encode_bps)))));
-  table($("usage"), ["tier", "used", "capacity"], Object.entries(th.tiers).map(([t, u]) =>
-    el("tr", {}, el("td", {}, t), el("td", {}, bytes(u.used_bytes)), el("td", {}, u.capacity === null ? "-" : bytes(u.capacity)))));
+  table($("usage"), ["tier", "state", "used", "capacity", "free"], Object.entries(th.tiers).map(([t, u]) =>
+    el("tr", { "data-state": u.state || "" }, el("td", {}, t),
+      el("td", {}, u.state || (u.available ? "available" : "unavailable")), el("td", {}, bytes(u.used_bytes)),
+      el("td", {}, u.capacity === null ? "-" : bytes(u.capacity)),
+      el("td", {}, bytes(u.free_bytes)))));
   $("errors").replaceChildren(...(th.errors.length ? th.errors.map((e) =>
     el("li", {}, `${clock(e.t)} ${e.level} ${e.version.slice(0, 10)} (${e.branch}@${e.step}): ${e.error}: ${e.message}`)) :
     [el("li", { class: "muted" }, "none")]));
