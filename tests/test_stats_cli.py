@@ -20,7 +20,8 @@ def _cli(cfg: Path, *args: str) -> Result:
 
 
 def _stored(root: Path) -> int:
-    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs", "stats", "index") for p in (root / sub).rglob("*")
+    return sum(p.stat().st_size for sub in ("chunks", "versions", "refs", "stats", "index")
+               for p in (root / sub).rglob("*")
                if p.is_file() and not p.name.startswith("."))
 
 
