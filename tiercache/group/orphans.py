@@ -20,11 +20,13 @@ A newer version some rank holds no part of (its trainer died before its ``save()
 its node's agent restarted) can never be adopted: every rank logs one WARNING naming it and
 which ranks lack their part, and the agents let its parts go. Asking, a rank also tells its
 agent its branch's head: parts at or before it are older than committed history, let go too
-(:mod:`tiercache.agent.keep`).
+(:mod:`tiercache.agent.keep`); so are parts saved before the branch was last rolled back (or a
+resume moved it back): they belong to the history the user left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -37,8 +39,10 @@ from tiercache.manifest import Version
 
 if TYPE_CHECKING:
     from tiercache.group.view import GroupView
+    from tiercache.repo.catalog import Catalog
 
 log = logging.getLogger("tiercache.group.orphans")
+
 
 
 def adopt_orphans(view: GroupView, ch: Channel, tag: str, ref: str) -> str | None:
@@ -102,8 +106,41 @@ def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
         except TierCacheError:
             head_step = -1
     got = agent.request("orphans", rank=view.rank, branch=branch, head_step=head_step if head is not None else None)
-    return {str(o["v"]): o for o in got.get("orphans", ())
-            if o.get("branch") == branch and o.get("world") == view.world_size and int(o["step"]) > head_step}
+    offered = {str(o["v"]): o for o in got.get("orphans", ())
+               if o.get("branch") == branch and o.get("world") == view.world_size and int(o["step"]) > head_step}
+    # A part saved before the branch was moved back belongs to the history the user left:
+    # adopting it would put it back on top of the branch.
+    moved = _moved_back(catalog, branch)
+    if moved is not None:
+        since = moved.timestamp()
+        left = sorted(v for v, o in offered.items() if float(o["created_at"]) <= since)
+        if left:
+            log.warning("not adopting %d version(s) of %r left in node RAM (%s): %r was moved back after they "
+                        "were saved; the node agent lets them go", len(left), branch, ", ".join(left), branch)
+            with contextlib.suppress(TierCacheError):  # else they stay until a newer commit lets them go
+                agent.request("orphans", rank=view.rank, release=left,
+                              why=f"branch {branch!r} was moved back after it was saved")
+            offered = {v: o for v, o in offered.items() if v not in left}
+    return offered
+
+
+def _moved_back(catalog: Catalog, branch: str) -> datetime | None:
+    """When ``branch`` was last moved back to an older version; ``None`` if never.
+
+    A rollback counts from when it was made. A resume (a save after restoring an older version)
+    counts from when that save was made, not from its commit: the commit is asynchronous, and
+    the versions saved after it, on the new history, may be older than the commit.
+    """
+    when: list[datetime] = []
+    for m in catalog.reflog("branch", branch):
+        if m.why == "rollback":
+            when.append(m.at)
+        elif m.why == "resume":
+            try:
+                when.append(catalog.peek(m.version).created_at)
+            except TierCacheError:  # its manifest is gone: the move itself is the bound
+                when.append(m.at)
+    return max(when, default=None)
 
 
 def _newest_common(statuses: list[Status]) -> Decision:
