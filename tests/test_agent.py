@@ -382,6 +382,20 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
         " ".join(out.output.split())  # (rich wraps the lines of `stats` at the console's width)
 
 
+def test_restores_a_client_reports_count_at_most_eight_sources(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """A client naming endless restore sources grows no counter (nor metrics label) without bound."""
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agents(cfg)
+    spec = load_config(cfg)
+    call(spec, "restored", nbytes={"ram": 5, "disk": -7}, seconds=-1.0, began=0.0)
+    call(spec, "restored", nbytes={f"x{i}": 1 for i in range(100)}, seconds=0.5, began=0.0)
+    stats = call(spec, "stats")
+    assert stats["restores"] == {"ram": 1, "disk": 1, **{f"x{i}": 1 for i in range(6)}}, stats["restores"]
+    assert (stats["restore_bytes"]["ram"], stats["restore_bytes"]["disk"]) == (5, 0), stats["restore_bytes"]
+
+
 def _cli(spec: Path, *args: str) -> str:
     got = CliRunner().invoke(app, ["--config", str(spec), *args])
     assert got.exit_code == 0, got.output

@@ -60,6 +60,8 @@ from tiercache.tiers.ram import Region
 
 #: How long a question for orphans waits for the parts of a trainer that just died to fail.
 _ORPHAN_WAIT_S = 30.0
+#: How many restore sources (tier names) the agent counts; more from a client are ignored.
+_MAX_RESTORE_SOURCES = 8
 
 
 @dataclasses.dataclass
@@ -589,10 +591,15 @@ class Requests:
 
     def _restored(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         for source, n in dict(msg.get("nbytes", {})).items():
+            # A source is a tier name: a client (a bug, or a stranger's code run as the user) must
+            # not grow the counters, or the metrics' labels, without bound.
+            if str(source) not in self._restores and len(self._restores) >= _MAX_RESTORE_SOURCES:
+                continue
             self._restores[str(source)] += 1
-            self._restore_bytes[str(source)] += int(n)
+            self._restore_bytes[str(source)] += max(0, int(n))
         seconds, began = msg.get("seconds"), msg.get("began")
-        if self._recorder is None or not isinstance(seconds, int | float) or not isinstance(began, int | float):
+        if (self._recorder is None or not isinstance(seconds, int | float) or not isinstance(began, int | float)
+                or seconds < 0):
             return {}
         now = time.time()
         self._recorder.note_restore(float(seconds), at=now)
