@@ -181,6 +181,19 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
     branch, steps, kill_after, delay = opts["branch"], opts["steps"], opts["kill_after"], opts["delay"]
     lock = threading.Lock()
     acks = (work / f"acks{rank}.txt").open("a")
+    # The whole job dies at once, as when its launcher tears it down: the rank whose timer fires
+    # kills every rank, its peers first. (A rank that killed only itself left its peer to fail its
+    # save() on the broken group and exit on its own before its own timer fired.)
+    (work / f"pid{rank}").write_text(str(os.getpid()))
+    dist.barrier()
+    pids = [int((work / f"pid{r}").read_text()) for r in range(world)]
+
+    def kill_job() -> None:
+        for pid in sorted(pids, key=lambda p: p == os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # a peer's own timer was first
+                pass
 
     def note(word: str, step: int, vid: str) -> None:
         with lock:
@@ -196,7 +209,7 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
         note("saved", step, handle.version)
         handle.future("local").add_done_callback(lambda f, s=step, v=handle.version: on_local(f, s, v))
         if step == kill_after:
-            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(delay, kill_job).start()
     time.sleep(60)  # the timer kills this trainer before
 
 
