@@ -5,6 +5,7 @@ Run by ``run_ranks("_agent_group_worker:<name>", ...)``; each scenario writes wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -190,10 +191,8 @@ def scenario_chaos(cache: tiercache.TierCache, rank: int, world: int, out: dict[
 
     def kill_job() -> None:
         for pid in sorted(pids, key=lambda p: p == os.getpid()):
-            try:
+            with contextlib.suppress(ProcessLookupError):  # a peer's own timer was first
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # a peer's own timer was first
-                pass
 
     def note(word: str, step: int, vid: str) -> None:
         with lock:

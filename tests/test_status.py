@@ -199,3 +199,16 @@ def test_a_reading_process_writes_nothing(tmp_path: Path) -> None:
         res = CliRunner().invoke(app, ["--config", str(cfg), *verb])
         assert res.exit_code == 0, res.output
     assert _files(root) == before
+
+
+def test_runtime_records_go_through_the_repo_and_only_under_stats(tmp_path: Path) -> None:
+    """The status and the meter are written by ``Repo.put_record``: nothing else is writable that way."""
+    from tiercache.errors import InvalidArgumentError
+
+    with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
+        with pytest.raises(InvalidArgumentError, match=r"runtime record 'refs/main' must be under stats/"):
+            cache.repo.put_record("refs/main", b"{}")
+        assert cache.repo.put_record("stats/note.json", b'{"a": 1}') is True
+        assert cache.repo.get_record("stats/note.json") == b'{"a": 1}'
+    assert (tmp_path / "stats" / "note.json").read_bytes() == b'{"a": 1}'
+    assert not (tmp_path / "refs" / "main").exists()

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -985,9 +986,8 @@ class TierCache:
         self.check_open()
         if self._recorder is not None:
             return self._recorder.current()
-        tier = self._meter_tier()
         try:
-            return read_status(tier.get(STATUS_KEY)) if tier is not None else None
+            return read_status(self.repo.get_record(STATUS_KEY))
         except TierCacheError as e:  # a viewer's aid: an unreadable status is no status
             log.debug("no usable status: %s", e)
             return None
@@ -1110,10 +1110,9 @@ class TierCache:
     def _status_recorder(self) -> StatusRecorder:
         with self._recorder_lock:
             if self._recorder is None:
-                tier = self._meter_tier()
                 # With a node agent, the agent publishes the status (it sees every rank's saves).
-                own = tier is not None and self.config.agent is None
-                write = (lambda data: tier.put(STATUS_KEY, data)) if own else None  # type: ignore[union-attr]
+                own = self.config.agent is None and bool(self.repo.durable)
+                write = partial(self.repo.put_record, STATUS_KEY) if own else None
                 self._recorder = StatusRecorder(write, interval=self.config.ui.status_interval,
                                                 meter=self.meter.snapshot)
                 for seconds, at in self._restored_times:
@@ -1193,14 +1192,10 @@ class TierCache:
                 self._reader.close()
             self.repo.close()
 
-    def _meter_tier(self) -> Tier | None:
-        return next((t for n, t in self._tiers.items() if t.durable and self.health.available(n)), None)
-
     def _seed_meter(self) -> None:
         """Start from the throughput the last process observed on these tiers (policy and ``stats``)."""
-        tier = self._meter_tier()
         try:
-            data = tier.get(METER_KEY) if tier is not None else None
+            data = self.repo.get_record(METER_KEY)
             if data is not None:
                 self.meter.seed(json.loads(data))
         except (TierCacheError, ValueError) as e:  # a hint only: never a reason not to open
@@ -1211,12 +1206,11 @@ class TierCache:
 
         Only a process that saved writes it: opening a cache to read never writes.
         """
-        tier = self._meter_tier()
         snap = self.meter.snapshot()
-        if tier is None or not snap["tiers"] or self._engine is None or not self._engine.has_saved:
+        if not snap["tiers"] or self._engine is None or not self._engine.has_saved:
             return
         try:
-            tier.put(METER_KEY, json.dumps(snap).encode())
+            self.repo.put_record(METER_KEY, json.dumps(snap).encode())
         except TierCacheError as e:
             log.warning("could not store the throughput meter: %s", e)
 

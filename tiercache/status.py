@@ -115,7 +115,7 @@ class StatusRecorder:
     threads and only take a short lock. A thread of the recorder's own writes the object.
 
     Args:
-        write: Stores the encoded object (the first durable tier's ``put`` at :data:`STATUS_KEY`),
+        write: Stores the encoded object (``Repo.put_record`` at :data:`STATUS_KEY`),
             or ``None`` to keep the status in memory only (a cache with no durable tier).
         interval: Fewest seconds between two writes.
         meter: Returns the throughput meter's snapshot (its history included).
@@ -125,7 +125,7 @@ class StatusRecorder:
 
     def __init__(
         self,
-        write: Callable[[bytes], None] | None,
+        write: Callable[[bytes], object] | None,
         *,
         interval: float,
         meter: Callable[[], dict[str, Any]],

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tiercache.agent import naming
@@ -146,8 +147,8 @@ class AgentServer(Requests):
                 raise ConfigError("; ".join(problems))
             self.cache = TierCache(self.inner, make_arena=self._make_arena)
             engine = self.engine  # with an explicit capacity, the arena is made and pre-faulted now
-            tier = next((t for n, t in self.cache.repo.durable.items() if self.cache.health.available(n)), None)
-            self._recorder = StatusRecorder(None if tier is None else lambda data: tier.put(STATUS_KEY, data),
+            write = partial(self.cache.repo.put_record, STATUS_KEY) if self.cache.repo.durable else None
+            self._recorder = StatusRecorder(write,
                                             interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot,
                                             writer="agent")
             self._watch_ram(engine)

@@ -32,7 +32,13 @@ from types import MappingProxyType
 from typing import Literal
 
 from tiercache.config import CacheConfig
-from tiercache.errors import IntegrityError, LastCopyError, TierCacheError, TierUnavailableError
+from tiercache.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    LastCopyError,
+    TierCacheError,
+    TierUnavailableError,
+)
 from tiercache.failpoints import failpoint
 from tiercache.manifest import MoveReason, PrunedRecord, RefRecord, TierOutcome, TierState, Version
 from tiercache.names import PARTS, chunk_key, part_key, status_key, version_key
@@ -97,6 +103,39 @@ class Repo:
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now."""
         return self.health.available(name)
+
+    # ------------------------------------------------------------------ runtime records
+
+    def _record_tier(self) -> Tier | None:
+        # The first durable tier that answers: where a viewer on another host looks first.
+        return next((t for n, t in self._durable.items() if self.health.available(n)), None)
+
+    def put_record(self, key: str, data: bytes) -> bool:
+        """Store a small runtime record (``stats/...``: the status, the meter) on the first durable tier.
+
+        A record is an aid to viewers and to the next process, never a version's data: it is not
+        leased, indexed or kept by any rule. Returns ``False`` when no durable tier answers.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not under ``stats/``.
+            TierCacheError: The tier refused the write.
+        """
+        if not key.startswith("stats/"):
+            raise InvalidArgumentError(f"runtime record {key!r} must be under stats/")
+        tier = self._record_tier()
+        if tier is None:
+            return False
+        tier.put(key, data)
+        return True
+
+    def get_record(self, key: str) -> bytes | None:
+        """The runtime record ``key`` from the first durable tier that answers, or ``None``.
+
+        Raises:
+            TierCacheError: The tier failed the read.
+        """
+        tier = self._record_tier()
+        return tier.get(key) if tier is not None else None
 
     def _require(self, name: str) -> Tier:
         outage = self.health.outage(name)
