@@ -425,6 +425,59 @@ def test_a_deferred_copy_the_agent_never_got_goes_to_the_trainer_before_the_next
         cache.close()
 
 
+def test_an_engine_that_takes_a_parent_after_its_child_never_waits_for_it(tmp_path: Path) -> None:
+    """A trainer takes a version over that a live agent refused, then its parent once the agent dies.
+
+    The engine got the parent after the child: it is behind the child on the disk writer, so the
+    child's commit must not wait for its outcome (before: it waited for ever). Both settle, the
+    child names the parent, and both restore bit-exact.
+    """
+    from tiercache.format import flatten
+    from tiercache.manifest import new_version_id
+    from tiercache.pipeline.job import StagedVersion
+    from tiercache.pipeline.staging import PlanCache, Stager
+
+    cfg = without_agent(agent_config(tmp_path, tmp_path))
+    ids = [new_version_id(), new_version_id()]
+    stager = Stager(1)
+    with tiercache.open(cfg) as cache:
+        eng = cache.engine
+        plans = PlanCache(cache.config.pack_below)
+
+        def adopt(step: int) -> Any:  # what the trainer's hand-over does with a version of the agent's arena
+            flat = flatten(state_for(step))
+            plan = plans.get(flat, cache.config.chunk_bytes)
+            regions = eng.reserve(plan.layout)
+            arena = eng.ramcache.arena  # (made by the reservation)
+            assert regions is not None and arena is not None
+            assert stager.copy_in(flat, plan, [arena.tensor(r) for r in regions],
+                                  [threading.Event() for _ in regions]) is None
+            parent = ids[0] if step == 2 else None
+            staged = StagedVersion(ids[step - 1], "main", step, step - 1, parent, {}, time.time(),
+                                   flat.tree, tuple(flat.metas), flat.pickled)
+            return eng.adopt(staged, plan.layout, regions)
+
+        child_taken = threading.Event()
+        handles: dict[int, Any] = {}
+
+        def hold(*_: Any) -> None:  # the child's chunk writes wait until the engine has its parent
+            if child_taken.is_set():
+                _wait_for(lambda: 1 in handles, 30, "the parent to be taken")
+
+        with failpoints.hooked("engine.after_chunk_write", hold):
+            handles[2] = adopt(2)
+            child_taken.set()
+            handles[1] = adopt(1)
+            cache.flush(timeout=60)
+        for step, h in handles.items():
+            assert h.wait("local", timeout=0) == h.wait("durable", timeout=0) == ids[step - 1]
+    stager.close()
+    with tiercache.open(cfg) as cache:
+        assert {v.id: v.parent for v in cache.versions()} == {ids[0]: None, ids[1]: ids[0]}
+        for step in (1, 2):
+            _assert_state(cache.restore(ids[step - 1], resume=False), step)
+
+
 def test_both_killed_acknowledged_versions_survive_and_the_next_agent_sweeps_the_arena(
     tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
 ) -> None:
