@@ -25,11 +25,12 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache import failpoints
 from tiercache.agent import naming
 from tiercache.agent.client import call
 from tiercache.cli import app, short_id_length
 from tiercache.config import load_config
-from tiercache.errors import AgentUnavailableError, StorageError
+from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
 from tiercache.manifest import Version
 from tiercache.ui import views
 
@@ -316,6 +317,165 @@ def test_the_agent_killed_mid_write_training_goes_on_and_nothing_is_lost(
         for step, h in handles:
             _assert_state(cache.restore(h.version, resume=False), step)
         assert cache.resolve("main") == handles[-1][1].version
+
+
+def _parent_taken(cache: Any, parent: Any) -> Any:
+    """A hook for ``engine.after_chunk_write``: hold the in-process writes until ``parent`` was handed over.
+
+    A child the trainer's engine took before its parent would then reach its commit with the
+    parent queued behind it, as a slower hand-over would have it.
+    """
+    def taken() -> bool:
+        local = cache.engine.local
+        return local is not None and (local.published(parent.version) is not None or parent.future("local").done())
+
+    return lambda *_: _wait_for(taken, 30, f"the hand-over of {parent.version}")
+
+
+def _assert_handed_over(cfg: dict[str, Any], cache: Any, agent: Any, saved: list[tuple[int, Any]]) -> None:
+    """Every level of every version settles, with the outcome a disk-only cache gives; each restores bit-exact."""
+    cache.flush(timeout=60)  # raises (naming the versions) if one never settles
+    assert agent.proc.poll() == -signal.SIGKILL and cache.engine.local is not None
+    for _, h in saved:
+        for lvl in ("staged", "local", "durable"):
+            assert h.wait(lvl, timeout=0) == h.version
+        with pytest.raises(ConfigError, match=r"^no s3 tier configured, so no 'remote' level$"):
+            h.wait("remote", timeout=0)
+    cache.close()
+    with tiercache.open(without_agent(cfg)) as disk:
+        parents = {v.id: v.parent for v in disk.versions()}
+        assert parents == {saved[0][1].version: None, saved[1][1].version: saved[0][1].version}
+        assert disk.resolve("main") == saved[1][1].version
+        for step, h in saved:
+            _assert_state(disk.restore(h.version, resume=False), step)
+
+
+def test_a_child_published_as_the_agent_dies_goes_to_the_trainer_after_its_parent(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent dies as the trainer publishes a child whose parent it has not written yet.
+
+    The failed publish hands the versions over before the loss's own hand-over runs: the child
+    must still go to the in-process engine after its parent, or its disk writer waits for the
+    parent's outcome with the parent queued behind it (a hang seen under load).
+    """
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    # The agent's disk stalls on the parent's first chunk: staged in node RAM, never on its disk.
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=sleep:120"})
+    saved: list[tuple[int, Any]] = []
+    returned = threading.Event()
+
+    def publish(vid: str) -> None:
+        if saved and vid != saved[0][1].version:
+            agent.kill()  # the child is whole in the arena: the agent dies before it is published
+
+    def hand_over() -> None:
+        if threading.current_thread().name == "tiercache-agent-handover":  # the loss's own, after the child's
+            returned.wait(30)
+
+    cache = tiercache.open(cfg)
+    try:
+        saved.append((1, cache.save(state_for(1), step=1)))
+        with failpoints.hooked("agent.publish", publish), failpoints.hooked("agent.hand_over", hand_over), \
+                failpoints.hooked("engine.after_chunk_write", _parent_taken(cache, saved[0][1])):
+            saved.append((2, cache.save(state_for(2), step=2)))
+            returned.set()
+            _assert_handed_over(cfg, cache, agent, saved)
+    finally:
+        returned.set()
+        cache.close()
+
+
+def test_a_deferred_copy_the_agent_never_got_goes_to_the_trainer_before_the_next_save(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent dies while a version's deferred copy runs; the next save is in process and names it as parent.
+
+    That version must be handed over first (the next save waits for the copy), or the next
+    one's disk writer waits for its parent queued behind it.
+    """
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    agent = agents(cfg)
+    killed, handing = threading.Event(), threading.Event()
+
+    def publish(vid: str) -> None:  # the deferred copy is done: the agent dies before it is published
+        agent.kill()
+        killed.set()
+        handing.wait(30)  # until the next save takes over in process
+
+    def hand_over() -> None:
+        if threading.current_thread() is threading.main_thread():
+            handing.set()
+
+    w = torch.nn.Parameter(state_for(1)["w"].clone())
+    opt = torch.optim.SGD([w], lr=0.1)
+    cache = tiercache.open(cfg)
+    saved: list[tuple[int, Any]] = []
+    try:
+        with failpoints.hooked("agent.publish", publish), failpoints.hooked("agent.hand_over", hand_over):
+            first = {**state_for(1), "w": w.detach()}  # "w" is the optimizer's: its copy is deferred
+            saved.append((1, cache.save(first, step=1, optimizer=opt)))
+            assert killed.wait(30)
+            _wait_for(lambda: cache.engine.link.lost is not None, 30, "the trainer to see the agent lost")
+            with failpoints.hooked("engine.after_chunk_write", _parent_taken(cache, saved[0][1])):
+                saved.append((2, cache.save(state_for(2), step=2)))
+                _assert_handed_over(cfg, cache, agent, saved)
+    finally:
+        handing.set()
+        cache.close()
+
+
+def test_an_engine_that_takes_a_parent_after_its_child_never_waits_for_it(tmp_path: Path) -> None:
+    """A trainer takes a version over that a live agent refused, then its parent once the agent dies.
+
+    The engine got the parent after the child: it is behind the child on the disk writer, so the
+    child's commit must not wait for its outcome (before: it waited for ever). Both settle, the
+    child names the parent, and both restore bit-exact.
+    """
+    from tiercache.format import flatten
+    from tiercache.manifest import new_version_id
+    from tiercache.pipeline.job import StagedVersion
+    from tiercache.pipeline.staging import PlanCache, Stager
+
+    cfg = without_agent(agent_config(tmp_path, tmp_path))
+    ids = [new_version_id(), new_version_id()]
+    stager = Stager(1)
+    with tiercache.open(cfg) as cache:
+        eng = cache.engine
+        plans = PlanCache(cache.config.pack_below)
+
+        def adopt(step: int) -> Any:  # what the trainer's hand-over does with a version of the agent's arena
+            flat = flatten(state_for(step))
+            plan = plans.get(flat, cache.config.chunk_bytes)
+            regions = eng.reserve(plan.layout)
+            arena = eng.ramcache.arena  # (made by the reservation)
+            assert regions is not None and arena is not None
+            assert stager.copy_in(flat, plan, [arena.tensor(r) for r in regions],
+                                  [threading.Event() for _ in regions]) is None
+            parent = ids[0] if step == 2 else None
+            staged = StagedVersion(ids[step - 1], "main", step, step - 1, parent, {}, time.time(),
+                                   flat.tree, tuple(flat.metas), flat.pickled)
+            return eng.adopt(staged, plan.layout, regions)
+
+        child_taken = threading.Event()
+        handles: dict[int, Any] = {}
+
+        def hold(*_: Any) -> None:  # the child's chunk writes wait until the engine has its parent
+            if child_taken.is_set():
+                _wait_for(lambda: 1 in handles, 30, "the parent to be taken")
+
+        with failpoints.hooked("engine.after_chunk_write", hold):
+            handles[2] = adopt(2)
+            child_taken.set()
+            handles[1] = adopt(1)
+            cache.flush(timeout=60)
+        for step, h in handles.items():
+            assert h.wait("local", timeout=0) == h.wait("durable", timeout=0) == ids[step - 1]
+    stager.close()
+    with tiercache.open(cfg) as cache:
+        assert {v.id: v.parent for v in cache.versions()} == {ids[0]: None, ids[1]: ids[0]}
+        for step in (1, 2):
+            _assert_state(cache.restore(ids[step - 1], resume=False), step)
 
 
 def test_both_killed_acknowledged_versions_survive_and_the_next_agent_sweeps_the_arena(

@@ -51,6 +51,9 @@ FAILPOINTS: tuple[str, ...] = (
     "catalog.before_ref_write",  # about to compare-and-swap a ref
     "catalog.after_ref_write",  # the ref moved; the level is not yet reported
     "gc.after_manifest_delete",  # GC removed a manifest, its chunks not yet
+    # A trainer with a node agent (tiercache.agent.saver):
+    "agent.publish",  # a version is whole in the agent's arena, not yet published to it (detail: the id)
+    "agent.hand_over",  # the trainer takes the versions of a lost agent over in process, in save order
     # The phases of a multi-rank version on one rank (detail: the phase's tag, e.g. "<vid>/disk"):
     "group.posted",  # a rank's status of a phase is in the store, the coordinator not yet told (detail: tag, rank)
     "group.save",  # save(group=) checks its call, before the first exchange (detail: "save/<n>")

@@ -20,12 +20,15 @@ connection drops, and the previous version is untouched.
 finished are handed over to an :class:`~tiercache.pipeline.engine.Engine` in this process, their
 bytes copied out of the mapping (which outlives the agent); every later save is staged in
 process. Nothing acknowledged ``local`` was lost (it is on disk), and nothing half-written is
-served (restores verify every chunk, and a version is only published once copied whole).
+served (restores verify every chunk, and a version is only published once copied whole). The
+versions go over in save order: the engine's writer of a version waits for its parent's outcome
+and takes versions in the order it got them (:meth:`Engine.final_manifest`), so a child taken
+before its parent would wait behind it for ever. Every level of a version handed over settles
+with the engine's outcome for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -33,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,7 @@ from tiercache.errors import (
     SkippedError,
     TierCacheError,
 )
+from tiercache.failpoints import failpoint
 from tiercache.format import Flat, flatten
 from tiercache.handle import LEVELS, SaveHandle, level_futures
 from tiercache.layout import Layout
@@ -75,7 +79,7 @@ class _Job:
     layout: Layout
     futures: dict[str, Future[str]]
     regions: list[tuple[int, int]] = field(default_factory=list)
-    #: Set once the version is whole in the arena (published or about to be).
+    #: Set once the version is whole in the arena (published or about to be); ``_cv`` is notified.
     copied: bool = False
     #: Set once its manifest is in this process's catalog (or it failed before having one).
     published: threading.Event = field(default_factory=threading.Event)
@@ -267,7 +271,8 @@ class AgentSaver:
             return self._jobs.get(version_id) or next((j for j in self._jobs.values() if j.vid == version_id), None)
 
     def _in_process(self, state: object, kw: dict[str, Any]) -> SaveHandle:
-        self._handed_over()
+        # After every version staged before it: its parent may be one whose copy is still running.
+        self._handed_over(wait=True)
         return self._local_saver().stage(state, **kw)
 
     def _structure(self, flat: Flat, plan: CopyPlan, chunk_bytes: int) -> str:
@@ -315,7 +320,10 @@ class AgentSaver:
         return (cur.model_dump(mode="json") if cur is not None else None), why
 
     def _publish(self, job: _Job, publish: dict[str, Any], wait_s: float) -> None:
-        job.copied = True
+        failpoint("agent.publish", job.version)
+        with self._cv:
+            job.copied = True
+            self._cv.notify_all()
         extra = {k: publish[k] for k in ("part", "world") if k in publish}
         try:
             self.link.request("publish", sid=publish["op_sid"], rid=publish["rid"],
@@ -324,7 +332,11 @@ class AgentSaver:
         except TierCacheError as e:
             # Lost, or refusing (stopping): the bytes are whole in the mapping; finish it here.
             log.warning("the node agent did not take version %s (%s): saving it in this process", job.version, e)
-            self._hand_over([job])
+            if self.link.lost is not None:
+                self._handed_over()  # after the versions before it, which the agent has not finished either
+            else:  # it refused this one (it is stopping), and finishes those it took
+                with self._handover:
+                    self._hand_over(job)
             return
         if not job.futures["staged"].done():
             job.futures["staged"].set_result(job.version)
@@ -338,6 +350,8 @@ class AgentSaver:
             return
         self.link.notify("cancel", rid=publish["rid"])
         self._fail(job, err)
+        if self.link.lost is not None:
+            self._handed_over()  # the versions after it waited for it
 
     def _fail(self, job: _Job, err: BaseException) -> None:
         """A version that cannot be saved: counted as lost, every level failed with ``err``."""
@@ -446,62 +460,87 @@ class AgentSaver:
         log.warning("lost the node agent (%s): saving in this process from now on", err)
         threading.Thread(target=self._handed_over, name="tiercache-agent-handover", daemon=True).start()
 
-    def _handed_over(self) -> None:
-        """Hand every copied, unsettled version over to the in-process engine (once each, in save order)."""
-        with self._cv:
-            jobs = [j for j in self._jobs.values() if (j.copied or j.settled()) and not j.moved]
-        self._hand_over(jobs)
+    def _handed_over(self, *, wait: bool = False) -> None:
+        """Hand the versions the lost agent had not finished over to the in-process engine, in save order.
 
-    def _hand_over(self, jobs: Iterable[_Job]) -> None:
+        Stops at the oldest version still being copied (a deferred copy, or a ``stage()`` under
+        way): its publish, which fails now, goes on from there, and so does its failure. No
+        version is taken before an older one (see the module docstring).
+
+        Args:
+            wait: First wait until every version is copied (or failed): the caller saves in
+                process next, and that version's parent may be one of them.
+        """
+        failpoint("agent.hand_over")
+        if wait:
+            with self._cv:
+                self._cv.wait_for(lambda: all(j.copied for j in self._jobs.values()))
         with self._handover:
-            for job in jobs:
-                if job.settled():  # its "settled" word was lost with the agent: nothing left to do
-                    self._forget(job)
-                    continue
-                if job.moved:
-                    continue
-                job.moved = True
-                try:
-                    self._restage(job)
-                except BaseException as e:  # the version cannot be saved here either
-                    self._fail(job, e)
+            while True:
+                with self._cv:
+                    job = next((j for j in self._jobs.values() if not j.moved), None)
+                if job is None or not (job.copied or job.settled()):
+                    return
+                self._hand_over(job)
+
+    def _hand_over(self, job: _Job) -> None:
+        """Take one version over in process, or forget it if settled (the caller holds ``_handover``)."""
+        if job.settled():  # its "settled" word was lost with the agent: nothing left to do
+            self._forget(job)
+            return
+        if job.moved:
+            return
+        job.moved = True
+        try:
+            self._restage(job)
+        except BaseException as e:  # the version cannot be saved here either (the engine never took it)
+            self._fail(job, e)
 
     def _restage(self, job: _Job) -> None:
-        """Copy a version out of the (lost) agent's arena into the in-process engine's and start it there."""
+        """Copy a version out of the (lost) agent's arena into the in-process engine's and start it there.
+
+        Everything that can fail comes before the engine takes the version; from then on each of
+        its levels (and a part's manifest) settles with the engine's outcome, and the job is
+        forgotten once all have.
+
+        Raises:
+            SkippedError: If the policy skips it (the in-process arena is full).
+            TierFullError: If it can never fit in the in-process arena.
+            CacheClosedError: If the in-process engine is closed.
+        """
         local = self._local_saver()
         from tiercache.pipeline.engine import Engine  # the in-process saver is an Engine
 
-        assert isinstance(local, Engine)
+        if not isinstance(local, Engine):
+            raise TypeError(f"version {job.version}: the in-process saver is a {type(local).__name__}, not an Engine")
         regions = local.reserve(job.layout)
         if regions is None:
             raise SkippedError(f"version {job.version} skipped: the RAM arena is full and the policy said skip")
         src = self._arena_tensor()
         arena = local.ramcache.arena
-        assert arena is not None
+        if arena is None:
+            raise CacheClosedError(f"version {job.version}: the in-process RAM arena is gone (the cache is closing)")
         for (offset, nbytes), r in zip(job.regions, regions, strict=True):
             dst = arena.tensor(r)
             n = min(nbytes, r.nbytes)
             ctypes.memmove(dst.data_ptr(), src.data_ptr() + offset, n)
+        manifest = job.manifest
+        follow = None
+        if manifest is not None:  # a part: the group follows this future (it keeps the first it was given)
+            def follow(theirs: Future[Version]) -> None:
+                theirs.add_done_callback(lambda f: _copy_outcome(f, manifest))
         # A part goes on under the group's id, with the same committer: the group waits for it.
         staged = replace(job.staged, version_id=job.version)
-        handle = local.adopt(staged, job.layout, regions, job.committer)
-        if job.manifest is not None:
-            theirs = local.published(job.version)
-            assert theirs is not None
-            theirs.add_done_callback(lambda f, ours=job.manifest: _copy_outcome(f, ours))
+        handle = local.adopt(staged, job.layout, regions, job.committer, follow=follow)
         job.published.set()
         for lvl in LEVELS:
-            theirs = handle.future(lvl)  # type: ignore[arg-type]
             ours = job.futures[lvl]
-            theirs.add_done_callback(lambda f, ours=ours: _copy_outcome(f, ours))
-        threading.Thread(target=self._forget_when_settled, args=(job,), daemon=True,
-                         name="tiercache-agent-handed-over").start()
+            handle.future(lvl).add_done_callback(lambda f, ours=ours: _copy_outcome(f, ours))  # type: ignore[arg-type]
+            ours.add_done_callback(lambda _: self._forget_if_settled(job))
 
-    def _forget_when_settled(self, job: _Job) -> None:
-        for f in job.futures.values():
-            with contextlib.suppress(Exception):
-                f.exception()
-        self._forget(job)
+    def _forget_if_settled(self, job: _Job) -> None:
+        if job.settled():
+            self._forget(job)
 
     # ------------------------------------------------------------------ the rest of the seam
 
@@ -652,13 +691,17 @@ class AgentSaver:
 
 
 def _copy_outcome(src: Future[Any], dst: Future[Any]) -> None:
+    """Settle ``dst`` as ``src`` settled, unless the agent's word settled it first."""
     if dst.done():
         return
     err = src.exception()
-    if err is None:
-        dst.set_result(src.result())
-    else:
-        dst.set_exception(err)
+    try:
+        if err is None:
+            dst.set_result(src.result())
+        else:
+            dst.set_exception(err)
+    except InvalidStateError:  # the agent's last event raced the hand-over: its outcome stays
+        pass
 
 
 __all__ = ["AgentSaver", "pin_mapping"]

@@ -231,7 +231,8 @@ class Engine:
         return self._report_earlier(SaveHandle(vid, futures))
 
     def adopt(self, staged: StagedVersion, layout: Layout, regions: list[Region],
-              committer: Committer | None = None) -> SaveHandle:
+              committer: Committer | None = None, *,
+              follow: Callable[[Future[Version]], None] | None = None) -> SaveHandle:
         """Start writing a version another process already copied into regions of this engine's arena.
 
         The entry point of the node agent (:mod:`tiercache.agent.server`): a trainer reserved
@@ -239,6 +240,8 @@ class Engine:
         handed over ``staged``; from here on the version goes through the same pipeline as one
         staged in process. The regions belong to the version from now on. ``committer``: one
         rank's part of a multi-rank version, which the group commits (see :meth:`stage`).
+        ``follow`` is called with the version's manifest future before any thread can settle it
+        (as :meth:`Committer.follow`; :meth:`published` forgets a version once it settled).
 
         Returns:
             The version's handle (``staged`` is reached already).
@@ -251,6 +254,8 @@ class Engine:
         flat = Flat(staged.tree, [], list(staged.metas), staged.pickled, structure_key=None)
         job = self._new_job(staged.version_id, staged.branch, staged.step, staged.seq, staged.parent, staged.meta,
                             staged.created_at, flat, layout, committer)
+        if follow is not None:
+            follow(job.published)
         self._start_catch_up()
         for e in self._launch(job, regions):
             e.set()
@@ -584,8 +589,11 @@ class Engine:
         """The manifest to commit: its parent is the nearest ancestor that became durable.
 
         A version that reached no durable tier is never named as a parent: if the parent is
-        still in the pipeline, its outcome is awaited first (it is older, so it never waits on
-        this one), and a lost parent is replaced by the parent it would have had.
+        still in the pipeline, its outcome is awaited first (the engine took it first, so it
+        never waits on this one), and a lost parent is replaced by the parent it would have had.
+        A parent the engine took after this version (a node agent's trainer takes over versions
+        of a lost agent, see :mod:`tiercache.agent.saver`) is queued behind it on every writer:
+        it is named as it is, never waited for.
         """
         manifest = job.published.result()
         with self.jobs.lock:
@@ -593,7 +601,11 @@ class Engine:
                 return job.final
         parent_job = self.jobs.get(manifest.parent)
         if parent_job is not None and parent_job is not job:
-            parent_job.futures["durable"].exception()  # waits; the outcome is the parent's own
+            if self.jobs.taken_before(parent_job, job):
+                parent_job.futures["durable"].exception()  # waits; the outcome is the parent's own
+            else:
+                log.warning("version %s: its parent %s was taken after it; it names it without waiting for "
+                            "its outcome", job.version_id, manifest.parent)
         changed = False
         with self.jobs.lock:
             if job.final is None:

@@ -226,6 +226,14 @@ class JobTable:
         with self.lock:
             return self._jobs.get(version_id) if version_id is not None else None
 
+    def taken_before(self, first: Job, then: Job) -> bool:
+        """Whether ``first`` was added before ``then`` (both in flight): the order writers take them in."""
+        with self.lock:
+            for vid in self._jobs:
+                if vid in (first.version_id, then.version_id):
+                    return vid == first.version_id
+            return False
+
     def remove(self, job: Job) -> None:
         """Drop a settled version and wake whoever waits for it."""
         with self.lock:
