@@ -334,17 +334,20 @@ class TierWriter:
         key = chunk_key(cid)
         ram = eng.ramcache.ram
         assert ram is not None
+        borrowed = False
         try:
             # Borrowed, not viewed: if the chunk is dropped while this put still reads (the arena
             # needed room, or a deadline passed), the region must not take the next save's
             # bytes, which the tier would then store under this chunk's name.
             with ram.borrow(key) as view:
                 if view is not None:
+                    borrowed = True
                     return self._put_object(key, view, codec)
             return self._put_object(key, self._read_back(job, cid), codec)
         finally:
             eng.chunk_read(job, self.name, key)
-            eng.ramcache.notify()  # a region dropped while borrowed went back only as the borrow ended
+            if borrowed:  # a region dropped while borrowed went back only as the borrow ended
+                eng.ramcache.notify()
 
     def _read_back(self, job: Job, cid: str) -> bytes:
         """Chunk ``cid`` of ``job`` as stored on the local tier that committed it (verified), else elsewhere.
