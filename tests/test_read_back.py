@@ -1,14 +1,18 @@
 """With S3 in the config, RAM holds a version only until the disk has it (issue 45, item 1).
 
-S3 reads each version back from the disk (docs/design.md section 3), so a slow S3 never keeps
-``save()`` waiting for room in the default arena while the disk keeps up; the version stays open
-until S3 has it, so no eviction of the disk copy it reads loses it.
+S3 uploads each version from RAM at once, in parallel with the disk; once the disk has it, the
+chunks S3 has not read yet stay in RAM only until a save needs the room, and S3 reads those the
+arena let go back from the disk (docs/design.md section 3). So a slow S3 never keeps ``save()``
+waiting for room in the default arena while the disk keeps up, and S3 never waits for the disk;
+the version stays open until S3 has it, so no eviction of the disk copy it reads loses it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import pytest
 import torch
 
 import tiercache
+from tiercache import failpoints
 from tiercache.config import S3Config
 from tiercache.format import flatten
 from tiercache.names import chunk_key
@@ -136,3 +141,73 @@ def test_s3_reading_back_from_a_small_disk_with_a_retention_loses_no_acknowledge
                 assert not h.succeeded("remote")
                 continue
             assert torch.equal(cache.restore(h.version)["w"], s["w"]), h.version
+
+
+def test_s3_uploads_from_ram_while_the_disk_commit_is_held(
+    tmp_path: Path, s3_config: S3Config, proxy: ThrottledProxy
+) -> None:
+    # The disk's commit of the version is held until S3 has committed it (or 10 s passed): S3
+    # uploads from RAM at once, in parallel with the disk, not after it (time to durable in S3
+    # was the disk's time plus S3's).
+    proxy.limit_bps = 20_000_000
+    cfg = {"disk": {"path": str(tmp_path / "disk")},
+           "s3": s3_config.model_copy(update={"endpoint_url": proxy.url}).model_dump(), "chunk_bytes": "1MiB"}
+    state = _state(7, 4 * MIB)
+    handle: list[tiercache.SaveHandle] = []
+    seen: dict[str, bool] = {}
+    saved = threading.Event()
+
+    def hold_the_disk() -> None:
+        if threading.current_thread().name != "tiercache-writer-disk":
+            return  # S3's own commit
+        saved.wait(10)
+        remote = handle[0].future("remote")
+        futures_wait([remote], timeout=10)
+        seen.update(remote=remote.done(), local=handle[0].future("local").done())
+
+    with tiercache.open(cfg) as cache, failpoints.hooked("repo.after_manifest_write", hold_the_disk):
+        handle.append(cache.save(state, step=0))
+        saved.set()
+        cache.flush()
+    assert seen == {"remote": True, "local": False}
+    assert handle[0].succeeded("remote") and handle[0].succeeded("local")
+    with tiercache.open({"s3": s3_config.model_dump()}) as remote:
+        assert torch.equal(remote.restore(handle[0].version)["w"], state["w"])
+
+
+def test_a_save_that_needs_the_room_drops_chunks_s3_has_not_read_and_s3_reads_them_from_the_disk(
+    tmp_path: Path, s3_config: S3Config, proxy: ThrottledProxy
+) -> None:
+    # S3 reads one 1 MiB chunk at a time at 50 kB/s: when the disk has committed the first
+    # version, S3 is still on its first chunk, and RAM keeps the other three for it. The second
+    # save needs their room: the arena drops them, and S3 reads them back from the disk.
+    proxy.limit_bps = 50_000
+    cfg = {"ram": {"capacity": "12MiB", "serve_reads": False}, "disk": {"path": str(tmp_path / "disk")},
+           "s3": s3_config.model_copy(update={"endpoint_url": proxy.url}).model_dump(),
+           "chunk_bytes": "1MiB", "io_threads": 1}
+    first, second = _state(8, 4 * MIB), _state(9, 10 * MIB)
+    with tiercache.open(cfg) as cache:
+        ram = cache.engine.ramcache
+        try:
+            h1 = cache.save(first, step=0)
+            h1.wait("local")
+            published = cache.engine.published(h1.version)
+            assert published is not None  # still in flight: S3 has not got it
+            keys = [chunk_key(c.id) for c in published.result().chunks]
+            assert ram.ram is not None
+            # The disk has it, S3 not yet: RAM keeps the chunks S3 is still to read (the one
+            # being read, and the three after it).
+            assert [ram.ram.size(k) is not None for k in keys] == [True] * 4
+            h2 = cache.save(second, step=1)  # needs the room of the chunks kept for S3
+            gone = [k for k in keys if ram.ram.size(k) is None]
+            assert len(gone) >= 3 and not h1.future("remote").done()
+        finally:
+            proxy.limit_bps = None
+        cache.flush()
+        assert h1.succeeded("remote") and h2.succeeded("remote") and h2.succeeded("local")
+        # Released once S3 was done: nothing of either version is left in the arena.
+        assert [ram.ram.size(k) for k in keys] == [None] * 4
+        assert ram.arena is not None and ram.arena.in_use == (0, 0)
+    with tiercache.open({"s3": s3_config.model_dump()}) as remote:
+        for h, s in [(h1, first), (h2, second)]:
+            assert torch.equal(remote.restore(h.version)["w"], s["w"]), h.version

@@ -689,7 +689,6 @@ class Engine:
             job.pending.discard(name)
             job.writing.discard(name)
             finished = not job.pending
-            self.jobs.changed()
         if finished:
             self.settle(job)
 
@@ -832,22 +831,51 @@ class Engine:
         self.repo.leases.close(job.version_id)
         self.jobs.remove(job)
         self.release_ram(job)
+        with self.jobs.lock:  # no tier writes it any more: what was kept for one goes
+            kept = list(job.kept)
+            job.kept.clear()
+        self.ramcache.let_go(kept)
 
     def release_ram(self, job: Job) -> None:
         """Unpin ``job``'s chunks in the RAM arena (once): a local durable tier holds it, or it settled.
 
-        RAM holds a version only until its first durable tier has it (docs/design.md section 3):
-        a slower tier still writing it reads it back from that tier (see :meth:`TierWriter.source`),
-        so a slow S3 never keeps ``save()`` waiting for room while the disk keeps up. The
-        version stays open (:meth:`Leases.open`) until it settles, so no eviction drops the copy
-        being read back meanwhile.
+        RAM holds a version only until its first durable tier has it (docs/design.md section 3).
+        A slower tier (S3) writes it from RAM from the start, in parallel with the disk; the
+        chunks it has not read yet stay in the arena after this, but only as cache that a save
+        needing the room drops, each until that tier is done with it (:meth:`chunk_read`). A
+        chunk gone from RAM is read back from the disk (see :meth:`TierWriter._read_back`): the
+        version stays open (:meth:`Leases.open`) until it settles, so no eviction drops that
+        copy meanwhile. So a slow S3 never keeps ``save()`` waiting for room while the disk
+        keeps up, nor waits for the disk itself.
         """
         with self.jobs.lock:
             if job.ram_released:
                 return
             job.ram_released = True
             keys = list(job.chunk_keys)
-        self.ramcache.unpin(keys)
+            slower = [n for n in job.pending if n not in job.committed]
+            for key in set(keys):
+                readers = {n for n in slower if key not in job.read_by.get(n, ())}
+                if readers:
+                    job.kept[key] = readers
+            job.read_by.clear()
+            kept = list(job.kept)
+        self.ramcache.unpin(keys, keep=kept)
+
+    def chunk_read(self, job: Job, tier: str, key: str) -> None:
+        """Tier ``tier`` is done reading chunk ``key`` of ``job`` (written, or found there): RAM may let it go."""
+        with self.jobs.lock:
+            if not job.ram_released:
+                job.read_by.setdefault(tier, set()).add(key)
+                return
+            readers = job.kept.get(key)
+            if readers is None or tier not in readers:
+                return
+            readers.discard(tier)
+            if readers:
+                return
+            del job.kept[key]
+        self.ramcache.let_go([key])
 
     # ------------------------------------------------------------------ queries
 

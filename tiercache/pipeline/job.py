@@ -19,7 +19,7 @@ its short critical sections over job state, RAM pins and the arena.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -180,9 +180,13 @@ class Job(VersionHead):
     final: Version | None = None
     #: Set once the pipeline is done with the version (settled and its regions released).
     released: threading.Event = field(default_factory=threading.Event)
-    #: Its chunks are no longer pinned in the RAM arena: a local durable tier holds it (slower
-    #: tiers read it back from there), or it settled.
+    #: Its chunks are no longer pinned in the RAM arena: a local durable tier holds it, or it settled.
     ram_released: bool = False
+    #: Per slower tier, the chunk keys it was done reading before the version's RAM was released.
+    read_by: dict[str, set[str]] = field(default_factory=dict)
+    #: Chunk keys the arena keeps (evictable) after the release for slower tiers not done with
+    #: them yet, with those tiers (see :meth:`Engine.release_ram`).
+    kept: dict[str, set[str]] = field(default_factory=dict)
 
     def view(self, tiers: frozenset[str] = frozenset()) -> VersionView:
         """The policy's view of this version (before its manifest exists)."""
@@ -203,18 +207,7 @@ class JobTable:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._changed = threading.Condition(self.lock)
         self._jobs: dict[str, Job] = {}
-
-    def changed(self) -> None:
-        """A job's tiers changed (one left ``pending``, or it settled): wake :meth:`wait_for`."""
-        with self.lock:
-            self._changed.notify_all()
-
-    def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Block until ``predicate()`` (called with the lock held) is true; it is checked after each :meth:`changed`."""
-        with self.lock:
-            self._changed.wait_for(predicate)
 
     def add(self, job: Job) -> None:
         """Register a staged version."""
@@ -239,7 +232,6 @@ class JobTable:
         with self.lock:
             self._jobs.pop(job.version_id, None)
             job.released.set()
-            self._changed.notify_all()
 
     def snapshot(self) -> list[Job]:
         """The jobs in flight, oldest first."""

@@ -250,7 +250,6 @@ class Placement:
             if not self.engine.health.available(name):
                 job.skipped_down.add(name)
             finished = not job.pending
-            jobs.changed()
         self.engine.skips.skipped(name, job.version_id, reason)
         if job.committer is not None:
             # The group settles a multi-rank version tier by tier, and waits for each rank's level

@@ -74,6 +74,8 @@ class RamCache:
         self.arena: Arena | None = None
         self.ram: RamTier | None = None
         self._pins: dict[str, int] = {}
+        #: Key -> versions that keep it, unpinned, for a slower tier still to read it (see unpin).
+        self._kept: dict[str, int] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._room = threading.Condition()
         self._frees = 0  # counts notify(): a waiter sleeps only if nothing was freed since it looked
@@ -189,17 +191,25 @@ class RamCache:
                     held.append(key)
         return held
 
-    def unpin(self, keys: Iterable[str]) -> None:
-        """A version in flight settled: its chunks stay as read cache, or go."""
+    def unpin(self, keys: Iterable[str], keep: Iterable[str] = ()) -> None:
+        """A version in flight no longer needs its chunks: they stay as read cache, or go.
+
+        ``keep``: those of them a slower tier is still to read (docs/design.md section 3). They
+        stay as cache a save that needs the room drops (oldest first, as the read cache) until
+        :meth:`let_go` says the tier is done with them; a tier that finds one gone reads it from
+        a durable tier instead.
+        """
         dropped = []
         with self._lock:
+            for key in keep:
+                self._kept[key] = self._kept.get(key, 0) + 1
             for key in keys:
                 n = self._pins.get(key, 0) - 1
                 if n > 0:
                     self._pins[key] = n
                     continue
                 self._pins.pop(key, None)
-                if self.serve_reads or self._keep_all:
+                if self.serve_reads or self._keep_all or key in self._kept:
                     self._lru[key] = None
                 elif self.ram is not None:
                     self.ram.delete(key)
@@ -207,6 +217,29 @@ class RamCache:
         if dropped:
             self._repo.catalog.note_chunks("ram", dropped, present=False)
         self.notify()
+
+    def let_go(self, keys: Iterable[str]) -> None:
+        """A slower tier is done with chunks :meth:`unpin` kept for it: drop those nothing else holds.
+
+        A chunk stays if a version in flight pins it, another version keeps it, or the RAM tier
+        serves reads (it is read cache then, as any other).
+        """
+        dropped = []
+        with self._lock:
+            for key in keys:
+                n = self._kept.get(key, 0) - 1
+                if n > 0:
+                    self._kept[key] = n
+                    continue
+                self._kept.pop(key, None)
+                if self.serve_reads or self._keep_all or key not in self._lru or self.ram is None:
+                    continue  # read cache, pinned again, or dropped for room already
+                del self._lru[key]
+                self.ram.delete(key)
+                dropped.append(_cid(key))
+        if dropped:
+            self._repo.catalog.note_chunks("ram", dropped, present=False)
+            self.notify()
 
     def make_room(self, needed: int) -> bool:
         """Drop cached chunks, oldest first, until ``needed`` bytes may fit; whether any was dropped."""

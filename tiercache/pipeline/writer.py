@@ -135,8 +135,7 @@ class TierWriter:
                 eng.fail_tier(name, job, e, group=True)
                 return
         written: set[str] = set()
-        source = self.source(job)
-        spans = self._put_chunks(job, plan.codec, mine, written, source)
+        spans = self._put_chunks(job, plan.codec, mine, written)
         t_commit = time.perf_counter()
         if spans:
             # One observation per version: bytes over the time any put was in flight. Per-chunk
@@ -176,41 +175,17 @@ class TierWriter:
         else:
             eng.fail_tier(self.name, job, err, group=True)
 
-    def source(self, job: Job) -> str | None:
-        """The local durable tier this (remote) tier reads ``job`` back from, or ``None``: from RAM.
-
-        RAM holds a version only until its first durable tier has it (docs/design.md section
-        3): a remote tier waits for the version's outcome on a local tier being written at the
-        same time, unless the meter says that tier writes slower than this one, and then reads
-        the version back from it if it committed there (:meth:`Engine.release_ram` gave the
-        arena back meanwhile). A multi-rank version is not waited for (its commit on a local
-        tier waits for the whole group); a chunk gone from RAM is read back all the same.
-        """
-        eng = self.engine
-        if TIER_LEVEL.get(self.name) != "remote" or job.committer is not None:
-            return None
-        with eng.jobs.lock:
-            local = [n for n in job.pending if n != self.name and TIER_LEVEL.get(n) == "local"]
-        mine = eng.meter.rate(self.name, "write")
-        for n in local:
-            theirs = eng.meter.rate(n, "write")
-            if mine is not None and theirs is not None and theirs < mine:
-                return None  # a disk slower than the link: upload from RAM at once
-        if local:
-            eng.jobs.wait_for(lambda: not any(n in job.pending for n in local))
-        with eng.jobs.lock:
-            return next((n for n in job.order if n in job.committed and TIER_LEVEL.get(n) == "local"), None)
-
     def _put_chunks(
-        self, job: Job, codec: str, mine: Collection[str] | None, written: set[str], source: str | None
+        self, job: Job, codec: str, mine: Collection[str] | None, written: set[str]
     ) -> list[tuple[int, float, float]]:
         """Write the chunks of ``job`` this tier lacks, each as soon as it is hashed (or earlier).
 
-        ``source``: the durable tier to read them from (see :meth:`source`), else the RAM arena.
+        Every tier starts at once, from the RAM arena: a slower tier does not wait for a faster
+        one to commit the version (see :meth:`_put_chunk`).
         """
         eng = self.engine
         futs: list[Future[tuple[int, float, float]]] = []
-        hint = eng.early_hint(job, self.tier, codec) if source is None else [False] * len(job.ready)
+        hint = eng.early_hint(job, self.tier, codec)
         # Chunks written before they are hashed and not yet named: each holds an open tmp file.
         early: deque[Future[tuple[int, float, float]]] = deque()
         try:
@@ -226,8 +201,9 @@ class TierWriter:
                     continue
                 cid = ready.result()  # raises the hashing error, failing this level
                 if (mine is not None and cid not in mine) or not self._claim(job, cid, written):
+                    eng.chunk_read(job, self.name, chunk_key(cid))  # nothing to read: RAM may let it go
                     continue
-                futs.append(self._io.submit(self._put_chunk, job, cid, codec, source))
+                futs.append(self._io.submit(self._put_chunk, job, cid, codec))
         except BaseException:
             futures_wait(futs)  # the early writes give their lent regions back and remove their tmp files
             raise
@@ -347,34 +323,43 @@ class TierWriter:
             ram.arena.free(region)  # the lent reference
             ram.notify()
 
-    def _put_chunk(self, job: Job, cid: str, codec: str, source: str | None) -> tuple[int, float, float]:
+    def _put_chunk(self, job: Job, cid: str, codec: str) -> tuple[int, float, float]:
         """Write one chunk object; return its stored size and the put's start and end times.
 
-        From ``source`` (a durable tier holding the version, see :meth:`source`) if given, else
-        from the RAM arena; a chunk gone from RAM (a local tier committed the version meanwhile,
-        and :meth:`Engine.release_ram` let it go) is read back from a tier that holds it.
+        From the RAM arena while it holds the chunk (pinned until a local tier commits the
+        version, then kept until a save needs the room, see :meth:`Engine.release_ram`), else
+        read back from a durable tier that holds it. Either way the arena may let it go after.
         """
+        eng = self.engine
         key = chunk_key(cid)
-        if source is None:
-            ram = self.engine.ramcache.ram
-            assert ram is not None
-            # Borrowed, not viewed: if the version is released while this put still reads (a
-            # deadline passed), the region must not take the next save's bytes, which the tier
-            # would then store under this chunk's name.
+        ram = eng.ramcache.ram
+        assert ram is not None
+        borrowed = False
+        try:
+            # Borrowed, not viewed: if the chunk is dropped while this put still reads (the arena
+            # needed room, or a deadline passed), the region must not take the next save's
+            # bytes, which the tier would then store under this chunk's name.
             with ram.borrow(key) as view:
                 if view is not None:
+                    borrowed = True
                     return self._put_object(key, view, codec)
-        return self._put_object(key, self._read_back(job, cid, source), codec)
+            return self._put_object(key, self._read_back(job, cid), codec)
+        finally:
+            eng.chunk_read(job, self.name, key)
+            if borrowed:  # a region dropped while borrowed went back only as the borrow ended
+                eng.ramcache.notify()
 
-    def _read_back(self, job: Job, cid: str, source: str | None) -> bytes:
-        """Chunk ``cid`` of ``job`` as stored on ``source`` (verified), else on the best tier that holds it.
+    def _read_back(self, job: Job, cid: str) -> bytes:
+        """Chunk ``cid`` of ``job`` as stored on the local tier that committed it (verified), else elsewhere.
 
-        The version is open until it settles, so no eviction drops it from ``source`` meanwhile
+        The version is open until it settles, so no eviction drops it from that tier meanwhile
         (see :meth:`Repo.evict`); a damaged copy there is read from another tier instead.
         """
         eng = self.engine
         manifest = job.published.result()
         nbytes = next(c.nbytes for c in manifest.chunks if c.id == cid)
+        with eng.jobs.lock:
+            source = next((n for n in job.order if n in job.committed and TIER_LEVEL.get(n) == "local"), None)
         if source is not None:
             try:
                 return eng.repo.read_object(cid, nbytes, manifest.hash_algo, order=[source])[0]
