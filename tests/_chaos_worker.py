@@ -220,4 +220,26 @@ def _dcp_save(cache: tiercache.TierCache, rank: int, world: int, step: int, faul
     res["levels"] = None if handle is None else {lvl: _outcome(handle, lvl, 60) for lvl in LEVELS}
 
 
-SCENARIOS = {"chaos": scenario_chaos}
+def scenario_s3hang(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """Rank 1's S3 hangs from before the group's first save: every level read while it still hangs, then a restore."""
+    group = dist.group.WORLD
+    bound = 2 * json.loads((work / "plan.json").read_text())["timeout"] + 20
+    relay = _multirank_worker.S3_RELAY
+    if rank == 1:
+        relay.mode = "hang"
+    dist.barrier()
+    try:
+        h = cache.save(state(rank, 1), step=1, group=group)
+        out["vid"] = h.version
+        out["levels"] = {lvl: _outcome(h, lvl, bound) for lvl in LEVELS}
+    except Exception as e:
+        out["raised"] = _error(e)
+    if rank == 1:
+        out["hanging"] = relay.mode == "hang"  # still, once it read every level (the others wait for it)
+    dist.barrier()
+    relay.mode = "up"
+    if "vid" in out:
+        out["restored"] = equal(cache.restore(out["vid"], group=group, resume=False), state(rank, 1))
+
+
+SCENARIOS = {"chaos": scenario_chaos, "s3hang": scenario_s3hang}

@@ -336,3 +336,34 @@ def test_flush_and_close_during_an_s3_outage_name_what_waits_for_s3(
     with tiercache.open(cfg) as again:  # the next process that saves catches S3 up
         again.save(_state(4), step=4, branch="other").wait("remote")
         assert _until(lambda: all("s3" in {v.id: v for v in again.versions()}[h.version].tiers for h in hs))
+
+
+def test_s3_hanging_in_a_commit_holds_no_later_version_from_the_disk(
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy
+) -> None:
+    # S3 hangs in version 1's commit, right after its manifest (the next request is the line of
+    # S3's index): version 2 still reaches `local` meanwhile. Before, one index lock served every
+    # tier, and S3's append held it for the S3 client's timeouts: the disk's commit (and so `local`,
+    # and a group's `local` behind a coordinator's S3 commit) waited for S3.
+    s3 = s3_config.model_copy(update={"endpoint_url": relay.url, "read_timeout": 120.0}).model_dump()
+    cfg = {"disk": {"path": str(tmp_path / "disk")}, "s3": s3, "policy": {"name": "write-through"}}
+    hung = threading.Event()
+
+    def hang_s3(*_: object) -> None:
+        if threading.current_thread().name == "tiercache-writer-s3" and not hung.is_set():
+            relay.mode = "hang"
+            hung.set()
+
+    with tiercache.open(cfg) as cache:
+        try:
+            with failpoints.hooked("repo.after_manifest_write", hang_s3):
+                h1 = cache.save(_state(1), step=1)
+                assert hung.wait(60), "version 1 never reached S3's commit"
+                h2 = cache.save(_state(2), step=2)
+                assert h2.wait("local", timeout=60) == h2.version
+            assert relay.mode == "hang" and not h1.done("remote")  # S3 still hangs in version 1's commit
+        finally:
+            relay.mode = "up"
+        assert h1.wait("remote", timeout=60) == h1.version and h2.wait("remote", timeout=60) == h2.version
+        got = cache.restore(h2.version)
+        assert torch.equal(got["w"], _state(2)["w"]) and got["step"] == 2

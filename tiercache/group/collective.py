@@ -281,7 +281,7 @@ class Channel:
     # ------------------------------------------------------------------ the exchange
 
     def exchange(self, tag: str, mine: Status, *, what: str, decide: Decide | None = None,
-                 about: Any = None) -> Verdict:
+                 about: Any = None, late: str | None = None) -> Verdict:
         """Send this rank's status for phase ``tag`` and return the group's verdict.
 
         Every rank of the group calls this with the same ``tag`` (``<version>/<phase>``); it
@@ -297,6 +297,8 @@ class Channel:
             about: What this rank's call is about (JSON-able): a failed verdict carries that of
                 the rank that set it (``extra["about"]``), so a rank that comes late learns
                 what the others' call was.
+            late: What a rank that does not answer in time was still doing, for the message
+                (``"still writing to s3"``).
 
         Returns:
             The verdict (never raises for a failed phase: see :meth:`Verdict.raise_failure`).
@@ -308,7 +310,8 @@ class Channel:
                 # the coordinator decides it already), so a rank that does not know yet learns it.
                 return self._settle_broken(tag)
             self._post(tag, mine)
-            verdict = self._coordinate(tag, what, decide, about) if group.rank == 0 else self._await(tag, what, about)
+            verdict = (self._coordinate(tag, what, decide, about, late) if group.rank == 0
+                       else self._await(tag, what, about, late))
         except Exception as e:
             if not _is_store_error(e):
                 raise
@@ -434,7 +437,8 @@ class Channel:
                 out.append(r)
         return out
 
-    def _coordinate(self, tag: str, what: str, decide: Decide | None, about: Any = None) -> Verdict:
+    def _coordinate(self, tag: str, what: str, decide: Decide | None, about: Any = None,
+                    late: str | None = None) -> Verdict:
         group = self.group
         deadline = time.monotonic() + group.timeout
         self._client().set(f"a/{tag}", b"")  # the others give this coordinator its whole timeout from now
@@ -454,7 +458,7 @@ class Channel:
                 failure = self._dead(what, dead)
                 break
             if time.monotonic() >= deadline:
-                failure = self._missing(what, missing)
+                failure = self._missing(what, missing, late=late)
                 break
         statuses = self._records(tag)
         if failure is None:
@@ -502,11 +506,13 @@ class Channel:
             store.delete_key(key)
         return self._read(tag, verdict)
 
-    def _missing(self, what: str, missing: list[int], named: list[int] | None = None) -> Status:
+    def _missing(self, what: str, missing: list[int], named: list[int] | None = None, late: str | None = None
+                 ) -> Status:
         """The failure of a phase some ranks did not answer in time (``named``: those to blame, default all)."""
         group = self.group
         return Status("error", error="GroupSaveError", extra={"missing": missing}, message=(
-            f"{what} failed: {_names(group, named or missing)} did not answer within {group.timeout:g}s"))
+            f"{what} failed: {_names(group, named or missing)} did not answer within {group.timeout:g}s"
+            + (f" ({late})" if late else "")))
 
     def _dead(self, what: str, dead: list[int]) -> Status:
         group = self.group
@@ -514,7 +520,7 @@ class Channel:
             f"{what} failed: {_names(group, dead)} {'is' if len(dead) == 1 else 'are'} gone (no heartbeat for "
             f"{group.dead_after:g}s): the process group is broken; restart the job"))
 
-    def _await(self, tag: str, what: str, about: Any = None) -> Verdict:
+    def _await(self, tag: str, what: str, about: Any = None, late: str | None = None) -> Verdict:
         group = self.group
         start = time.monotonic()
         # The coordinator waits up to the timeout for the slowest rank from when it arrives, then
@@ -537,7 +543,7 @@ class Channel:
                 statuses = self._records(tag)
                 missing = [r for r, s in enumerate(statuses) if s is None] or [0]
                 # A coordinator that arrived (see arrive()) waits on the ranks that never came.
-                failure = self._missing(what, missing, [r for r in missing if r or not arrived] or missing)
+                failure = self._missing(what, missing, [r for r in missing if r or not arrived] or missing, late)
             else:
                 continue  # not yet; or the coordinator is deciding (maybe committing): wait while it lives
             if about is not None:

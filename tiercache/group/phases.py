@@ -184,7 +184,7 @@ class Phases:
         rnd.parts_done.wait()
         if rnd.failed is not None:
             return
-        status = rnd.written(tier)
+        status = self._written(tier, rnd, ch)
         try:
             failpoint("group.write", f"{rnd.vid}/{tier}")
         except Exception as e:
@@ -195,7 +195,8 @@ class Phases:
             status = Status("ok", throttled)
         shared = tier not in view.node_local
         verdict = ch.exchange(f"{rnd.vid}/{tier}", status, what=f"version {rnd.vid} on {tier}",
-                              decide=(lambda s: self._commit_shared(tier, rnd, s)) if shared else None)
+                              decide=(lambda s: self._commit_shared(tier, rnd, s)) if shared else None,
+                              late=f"still writing to {tier}")
         if pacer is not None and not throttled and verdict.ok and verdict.status.payload:
             pacer.slow_down()  # the ranks share the store's key prefixes: one rank's SlowDown is the group's
         if verdict.ok and not shared:
@@ -209,6 +210,25 @@ class Phases:
         except Exception as e:  # this process's view only: the group committed the version all the same
             log.warning("version %s is committed on %s but this process could not note it: %s", rnd.vid, tier, e)
         rnd.settle(tier, None)
+
+    def _written(self, tier: str, rnd: Round, ch: Channel) -> Status:
+        """This rank's status at ``<v>/<tier>``: its write there done or failed, or given up with the group.
+
+        A write that hangs (an S3 that accepts connections and never answers, for minutes of
+        client timeouts and retries) must not hold this rank's level of the tier past the
+        group's verdict: once the coordinator (or a rank that gave up on it) decided the phase
+        without this rank, it was failed naming this rank, and this rank reports that verdict
+        now, as the others did. Its write goes on in the engine, whose outcome is that verdict.
+        """
+        tag = f"{rnd.vid}/{tier}"
+        collective = self.view.collective
+        # Looked up as often as a heartbeat moves: a small load on the store for a long write.
+        pause = max(collective.poll, min(1.0, collective.heartbeat))
+        while (status := rnd.written(tier, timeout=pause)) is None:
+            if ch.decided(tag) or collective.broken is not None:
+                return Status.of(GroupSaveError(f"{collective.name(collective.rank)}'s write of version {rnd.vid} to "
+                                                f"{tier} had not ended when the group decided"))
+        return status
 
     def _header(self, rnd: Round) -> Version:
         view = self.view

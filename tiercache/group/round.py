@@ -171,21 +171,28 @@ class Round:
         except BaseException as e:
             return Status.of(e)
 
-    def written(self, tier: str) -> Status:
-        """Block until this rank's chunks and part are durable on ``tier`` or its write there failed."""
+    def written(self, tier: str, timeout: float | None = None) -> Status | None:
+        """Wait until this rank's chunks and part are durable on ``tier`` or its write there failed.
+
+        Returns:
+            The status this rank sends for the tier; ``None`` if neither happened within
+            ``timeout`` seconds (``None``: no limit).
+        """
         if self.stage_error is not None:
             return Status.of(self.stage_error)
         if self.local is None:  # the caller writes the part itself (see GroupView.open_round)
-            try:
-                self.ready[tier].result()
-            except BaseException as e:
-                return Status.of(e)
-            return Status()
+            wait([self.ready[tier]], timeout=timeout)
+            if not self.ready[tier].done():
+                return None
+            err = self.ready[tier].exception()
+            return Status.of(err) if err is not None else Status()
         level = self.local.future(TIER_LEVEL[tier])  # type: ignore[arg-type]
-        wait([self.ready[tier], level], return_when=FIRST_COMPLETED)
+        wait([self.ready[tier], level], timeout=timeout, return_when=FIRST_COMPLETED)
         if self.ready[tier].done():
             err = self.ready[tier].exception()
             return Status.of(err) if err is not None else Status()
+        if not level.done():
+            return None
         return Status.of(level.exception() or TierCacheError(f"the write to {tier} ended without a commit"))
 
     # -- settling --

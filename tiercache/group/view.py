@@ -139,8 +139,15 @@ class GroupView:
         settings = {"chunk_bytes": cfg.chunk_bytes, "pack_below": cfg.pack_below, "hash": cfg.hash,
                     "[peers] copies": cfg.peers.copies, "durable tiers": sorted(cache.repo.durable),
                     "node-local tiers": sorted(self.node_local), "[agent]": cfg.agent is not None}
-        verdict = self._channel.exchange("view", Status("ok", {"node": [name, domain], "settings": settings}),
-                                         what="opening the group view", decide=self._agree)
+        mine = Status("ok", {"node": [name, domain], "settings": settings})
+        try:
+            # Each rank learns its tiers' versions and refs now, while the group is being made,
+            # not in its first save(): a save reads no tier (an S3 that hangs after this point
+            # never holds save() or the `local` level; one down now is left out, as at open).
+            cache.catalog.load()
+        except TierCacheError as e:  # the group learns it in this exchange, naming this rank
+            mine = Status.of(e)
+        verdict = self._channel.exchange("view", mine, what="opening the group view", decide=self._agree)
         if not verdict.ok:
             self.collective.close()
             raise verdict.status.error_object()

@@ -109,7 +109,9 @@ class Catalog:
         self._versions: dict[str, Version] = {}
         # Per (tier, index kind): where that tier's index ends, to append to it.
         self._index: dict[tuple[str, str], index.Segments] = {}
-        self._index_lock = threading.Lock()
+        # One lock per tier: an index write to a tier that hangs (S3) never holds another's (the
+        # disk's commit, and with it the `local` level).
+        self._index_locks = {name: threading.Lock() for name in self._durable}
         # The part manifests read so far of multi-rank versions known by their group manifest.
         self._parts: dict[str, dict[int, Version]] = {}
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
@@ -164,12 +166,17 @@ class Catalog:
             self._loaded = True
 
     def reload(self, name: str) -> None:
-        """Merge in what tier ``name`` holds now (after it came back from an outage)."""
+        """Merge in what tier ``name`` holds now (after it came back from an outage).
+
+        The tier is read without the catalog's lock (only each merge takes it): a tier that
+        hangs while it is read (S3) holds up no save, commit or placement meanwhile.
+        """
         with self._lock:
             self._chunks.pop(name, None)
             self._residency.clear()
-            if self._loaded:
-                self._load_available(name)
+            loaded = self._loaded
+        if loaded:
+            self._load_available(name)
 
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now (always, without a health monitor)."""
@@ -214,7 +221,8 @@ class Catalog:
                     self._put_version(v)
         self._repair_index(name, "versions", seg, [vid for vid in ids if vid not in good],
                            dead=len(lines.keys() - set(ids)), live=ids)
-        self._residency.clear()
+        with self._lock:
+            self._residency.clear()
         for key in tier.list(REFS):
             parts = key.split("/")
             if len(parts) != 3 or parts[1] not in ("branch", "tag"):
@@ -227,14 +235,21 @@ class Catalog:
             except IntegrityError as e:
                 log.warning("ignoring damaged ref: %s", e)
                 continue
-            self._tokens[(name, key)] = (got.token, rec)
-            cur = self._refs.get((rec.kind, rec.name))
-            if cur is None or rec.seq > cur.seq:
-                self._refs[(rec.kind, rec.name)] = rec
+            with self._lock:
+                # A commit of this process may have moved the ref there since it was read (a
+                # reload runs beside the pipeline): its token is the newer one.
+                _, seen = self._tokens.get((name, key), (None, None))
+                if seen is None or rec.seq >= seen.seq:
+                    self._tokens[(name, key)] = (got.token, rec)
+                cur = self._refs.get((rec.kind, rec.name))
+                if cur is None or rec.seq > cur.seq:
+                    self._refs[(rec.kind, rec.name)] = rec
         self._load_pruned(name)
         for key in tier.list(REFLOG):
             entry_id = key.rsplit("/", 1)[-1][: -len(".json")]
-            if (name, entry_id) in self._logged or not key.endswith(".json"):
+            with self._lock:
+                seen_entry = (name, entry_id) in self._logged
+            if seen_entry or not key.endswith(".json"):
                 continue
             data = tier.get(key)
             if data is None:
@@ -244,8 +259,9 @@ class Catalog:
             except IntegrityError as e:
                 log.warning("ignoring damaged reflog entry: %s", e)
                 continue
-            self._logged.add((name, move.id))
-            self._reflog[move.id] = move
+            with self._lock:
+                self._logged.add((name, move.id))
+                self._reflog[move.id] = move
 
     def _read_manifests(self, name: str, ids: list[str]) -> list[Version]:
         """Read and parse manifests from tier ``name`` (a damaged or vanished one is logged and left out)."""
@@ -322,7 +338,7 @@ class Catalog:
         rebuild = dead > max(index.SEGMENT, len(live))
         # The lines first: the index lock is never held while waiting for the catalog's.
         lines = [(vid, d) for vid in sorted(live if rebuild else unindexed) if (d := self._line(kind, vid)) is not None]
-        with self._index_lock:
+        with self._index_locks[name]:
             self._index[(name, kind)] = seg
             seg.ids.difference_update(unindexed)  # a damaged line is superseded by a later one
             try:
@@ -336,7 +352,7 @@ class Catalog:
                 log.info("could not repair the %s index of %s (the next reader tries again): %s", kind, name, e)
 
     def _segments(self, name: str, kind: str) -> index.Segments:
-        """Where tier ``name``'s index of ``kind`` ends (read once; the index lock is held)."""
+        """Where tier ``name``'s index of ``kind`` ends (read once; the tier's index lock is held)."""
         seg = self._index.get((name, kind))
         if seg is None:
             _, seg, _ = index.read(self._tiers[name], kind)
@@ -356,7 +372,7 @@ class Catalog:
         with self._lock:
             known = self._known.get(version.id)
             line = (known if known is not None else Summary.of(version)).to_line()
-        with self._index_lock:
+        with self._index_locks[tier]:
             try:
                 seg = self._segments(tier, "versions")
             except StorageError as e:
@@ -404,7 +420,7 @@ class Catalog:
                     slines.append((record.version, {"id": record.version, "r": record.model_dump(mode="json")}))
             with self._lock:
                 self._status_lines[name] = dict(slines)
-            with self._index_lock:
+            with self._index_locks[name]:
                 for kind, got in (("versions", lines), ("pruned", plines), ("status", slines)):
                     seg = self._index.setdefault((name, kind), index.Segments())
                     index.rewrite(tier, kind, seg, got)
@@ -485,7 +501,7 @@ class Catalog:
         assert line is not None
         for name in self._durable:
             if self.available(name):
-                with self._index_lock:
+                with self._index_locks[name]:
                     try:
                         seg = self._segments(name, "pruned")
                     except StorageError:
@@ -828,7 +844,7 @@ class Catalog:
                         got, seg, _ = index.read(tier, "status")
                         listed |= names
                         lines[name] = {vid: d for vid, d in got.items() if vid in names}
-                        with self._index_lock:
+                        with self._index_locks[name]:
                             self._index[(name, "status")] = seg
             with self._lock:
                 self._status_listed = listed
@@ -863,7 +879,7 @@ class Catalog:
         line = {"id": version_id, "r": record.model_dump(mode="json") if record is not None else None}
         with self._lock:
             self._status_lines.setdefault(name, {})[version_id] = line
-        with self._index_lock:
+        with self._index_locks[name]:
             try:
                 seg = self._segments(name, "status")
             except StorageError:
