@@ -184,10 +184,11 @@ def _plan_at_once(table: TensorTable, targets: dict[str, torch.Tensor]) -> IntoP
             return None
         names = [table.dtypes[j] for j in index]
         shapes = [table.shapes[j] for j in index]
-    if any(DTYPES[name].complex for name in set(names)):
+    kinds = {name: dtype_from_name(name) for name in set(names)}
+    if any(DTYPES[name].complex for name in kinds):
         return None  # a conjugation bit is possible: one by one
     try:
-        if (list(map(_get_dtype, tensors)) != list(map(dtype_from_name, names))
+        if (list(map(_get_dtype, tensors)) != list(map(kinds.__getitem__, names))
                 or list(map(_get_shape, tensors)) != shapes
                 or not all(layout is torch.strided for layout in map(_get_layout, tensors))
                 or not all(map(_get_is_cpu, tensors))
