@@ -12,12 +12,19 @@ each a fresh :func:`tiercache.open` (a new catalog, as in a new process; the pag
 
 Each figure is the median of ``--repeat`` runs; "parsed" counts the manifests parsed
 (``Version.from_json``) in one run. The disk rows use a disk-only cache, the S3 rows an S3-only
-one on a local SeaweedFS server started for the run, at the counts of ``--s3-versions`` (1,100: a
-version costs S3 about 4 PUTs there, so 1,000 take minutes to save; ``--no-s3`` leaves S3 out).
+one on a local SeaweedFS server started for the run, at the counts of ``--s3-versions`` (a
+version costs S3 about 4 PUTs there, so 1,000 take a few minutes to save; ``--no-s3`` leaves S3
+out).
+
+Paired: at the largest count of each tier, a second cache holding only the newest version (the
+same state, its own directory or prefix) is made, and ``--pairs`` rounds each time open + restore
+of the newest version in both, in alternating order; the per-round ratio (many versions / one)
+is what the "the same with 1 or 1,000 versions" target is read from (this VM's speed drifts by
+more than 10% between the counts' rows).
 
 Example::
 
-    python -m bench history --versions 1,100,1000 --s3-versions 1,100 --repeat 3
+    python -m bench history --versions 1,100,1000 --s3-versions 1,100,1000 --repeat 3 --pairs 5
 """
 
 from __future__ import annotations
@@ -48,17 +55,19 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench history", description=__doc__.splitlines()[0])
     p.add_argument("--versions", default="1,100,1000", help="version counts to measure the disk at (1,100,1000)")
-    p.add_argument("--s3-versions", default="1,100", help="version counts to measure S3 at (1,100)")
+    p.add_argument("--s3-versions", default="1,100,1000", help="version counts to measure S3 at (1,100,1000)")
     p.add_argument("--repeat", default=3, type=int, help="runs per figure; the table shows the median (3)")
     p.add_argument("--leaves", default=20000, type=int, help="tensors in the newest version's state (20000)")
     p.add_argument("--leaf-floats", default=256, type=int, help="float32 elements per tensor (256)")
+    p.add_argument("--pairs", default=5, type=int,
+                   help="alternating rounds of restore with one version / with the most (5; 0: none)")
     p.add_argument("--dir", type=Path, default=None, help="where the caches go (default: bench/out)")
     p.add_argument("--no-s3", action="store_true", help="measure the disk only")
     args = p.parse_args(argv)
     args.counts = {"disk": sorted({int(c) for c in args.versions.split(",") if c.strip()}),
                    "s3": [] if args.no_s3 else sorted({int(c) for c in args.s3_versions.split(",") if c.strip()})}
-    if not args.counts["disk"] or min(args.counts["disk"] + args.counts["s3"]) < 1 or args.repeat < 1:
-        p.error("--versions and --s3-versions need counts >= 1, and --repeat at least 1")
+    if not args.counts["disk"] or min(args.counts["disk"] + args.counts["s3"]) < 1 or args.repeat < 1 or args.pairs < 0:
+        p.error("--versions and --s3-versions need counts >= 1, --repeat at least 1 and --pairs at least 0")
     return args
 
 
@@ -100,6 +109,31 @@ def _timed(repeat: int, run: Callable[[], None]) -> tuple[float, int]:
     return statistics.median(secs), parsed
 
 
+def _restore(cfg: dict[str, Any], expect: dict[str, Any]) -> None:
+    """Open the cache and restore ``main``, checked bit-exact against ``expect``."""
+    with tiercache.open(cfg) as cache:
+        out = cache.restore("main")
+    bad = [k for k, v in expect.items() if not torch.equal(out[k], v)]
+    if bad:
+        raise RuntimeError(f"restore returned other bytes for {bad[:3]}")
+
+
+def _paired(one: dict[str, Any], many: dict[str, Any], expect: dict[str, Any], pairs: int) -> dict[str, Any]:
+    """``pairs`` rounds of open + restore in the 1-version and the many-version cache, alternating who goes first."""
+    rounds = []
+    for r in range(pairs):
+        secs = {}
+        for name in (("one", "many") if r % 2 == 0 else ("many", "one")):
+            t = time.perf_counter()
+            _restore(one if name == "one" else many, expect)
+            secs[name] = time.perf_counter() - t
+        rounds.append(secs)
+    ratios = [r["many"] / r["one"] for r in rounds]
+    return {"rounds": rounds, "one": statistics.median(r["one"] for r in rounds),
+            "many": statistics.median(r["many"] for r in rounds), "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
 def _measure(cfg: dict[str, Any], config_file: Path, expect: dict[str, Any], repeat: int) -> dict[str, Any]:
     def open_resolve() -> None:
         with tiercache.open(cfg) as cache:
@@ -111,11 +145,7 @@ def _measure(cfg: dict[str, Any], config_file: Path, expect: dict[str, Any], rep
             raise RuntimeError(got.output)
 
     def restore() -> None:
-        with tiercache.open(cfg) as cache:
-            out = cache.restore("main")
-        bad = [k for k, v in expect.items() if not torch.equal(out[k], v)]
-        if bad:
-            raise RuntimeError(f"restore returned other bytes for {bad[:3]}")
+        _restore(cfg, expect)
 
     row: dict[str, Any] = {}
     for name, run in (("open", open_resolve), ("ls", ls), ("restore", restore)):
@@ -142,13 +172,19 @@ def _grow(write_cfg: dict[str, Any], have: int, upto: int, args: argparse.Namesp
     return newest
 
 
-def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    """Grow a cache per tier and measure at each count; one row per (tier, count)."""
-    rows = []
+def _caches(work: Path, s3: dict[str, Any] | None, name: str) -> dict[str, dict[str, Any]]:
+    """The config of the cache called ``name`` per tier (its own directory, or prefix on S3)."""
+    caches = {"disk": {"disk": {"path": str(work / name)}, "policy": {"name": "write-through"}}}
+    if s3 is not None:
+        caches["s3"] = {"s3": {**s3, "url": f"{s3['url']}/{name}"}, "policy": {"name": "write-through"}}
+    return caches
+
+
+def run(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Grow a cache per tier and measure at each count; one row per (tier, count), and the paired rows."""
+    rows, paired = [], []
     with _s3(args, work) as s3:
-        caches = {"disk": {"disk": {"path": str(work / "disk")}, "policy": {"name": "write-through"}}}
-        if s3 is not None:
-            caches["s3"] = {"s3": s3, "policy": {"name": "write-through"}}
+        caches = _caches(work, s3, "history")
         for tier, cfg in caches.items():
             config_file = work / f"{tier}.toml"
             config_file.write_text(_toml(cfg))
@@ -161,7 +197,13 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 row = {"tier": tier, "versions": count, **_measure(cfg, config_file, newest, args.repeat)}
                 rows.append(row)
                 print(_line(row), file=sys.stderr)
-    return rows
+            if args.pairs and have > 1:
+                one = _caches(work, s3, "one")[tier]
+                _grow(one, have - 1, have, args)  # the same newest state, alone
+                pair = {"tier": tier, "versions": have, **_paired(one, cfg, newest, args.pairs)}
+                paired.append(pair)
+                print(_pair_line(pair), file=sys.stderr)
+    return rows, paired
 
 
 @contextmanager
@@ -181,13 +223,23 @@ def _line(row: dict[str, Any]) -> str:
     return f"| {row['tier']} | {row['versions']:,} | {' | '.join(cells)} |"
 
 
-def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """The Markdown table of the rows (seconds as ms, manifests parsed in parentheses)."""
+def _pair_line(pair: dict[str, Any]) -> str:
+    return (f"| {pair['tier']} | {pair['versions']:,} | {pair['one'] * 1e3:.0f} ms | {pair['many'] * 1e3:.0f} ms "
+            f"| {pair['ratio']:.2f}x ({pair['ratio_min']:.2f}-{pair['ratio_max']:.2f}x) |")
+
+
+def render(rows: list[dict[str, Any]], paired: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The Markdown tables of the rows (seconds as ms, manifests parsed in parentheses) and the pairs."""
     head = ["| tier | versions | open (parsed) | `ls` (parsed) | open + restore newest (parsed) |",
             "|---|---:|---:|---:|---:|"]
     note = (f"newest version: {args.leaves:,} tensors of {args.leaf_floats} float32; median of {args.repeat} "
             "runs, each a fresh open; (n) = manifests parsed in one run")
-    return "\n".join([*head, *(_line(r) for r in rows), "", note])
+    out = [*head, *(_line(r) for r in rows), "", note]
+    if paired:
+        out += ["", "| tier | versions | open + restore, 1 version | ... with the history | ratio per round (range) |",
+                "|---|---:|---:|---:|---:|", *(_pair_line(p) for p in paired), "",
+                f"medians of {args.pairs} alternating rounds; the ratio is the median of the per-round ratios"]
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -197,9 +249,9 @@ def main(argv: Sequence[str]) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tiercache-history-", dir=parent))
     try:
-        rows = run(args, work)
+        rows, paired = run(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(render(rows, args))
-    (parent / "history.json").write_text(json.dumps(rows, indent=2))
+    print(render(rows, paired, args))
+    (parent / "history.json").write_text(json.dumps({"rows": rows, "paired": paired}, indent=2))
     return 0

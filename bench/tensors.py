@@ -10,11 +10,18 @@ model are many tensors this small) is saved and restored, in one process, by:
 * tiercache on a disk-only cache (``write-through``): ``save()`` until ``local``, then, each in a
   cache opened for it (``tc.open``, timed apart), ``restore`` into new tensors and
   ``restore(into=...)`` into tensors allocated beforehand (each reads and parses the manifest);
-* a raw read: the cache's chunk files read with ``readinto`` into one buffer allocated beforehand
-  (the bytes a restore must move, without any per-tensor work).
+* raw reads of the cache's chunk files, the bytes a restore must move without any per-tensor work:
+  ``raw.read`` with O_DIRECT into pre-faulted aligned memory in 64 MiB requests (the disk read
+  limit of the main bench, and how the disk tier reads), ``raw.read_cached`` through the page
+  cache with ``readinto`` into one buffer allocated beforehand (a memcpy from the page cache);
+* two ablations of the restore into existing tensors: ``tc.manifest``, parsing the version's
+  manifest alone (``Version.from_json`` of its bytes), and ``into.ask``, asking each tensor of
+  ``into`` for its address, dtype and shape once (the least any restore into existing tensors
+  does per tensor in Python).
 
-Every file is read with the page cache warm (each was just written): what differs is the work
-per tensor, not the disk. Each of ``--rounds`` rounds runs the three in rotated order, and each
+The files are written just before they are read (the page cache is warm; O_DIRECT bypasses it).
+The tensors of ``into`` are made with ``zeros_like`` (touched, as a built model's are). Each of
+``--rounds`` rounds runs the three in rotated order, and each
 round's tiercache times are divided by the same round's baseline (the machine's speed drifts
 between rounds); the table gives the median of the per-round ratios and their range, and the
 median seconds. Writes ``bench/out/tensors.json``.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import operator
 import os
 import shutil
 import statistics
@@ -46,8 +54,9 @@ from rich.table import Table
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import tiercache
-from bench.baselines import torch_load, torch_save
+from bench.baselines import odirect_read, torch_load, torch_save
 from tiercache.config import DiskConfig
+from tiercache.manifest import Version
 
 OUT = Path(__file__).resolve().parent / "out"
 #: Floats per tensor.
@@ -58,7 +67,9 @@ RATIOS = (
     ("tc.restore", "torch.load", "restore into new tensors / torch.load"),
     ("tc.restore", "dcp.load", "restore into new tensors / dcp.load (into existing)"),
     ("tc.restore_into", "dcp.load", "restore into existing / dcp.load"),
-    ("tc.restore_into", "raw.read", "restore into existing / raw read of its chunks"),
+    ("tc.restore_into", "raw.read", "restore into existing / raw O_DIRECT read of its chunks"),
+    ("tc.restore_into", "raw.read_cached", "restore into existing / read of its chunks from the page cache"),
+    ("into.ask", "raw.read", "asking each tensor its address, dtype, shape / raw O_DIRECT read"),
     ("tc.save_local", "torch.save", "save() until local / torch.save + fsync"),
     ("tc.save_local", "dcp.save", "save() until local / dcp.save"),
 )
@@ -98,9 +109,27 @@ def _dcp(state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
     return out
 
 
+def _chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+
+
+def _raw_read_direct(root: Path) -> float:
+    """Read every chunk file under ``root`` with O_DIRECT: the disk read limit."""
+    return sum(odirect_read(p) for p in _chunk_files(root))
+
+
+def _ask(into: dict[str, torch.Tensor]) -> float:
+    """Ask every tensor of ``into`` for its address, dtype and shape once."""
+    tensors = list(into.values())
+    t0 = time.perf_counter()
+    for attr in (torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("shape")):
+        list(map(attr, tensors))
+    return time.perf_counter() - t0
+
+
 def _raw_read(root: Path) -> float:
-    """Read every chunk file under ``root`` into one buffer allocated beforehand."""
-    files = sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+    """Read every chunk file under ``root`` through the page cache into one buffer allocated beforehand."""
+    files = _chunk_files(root)
     buf = bytearray(sum(p.stat().st_size for p in files))
     view = memoryview(buf)
     t0 = time.perf_counter()
@@ -121,7 +150,13 @@ def _tiercache(state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
         out["tc.save_wait"] = time.perf_counter() - t0
         handle.wait("local")
         out["tc.save_local"] = time.perf_counter() - t0
-    out["raw.read"] = _raw_read(root)
+    out["raw.read_cached"] = _raw_read(root)
+    out["raw.read"] = _raw_read_direct(root)
+    manifest = next((root / "versions").glob("*.json")).read_bytes()
+    gc.collect()
+    t0 = time.perf_counter()
+    Version.from_json(manifest)
+    out["tc.manifest"] = time.perf_counter() - t0
     gc.collect()
     t0 = time.perf_counter()
     with tiercache.open(config) as cache:
@@ -131,7 +166,8 @@ def _tiercache(state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
         out["tc.restore"] = time.perf_counter() - t1
     assert all(torch.equal(got[k], v) for k, v in state.items()), "restore read other bytes"
     del got
-    into = {k: torch.empty_like(v) for k, v in state.items()}
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    out["into.ask"] = _ask(into)
     gc.collect()
     with tiercache.open(config) as cache:
         t0 = time.perf_counter()

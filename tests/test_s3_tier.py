@@ -13,9 +13,10 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
@@ -613,3 +614,30 @@ def test_picked_ports_and_their_grpc_twins_are_free() -> None:
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", p))
+
+
+def test_a_listing_parses_its_timestamps_without_dateutil(moto_tier: S3Tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dateutil took ~0.9 ms per object listed: 0.8 s of opening a 1,000-version history on S3.
+    for i in range(3):
+        moto_tier.put(f"versions/v{i}.json", b"{}")
+    before = datetime.now(UTC)
+    import dateutil.parser
+
+    real = dateutil.parser.parse
+    by_botocore: list[str] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.endswith(os.path.join("botocore", "parsers.py")):
+            frame = frame.f_back
+        if frame is not None:  # the client parsing a response (moto, serving it, parses dates of its own)
+            by_botocore.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dateutil.parser, "parse", counted)
+    assert moto_tier.list("versions/") == ["versions/v0.json", "versions/v1.json", "versions/v2.json"]
+    dated = moto_tier.list_dated("versions/")
+    assert [k for k, _, _ in dated] == ["versions/v0.json", "versions/v1.json", "versions/v2.json"]
+    assert all(n == 2 and abs((at - before).total_seconds()) < 60 and at.utcoffset() == timedelta(0)
+               for _, n, at in dated)
+    assert by_botocore == []

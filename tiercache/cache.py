@@ -558,34 +558,42 @@ class TierCache:
         import torch
 
         from tiercache.format import dtype_from_name, unflatten
-        from tiercache.restore import RestoreReport, empty_aligned, into_targets, match_into
+        from tiercache.gcpause import gc_paused
+        from tiercache.restore import RestoreReport, empty_aligned, into_targets, plan_into
 
         self.check_open()
         if self._engine is not None:
             self._engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
-        targets = into_targets(into)
-        unmatched = match_into(version, targets, strict=strict)
-        for key, _why in unmatched:
-            targets.pop(key, None)
         table = version.tensors
-        dtypes = {name: dtype_from_name(name) for name in set(table.dtypes)}
-        dests: list[torch.Tensor] = []
         finals: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Over the table's columns: at 100k tensors, every object made per tensor shows.
-        for path, dname, shape, nbytes in zip(table.paths, table.dtypes, table.shapes, table.nbytes.tolist(),
-                                              strict=True):
-            target = targets.get(path) if targets else None
-            if target is not None:
-                if target.device.type == "cpu" and target.is_contiguous():
-                    dests.append(target)
-                    continue
-                tmp = empty_aligned(shape, dtypes[dname])
-                dests.append(tmp)
-                finals.append((target, tmp))
-                continue
-            dests.append(empty_aligned(shape, dtypes[dname], nbytes))
+        dests: list[torch.Tensor]
+        with gc_paused():  # lists of every tensor: a large object graph (tiercache.gcpause)
+            targets = into_targets(into)
+            plan = plan_into(version, targets, strict=strict)
+            if targets and plan.all_direct:
+                # Every saved tensor goes straight into a tensor of ``into`` (the usual resume).
+                dests = plan.slots  # type: ignore[assignment]  # all_direct: no slot is None
+            else:
+                dtypes = {name: dtype_from_name(name) for name in set(table.dtypes)}
+                dests = []
+                # Over the table's columns: at 100k tensors, every object made per tensor shows.
+                for slot, direct, dname, shape, nbytes in zip(plan.slots, plan.direct, table.dtypes, table.shapes,
+                                                              table.nbytes.tolist(), strict=True):
+                    if slot is None:
+                        dests.append(empty_aligned(shape, dtypes[dname], nbytes))
+                    elif direct:
+                        dests.append(slot)
+                    else:
+                        tmp = empty_aligned(shape, dtypes[dname], nbytes)
+                        dests.append(tmp)
+                        finals.append((slot, tmp))
         t0, began = time.perf_counter(), time.time()
-        read = (fill or self.reader.read_version)(version, dests, progress)
+        if fill is None:
+            # Every destination is a contiguous CPU tensor of its entry's size: the plan checked
+            # the slots of ``into``, and the others were made here.
+            read = self.reader.read_version(version, dests, progress, checked=True)
+        else:
+            read = fill(version, dests, progress)
         self.last_restore = RestoreReport(version.id, read, time.perf_counter() - t0)
         if self._link is not None:
             # By source, in the agent's metrics; its time (and when it began: the end of a
@@ -597,19 +605,14 @@ class TierCache:
             with torch.no_grad():
                 target.copy_(tmp)
         tensors = dests
-        if targets or torch.device(map_location).type != "cpu":
-            tensors = []
-            for path, d in zip(table.paths, dests, strict=True):
-                target = targets.get(path)
-                if target is not None:
-                    tensors.append(target)
-                elif torch.device(map_location).type != "cpu":
-                    tensors.append(d.to(map_location))
-                else:
-                    tensors.append(d)
-        state = unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
+        with gc_paused():
+            if finals or torch.device(map_location).type != "cpu":
+                moved = torch.device(map_location).type != "cpu"
+                tensors = [slot if slot is not None else d.to(map_location) if moved else d
+                           for slot, d in zip(plan.slots, dests, strict=True)]
+            state = unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
         if into is not None and not strict:
-            return state, [f"{key}: {why}" for key, why in unmatched]
+            return state, [f"{key}: {why}" for key, why in plan.unmatched]
         return state
 
     def manifest(self, ref: str) -> Version:

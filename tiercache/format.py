@@ -50,7 +50,7 @@ from tiercache.errors import IntegrityError, UnsupportedStateError
 
 _log = logging.getLogger("tiercache.format")
 
-__all__ = ["Flat", "TensorMeta", "dtype_from_name", "dtype_name", "flatten", "unflatten"]
+__all__ = ["Flat", "TensorMeta", "dtype_from_name", "dtype_name", "flatten", "tensor_paths", "unflatten"]
 
 # Tensor dtypes whose bytes can be stored and restored as is (tiercache.dtypes); older torch
 # builds lack some names.
@@ -187,6 +187,54 @@ def flatten(state: Any, *, allow_pickle: bool = False, shards: bool = False) -> 
         pickled=enc.pickled,
         structure_key=key,
     )
+
+
+def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a state by the key path :func:`flatten` gives them, and nothing else.
+
+    What a ``restore(into=...)`` needs of its state: plain values are skipped and nothing is
+    encoded, so a state of 100k tensors costs one dict entry per tensor, not a tree and a
+    :class:`TensorMeta` each. Only plain tensors and parameters are collected (tensor subclasses,
+    DTensors and other leaves are skipped, as :func:`flatten` with ``allow_pickle`` would not
+    store them as tensors); the caller checks dtype, layout and device.
+
+    Raises:
+        UnsupportedStateError: For a reference cycle or nesting deeper than Python's recursion limit.
+    """
+    out: dict[str, torch.Tensor] = {}
+    active: set[int] = set()
+
+    def walk(x: Any, prefix: str, path: str) -> None:
+        tp = type(x)
+        if tp is dict or tp is OrderedDict:
+            items: Any = x.items()
+        elif tp is list or tp is tuple:
+            items = enumerate(x)
+        else:
+            return
+        key = id(x)
+        if key in active:
+            raise UnsupportedStateError(
+                f"the state contains a reference cycle at {_shown(path)}: a container holds itself; "
+                "break the cycle before restoring into it"
+            )
+        active.add(key)
+        for k, v in items:
+            tv = type(v)
+            if tv is _Tensor or tv is _Parameter:
+                out[prefix + k if type(k) is str else f"{prefix}{k}"] = v
+            elif tv is dict or tv is list or tv is OrderedDict or tv is tuple:
+                sub = prefix + k if type(k) is str else f"{prefix}{k}"
+                walk(v, sub + "/", sub)
+        active.discard(key)
+
+    try:
+        if type(state) is _Tensor or type(state) is _Parameter:
+            return {"": state}
+        walk(state, "", "")
+    except RecursionError:
+        raise UnsupportedStateError("the state is nested too deeply; flatten its deepest containers") from None
+    return out
 
 
 def dtensor_class() -> type | None:
@@ -559,8 +607,20 @@ class _Decoder:
         if not 2 <= len(node) <= max_len or type(node[1]) is not dict:
             raise IntegrityError(f"malformed {node[0]} node in the object tree")
         decode = self.decode
+        tensors, count = self.tensors, len(self.tensors)
+        nxt = self.next_index
+        # Tensor references inline: a state dict's values are mostly tensors, and a call per
+        # value cost most of rebuilding a state of 100k tensors.
         for k, v in node[1].items():
-            out[k] = decode(v)
+            if (type(v) is list and len(v) == 2 and v[0] == _TENSOR and v[1] == nxt and type(v[1]) is int
+                    and nxt < count):
+                out[k] = tensors[nxt]
+                nxt += 1
+                continue
+            self.next_index = nxt
+            out[k] = decode(v)  # anything else, and a bad tensor reference (its own message)
+            nxt = self.next_index
+        self.next_index = nxt
         return out
 
     def _pairs(self, node: list[Any], out: dict[Any, Any], max_len: int) -> dict[Any, Any]:

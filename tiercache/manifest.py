@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tiercache.errors import IntegrityError, InvalidArgumentError, InvalidNameError
+from tiercache.gcpause import gc_paused
 from tiercache.names import check_chunk_id, check_name
 
 # Piece and TensorEntry are part of the manifest's vocabulary; they live with the table.
@@ -62,7 +63,8 @@ class _Stored(_Model):
             IntegrityError: If the bytes are not a valid object of this kind.
         """
         try:
-            return cls.model_validate_json(data)
+            with gc_paused():  # a manifest of many tensors is a large object graph (tiercache.gcpause)
+                return cls.model_validate_json(data)
         except (ValidationError, InvalidNameError, ValueError) as e:
             where = source or cls._what
             raise IntegrityError(f"{where} is not a valid tiercache {cls._what}: {_first_error(e)}") from e

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, StorageError, VersionNotFoundError
 from tiercache.failpoints import failpoint
+from tiercache.gcpause import gc_paused
 from tiercache.manifest import (
     MoveReason,
     PrunedRecord,
@@ -186,7 +187,8 @@ class Catalog:
         if not self.available(name):
             return
         try:
-            self._load_tier(name)
+            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
+                self._load_tier(name)
         except StorageError as e:
             if self._health is None:
                 raise

@@ -122,8 +122,13 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
-def _walk(dirpath: str, rel: str) -> Iterator[tuple[str, int]]:
-    """Yield ``(key, size)`` of every stored file below ``dirpath`` (no dotfiles, no symlinks)."""
+def _walk(dirpath: str, rel: str, *, sizes: bool = True) -> Iterator[tuple[str, int]]:
+    """Yield ``(key, size)`` of every stored file below ``dirpath`` (no dotfiles, no symlinks).
+
+    Without ``sizes`` every size is 0 and no file is stat'ed (``scandir`` tells files from
+    directories by itself): listing the chunks of a long history is then one ``getdents`` per
+    directory, not a ``stat`` per chunk.
+    """
     try:
         entries = list(os.scandir(dirpath))
     except (FileNotFoundError, NotADirectoryError):
@@ -133,9 +138,9 @@ def _walk(dirpath: str, rel: str) -> Iterator[tuple[str, int]]:
             continue
         try:
             if entry.is_dir(follow_symlinks=False):
-                yield from _walk(entry.path, f"{rel}{entry.name}/")
+                yield from _walk(entry.path, f"{rel}{entry.name}/", sizes=sizes)
             elif entry.is_file(follow_symlinks=False):
-                yield f"{rel}{entry.name}", entry.stat(follow_symlinks=False).st_size
+                yield f"{rel}{entry.name}", entry.stat(follow_symlinks=False).st_size if sizes else 0
         except FileNotFoundError:
             continue  # removed while we were listing
 
@@ -532,7 +537,7 @@ class DiskTier(Tier):
         start = self._path(dirpart) if dirpart else self._root
         rel = f"{dirpart}/" if dirpart else ""
         try:
-            return sorted(k for k, _ in _walk(start, rel) if k.startswith(prefix))
+            return sorted(k for k, _ in _walk(start, rel, sizes=False) if k.startswith(prefix))
         except OSError as e:
             raise _storage_error(e, f"cannot list {prefix!r}") from e
 
