@@ -134,7 +134,7 @@ def test_trainer_killed_at_random_every_saved_version_survives(
     server: ForkServer, tmp_path: Path, places: tuple[Path, Path], slow: bool
 ) -> None:
     sock, shm = places
-    n = 300 if slow else 30
+    n = 300 if slow else TRIALS_PER_AGENT  # one agent's block by default (the next ones run alike)
     rng = random.Random(33)
     tally = Tally()
     agent: AgentProcess | None = None
