@@ -6,8 +6,8 @@ embedded S3 server (SeaweedFS on loopback), then:
 1. a trainer process checkpoints every 5 steps through all three tiers and is SIGKILLed
    mid-run, right after a version became remote-durable;
 2. a fresh process resumes from the newest durable version, read from the fastest tier that
-   holds it (disk: the RAM tier died with the trainer), and checks that its parameters are
-   bit-exact to an uninterrupted run;
+   holds it (disk: the RAM tier died with the trainer; S3 if it committed that version and the
+   disk had not yet), and checks that its parameters are bit-exact to an uninterrupted run;
 3. it trains on, branches a fine-tune off an earlier step, tags the best version, deletes the
    local disk tier and restores everything from S3 alone;
 4. it prints ``tiercache ls`` and ``tiercache log --graph``.

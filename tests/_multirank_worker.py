@@ -581,6 +581,11 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
         S3_RELAY = ThrottledProxy(config["s3"]["endpoint_url"]).start()
         config["s3"]["endpoint_url"] = S3_RELAY.url
     cache = tiercache.open(config)
+    # The trainer's collectives line the ranks up before the view is made, as a training loop's
+    # steps do before its first save: the ranks' opens take their own times on a loaded machine,
+    # and the view's exchange waits only the group's timeout (2 s in the chaos test), after which
+    # a rank still opening failed the view on every rank.
+    dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
     try:
         cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
     except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why
@@ -601,6 +606,11 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
         dist.destroy_process_group()
 
 
+def rank_err_path(work: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a run in ``work`` writes its stderr."""
+    return work / f"rank{rank}.err"
+
+
 def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """Entry point of a forked rank: run, then leave without the parent's exit handlers.
 
@@ -609,6 +619,12 @@ def forked(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     """
     code = 0
     opts = json.loads((work / "run.json").read_text()) if (work / "run.json").exists() else {}
+    # The rank's stderr (its tracebacks, logs and watchdog dump) goes to a file the test can show
+    # (the fork server's own stderr is whatever the test that started it captured).
+    sys.stderr.flush()
+    err = os.open(rank_err_path(work, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(err, 2)
+    os.close(err)
     # A hung rank shows where, instead of hanging the test.
     faulthandler.dump_traceback_later(opts.get("watchdog", 60), exit=True)
     try:

@@ -134,7 +134,7 @@ def test_trainer_killed_at_random_every_saved_version_survives(
     server: ForkServer, tmp_path: Path, places: tuple[Path, Path], slow: bool
 ) -> None:
     sock, shm = places
-    n = 300 if slow else 30
+    n = 300 if slow else TRIALS_PER_AGENT  # one agent's block by default (the next ones run alike)
     rng = random.Random(33)
     tally = Tally()
     agent: AgentProcess | None = None
@@ -271,7 +271,7 @@ def test_trainer_and_agent_killed_together(
 
 
 #: Trials of the group kill test per CI run and with ``--slow``, and the MiB of state per rank.
-GROUP_TRIALS, GROUP_TRIALS_SLOW, GROUP_MIB = 30, 300, 20
+GROUP_TRIALS, GROUP_TRIALS_SLOW, GROUP_MIB = 15, 300, 20
 
 
 def _group_run(cfg: dict[str, Any], work: Path, opts: dict[str, Any], saved: str | None) -> list[dict[str, Any]]:
@@ -299,7 +299,7 @@ def test_a_group_killed_right_after_save_returned_restores_exactly_that_version(
     committed it when its trainers died), then saves the next step and dies. A trial costs one
     fork of two warm ranks. One agent (and one disk) serves fifteen trials, then a run that only
     restores checks the last one, and the disk is dropped: 300 trials never hold more than
-    fifteen versions. Trials: 30 per CI run, 300 with ``--slow``.
+    fifteen versions. Trials: 15 per CI run (one agent), 300 with ``--slow``.
     """
     from _agent import agent_config
 

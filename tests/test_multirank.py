@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _multirank_worker import ddp_state, forked, full_tensors
+from _multirank_worker import ddp_state, forked, full_tensors, rank_err_path
 
 import tiercache
 from tiercache.config import S3Config
@@ -72,8 +72,27 @@ def run_ranks(
     return [p.exitcode for p in procs]
 
 
-def rank_out(work: Path, rank: int) -> dict[str, Any]:
-    return json.loads((work / f"rank{rank}.json").read_text())
+def _err_tail(work: Path, rank: int) -> str:
+    err = rank_err_path(work, rank)
+    return err.read_text(errors="replace")[-3000:] if err.exists() else "(no stderr)"
+
+
+def rank_errs(work: Path, world: int) -> str:
+    """The end of each rank's stderr of a run in ``work`` (for a failure's message)."""
+    return "\n".join(f"rank {rank}'s stderr ends:\n{_err_tail(work, rank)}" for rank in range(world))
+
+
+def rank_out(work: Path, rank: int, key: str | None = None) -> dict[str, Any]:
+    """What rank ``rank`` of a run in ``work`` wrote; with ``key``, it must hold that key.
+
+    A rank that wrote nothing, or no ``key``, fails the test with what it wrote and the end of its stderr.
+    """
+    path = work / f"rank{rank}.json"
+    out = json.loads(path.read_text()) if path.exists() else None
+    if out is None or (key is not None and key not in out):
+        raise AssertionError(f"rank {rank} wrote {out if out is not None else 'nothing'}; "
+                             f"its stderr ends:\n{_err_tail(work, rank)}")
+    return out
 
 
 def cache_config(tmp_path: Path, s3_config: S3Config) -> dict[str, Any]:
