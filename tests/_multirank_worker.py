@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,57 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
     out["last_restore"] = cache.last_restore.version if cache.last_restore is not None else None
 
 
+def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
+                            work: Path) -> None:
+    """Two ranks, rank 0 DCP's coordinator: after a clean dcp.save, rank 1's DCP step fails before its write_data.
+
+    No third rank is there to give up on the version for rank 0; then a dcp.save, a save(group=)
+    and a dcp.load.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+
+    def levels(handle: Any) -> dict[str, Any]:  # bounded: a level that never settles is a finding, not a hang
+        got: dict[str, Any] = {}
+        for lvl in ("local", "remote", "durable"):
+            try:
+                got[lvl] = handle.future(lvl).result(timeout=30)
+            except FutureTimeout:
+                got[lvl] = "HANG"
+            except Exception as e:
+                got[lvl] = [type(e).__name__, str(e)]
+        return got
+
+    w1 = TierCacheStorageWriter(cache, step=1)
+    dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1)
+    out["first"] = [w1.version_id, levels(w1.handle)]
+
+    class Refusing(DefaultSavePlanner):
+        def finish_plan(self, new_plan: Any) -> Any:
+            if rank == 1:
+                raise ValueError("injected: rank 1's plan is refused")
+            return super().finish_plan(new_plan)
+
+    w2 = TierCacheStorageWriter(cache, step=2)
+    try:
+        dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2, planner=Refusing())
+    except CheckpointException as e:
+        out["abort"] = sorted(e.failures)
+    out["aborted"] = [w2.version_id, levels(w2.handle) if w2.handle is not None else None]
+    w3 = TierCacheStorageWriter(cache, step=3)
+    dcp.save({**_dtensors(world, full_tensors(3)), "step": 3}, storage_writer=w3)
+    out["dcp"] = [w3.version_id, levels(w3.handle)]
+    h = cache.save(node_state(rank, 4), step=4, group=dist.group.WORLD)
+    out["group"] = [h.version, levels(h)]
+    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(3).items()}), "step": 0}
+    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
+    full = full_tensors(3)
+    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+
+
 def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                              work: Path) -> None:
     """Node b's disk is full (no S3): two versions are lost; flush() and stats() must say so on every rank."""
@@ -523,6 +575,7 @@ def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
              "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
+             "dcp_plan_abort": scenario_dcp_plan_abort,
              "nodes_disk_full": scenario_nodes_disk_full, "restore_seconds": scenario_restore_seconds,
              "ddp_declared": scenario_ddp_declared, "replica_differs": scenario_replica_differs,
              "nodes_save": scenario_nodes_save,

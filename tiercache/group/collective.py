@@ -281,7 +281,7 @@ class Channel:
     # ------------------------------------------------------------------ the exchange
 
     def exchange(self, tag: str, mine: Status, *, what: str, decide: Decide | None = None,
-                 about: Any = None, late: str | None = None) -> Verdict:
+                 about: Any = None, late: str | None = None, patience: float | None = None) -> Verdict:
         """Send this rank's status for phase ``tag`` and return the group's verdict.
 
         Every rank of the group calls this with the same ``tag`` (``<version>/<phase>``); it
@@ -299,6 +299,8 @@ class Channel:
                 what the others' call was.
             late: What a rank that does not answer in time was still doing, for the message
                 (``"still writing to s3"``).
+            patience: On the coordinator: how long it still waits for the ranks that have not
+                posted (default: the group's timeout); less when it waited for them already.
 
         Returns:
             The verdict (never raises for a failed phase: see :meth:`Verdict.raise_failure`).
@@ -310,7 +312,7 @@ class Channel:
                 # the coordinator decides it already), so a rank that does not know yet learns it.
                 return self._settle_broken(tag)
             self._post(tag, mine)
-            verdict = (self._coordinate(tag, what, decide, about, late) if group.rank == 0
+            verdict = (self._coordinate(tag, what, decide, about, late, patience) if group.rank == 0
                        else self._await(tag, what, about, late))
         except Exception as e:
             if not _is_store_error(e):
@@ -438,9 +440,9 @@ class Channel:
         return out
 
     def _coordinate(self, tag: str, what: str, decide: Decide | None, about: Any = None,
-                    late: str | None = None) -> Verdict:
+                    late: str | None = None, patience: float | None = None) -> Verdict:
         group = self.group
-        deadline = time.monotonic() + group.timeout
+        deadline = time.monotonic() + (group.timeout if patience is None else patience)
         self._client().set(f"a/{tag}", b"")  # the others give this coordinator its whole timeout from now
         self._beats.clear()
         failure: Status | None = None

@@ -105,9 +105,13 @@ class Phases:
 
     def _parts(self, rnd: Round, ch: Channel) -> None:
         view = self.view
+        patience: float | None = None  # how long the coordinator's exchange still waits for ranks
         try:
             failpoint("group.parts", f"{rnd.vid}/parts")
-            own = self._coordinator_part(rnd, ch) if rnd.local is None and view.rank == 0 else rnd.own_manifest()
+            if rnd.local is None and view.rank == 0:
+                own, patience = self._coordinator_part(rnd, ch)
+            else:
+                own = rnd.own_manifest()
         except Exception as e:
             own = Status.of(e)
         if rnd.trade and isinstance(own, Status) and (rnd.stage_error is not None or rnd.published is None):
@@ -120,7 +124,7 @@ class Phases:
         else:
             status = own
         verdict = ch.exchange(f"{rnd.vid}/parts", status, what=f"version {rnd.vid} at staging",
-                              decide=lambda statuses: self._assign(rnd, statuses))
+                              decide=lambda statuses: self._assign(rnd, statuses), patience=patience)
         try:
             if not verdict.ok:
                 rnd.fail_all(verdict.status.error_object(wrap=True))
@@ -133,7 +137,7 @@ class Phases:
         finally:
             rnd.parts_done.set()  # the tier phases go on (or skip the version) from here, on every rank alike
 
-    def _coordinator_part(self, rnd: Round, ch: Channel) -> Version | Status:
+    def _coordinator_part(self, rnd: Round, ch: Channel) -> tuple[Version | Status, float | None]:
         """Rank 0's part of a DCP checkpoint, published in ``finish()``, or why there will be none.
 
         DCP calls ``finish()`` on its coordinator only once every rank's ``write_data`` went
@@ -142,32 +146,46 @@ class Phases:
         group's verdict names that rank and its error); once all posted ``ok``, ``finish()`` is
         due within the group's timeout, or DCP aborted in its own step (a planner's error); and
         once a rank gave up on the phase (one never came), its failure is the verdict.
+
+        A rank whose DCP step failed before its ``write_data`` never opens the version, so it
+        never posts; with no other rank to give up on it (two ranks), rank 0 does: once its own
+        items are written, it gives the ranks that have not posted the group's timeout, as the
+        coordinator of any phase does, and its exchange then fails the version naming them.
+
+        Returns:
+            The part or status, and how long the exchange still waits for the ranks that have
+            not posted (``0``: this waited for them already; ``None``: the group's timeout).
         """
         view = self.view
         published = rnd.published
         assert published is not None
         tag = f"{rnd.vid}/parts"
         ch.arrive(tag)  # a rank that gives up on the phase names the ranks that never came, not this one
-        since: float | None = None
+        aborted = Status("skip", message=f"dcp.save was aborted: DCP never finished version {rnd.vid} here",
+                         extra={"follows": True})
+        since: float | None = None  # since when every other rank posted ok
+        wrote: float | None = None  # since when this rank's items are written and some rank has not posted
         while True:
             with contextlib.suppress(FutureTimeout):
                 published.result(timeout=max(view.collective.poll, 0.05))
             if published.done():
-                return rnd.own_manifest()
+                return rnd.own_manifest(), None
             if view.collective.broken is not None:
-                return Status.of(view.collective.broken)
+                return Status.of(view.collective.broken), None
             others = ch.posted(tag)[1:]
-            # A rank whose DCP step failed before write_data never opens the round: the others
-            # give up on the phase after the timeout, and that is the verdict.
             if ch.decided(tag) or any(s is not None and not s.ok for s in others):
-                return Status("skip", message=f"dcp.save was aborted: DCP never finished version {rnd.vid} here",
-                              extra={"follows": True})
+                return aborted, None
+            now = time.monotonic()
             if all(s is not None for s in others):
-                since = since if since is not None else time.monotonic()
-                if time.monotonic() - since >= view.collective.timeout:
+                since = since if since is not None else now
+                if now - since >= view.collective.timeout:
                     return Status.of(GroupSaveError(
                         f"dcp.save did not finish version {rnd.vid} within {view.collective.timeout:g}s of the "
-                        "other ranks' writes (DCP aborted it after every rank wrote its part)"))
+                        "other ranks' writes (DCP aborted it after every rank wrote its part)")), None
+            elif rnd.wrote.is_set():
+                wrote = wrote if wrote is not None else now
+                if now - wrote >= view.collective.timeout:
+                    return aborted, 0.0
 
     def _assign(self, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""

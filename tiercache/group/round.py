@@ -89,6 +89,10 @@ class Round:
         #: The engine's manifest of this rank's part, once hashed (``None``: the engine skipped it,
         #: it never took the version); the engine hands it over (:meth:`follow`).
         self.published: Future[Version] | None = None
+        #: A version whose parts the caller writes itself (see GroupView.open_round): set once
+        #: this rank's caller wrote its items, which may be before it publishes its part (DCP's
+        #: coordinator publishes in ``finish()``, which DCP skips after an abort).
+        self.wrote = threading.Event()
         self.stage_error: BaseException | None = None
         self.split: Split | None = None
         #: The coordinator's plan (rank 0), and what a node leader needs to commit on its disk.

@@ -284,8 +284,10 @@ class TierCacheStorageWriter(StorageWriter):
                 assert rnd.published is not None
                 rnd.published.set_exception(e)  # the group fails the version with this rank's error
             raise
-        if rnd is not None and not self.is_coordinator:
-            self._publish(rnd)
+        if rnd is not None:
+            rnd.wrote.set()  # the coordinator's part waits for finish(): see phases' _coordinator_part
+            if not self.is_coordinator:
+                self._publish(rnd)
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
