@@ -288,10 +288,10 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
 
 def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
                             work: Path) -> None:
-    """Two ranks, rank 0 DCP's coordinator: after a clean dcp.save, rank 1's DCP step fails before its write_data.
+    """Two ranks, rank 0 DCP's coordinator: rank 1's DCP step fails before its write_data.
 
-    No third rank is there to give up on the version for rank 0; then a dcp.save, a save(group=)
-    and a dcp.load.
+    No third rank is there to give up on the version for rank 0. Then rank 0's step fails there
+    (after it proposed the version); then a dcp.save, a save(group=) and a dcp.load.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -310,22 +310,23 @@ def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, o
                 got[lvl] = [type(e).__name__, str(e)]
         return got
 
-    w1 = TierCacheStorageWriter(cache, step=1)
-    dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1)
-    out["first"] = [w1.version_id, levels(w1.handle)]
-
     class Refusing(DefaultSavePlanner):
+        def __init__(self, at: int) -> None:
+            super().__init__()
+            self.at = at
+
         def finish_plan(self, new_plan: Any) -> Any:
-            if rank == 1:
-                raise ValueError("injected: rank 1's plan is refused")
+            if rank == self.at:
+                raise ValueError(f"injected: rank {rank}'s plan is refused")
             return super().finish_plan(new_plan)
 
-    w2 = TierCacheStorageWriter(cache, step=2)
-    try:
-        dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2, planner=Refusing())
-    except CheckpointException as e:
-        out["abort"] = sorted(e.failures)
-    out["aborted"] = [w2.version_id, levels(w2.handle) if w2.handle is not None else None]
+    for at in (1, 0):  # rank 1's step fails, then the coordinator's (after it proposed the version)
+        w2 = TierCacheStorageWriter(cache, step=2)
+        try:
+            dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2, planner=Refusing(at))
+        except CheckpointException as e:
+            out[f"abort{at}"] = sorted(e.failures)
+        out[f"aborted{at}"] = [w2.version_id, levels(w2.handle) if w2.handle is not None else None]
     w3 = TierCacheStorageWriter(cache, step=3)
     dcp.save({**_dtensors(world, full_tensors(3)), "step": 3}, storage_writer=w3)
     out["dcp"] = [w3.version_id, levels(w3.handle)]

@@ -108,28 +108,41 @@ def test_a_save_aborted_by_one_rank_fails_alike_everywhere_and_the_next_saves_go
         assert cache.manifest("main").parent == v2 and cache.manifest(v2).parent is None
 
 
-def test_a_save_rank_1_aborts_before_writing_fails_on_rank_0_too_with_two_ranks(tmp_path: Path) -> None:
-    # Two ranks on one node, no S3, after a clean dcp.save: rank 1's DCP step fails before its
-    # write_data, so it never opens the version, and no third rank gives up on it. Before, rank 0
-    # (the coordinator, waiting for DCP's finish() at the parts phase) waited for rank 1 forever:
-    # its levels never settled, and every later save of the group hung behind it.
+def test_a_save_either_of_two_ranks_aborts_before_writing_fails_alike_and_the_next_saves_go_through(
+        tmp_path: Path) -> None:
+    # Two ranks on one node, no S3: rank 1's DCP step fails before its write_data, so it never
+    # opens the version, and no third rank gives up on it. Before, rank 0 (the coordinator,
+    # waiting for DCP's finish() at the parts phase) waited for rank 1 forever: its levels never
+    # settled, and every later save of the group hung behind it. Then rank 0's own step fails
+    # there: before, its view of the branch kept the version it had proposed, so the next
+    # version named it (a version no tier holds) as its parent.
     from test_nodes import base_config, node_env
 
     work = tmp_path / "save"
     assert run_ranks("dcp_plan_abort", 2, work, base_config(), env=node_env(tmp_path, ["a", "a"]),
                      timeout=90, opts={"timeout": 2}) == [0, 0]
     outs = [rank_out(work, r) for r in range(2)]
-    w = outs[0]["aborted"][0]
-    late = ["GroupSaveError", f"version {w} at staging failed: rank 1 did not answer within 2s"]
     no_s3 = ["ConfigError", "no s3 tier configured, so no 'remote' level"]
+
+    def late(vid: str, rank: int) -> dict[str, object]:
+        failed = ["GroupSaveError", f"version {vid} at staging failed: rank {rank} did not answer within 2s"]
+        return {"local": failed, "remote": no_s3, "durable": failed}
+
+    w1, w0 = outs[0]["aborted1"][0], outs[1]["aborted0"][0]
     for out in outs:
-        for key, vid in (("first", out["first"][0]), ("dcp", out["dcp"][0]), ("group", out["group"][0])):
+        for key, vid in (("dcp", out["dcp"][0]), ("group", out["group"][0])):
             assert out[key] == [vid, {"local": vid, "remote": no_s3, "durable": vid}], (key, out)
-        assert out["abort"] == [1]
-        assert out["aborted"] == ([None, None] if out["rank"] == 1 else [w, {"local": late, "remote": no_s3,
-                                                                              "durable": late}])
+        # DCP names the rank at fault; the ranks that opened the version settle it naming that rank.
+        assert out["abort1"] == [1] and out["abort0"] == [0]
+        assert out["aborted1"] == ([None, None] if out["rank"] == 1 else [w1, late(w1, 1)])
+        assert out["aborted0"] == ([None, None] if out["rank"] == 0 else [w0, late(w0, 0)])
         assert out["equal"] == [3, True, True]  # the next checkpoint restores bit-exact
-    assert outs[0]["dcp"][0] == outs[1]["dcp"][0] and outs[0]["group"][0] == outs[1]["group"][0]
+    v3, v4 = outs[0]["dcp"][0], outs[0]["group"][0]
+    assert outs[1]["dcp"][0] == v3 and outs[1]["group"][0] == v4
+    # No aborted version is anyone's parent: rank 0 had moved its view of the branch to the one
+    # it proposed, and never took it back.
+    with tiercache.open({"disk": {"path": str(tmp_path / "disk-a")}}) as cache:
+        assert [cache.manifest(v).parent for v in (v4, v3)] == [v3, None]
 
 
 def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> None:

@@ -504,14 +504,14 @@ class GroupView:
     def propose(self, branch: str, step: int, meta: Mapping[str, Any]) -> dict[str, Any]:
         """Rank 0's proposal of a version no ``save()`` stages (a DCP checkpoint): its id, parent and ref seq.
 
-        The branch moves to it in this process's view now (back again if the group fails it).
+        The branch moves to it in this process's view only once this rank opens its round, as
+        on the other ranks: DCP may abort the checkpoint before (this rank's own planner fails),
+        and then nothing would take the move back (the next version would name this one, which
+        no tier holds, as its parent).
         """
         with self.cache.next_version(branch) as nxt:
-            vid = new_version_id()
-            agreed = {"vid": vid, "parent": nxt.parent, "seq": nxt.seq, "created": utcnow().isoformat(),
-                      "meta": check_meta(meta), "step": step, "branch": branch}
-            nxt.version = vid
-        return agreed
+            return {"vid": new_version_id(), "parent": nxt.parent, "seq": nxt.seq, "created": utcnow().isoformat(),
+                    "meta": check_meta(meta), "step": step, "branch": branch}
 
     def open_round(self, agreed: Mapping[str, Any]) -> Round:
         """A round for a version whose parts the caller writes itself (a DCP checkpoint); every rank calls it.
@@ -525,10 +525,9 @@ class GroupView:
                     step=agreed["step"], parent=agreed["parent"], created_at=datetime.fromisoformat(agreed["created"]),
                     meta=dict(agreed["meta"]), trade=False, declared=())
         rnd.published = Future()
-        if self.rank != 0:  # rank 0 moved its view of the branch when it proposed the version
-            with self.cache.next_version(rnd.ref.name) as nxt:
-                nxt.seq = rnd.ref.seq
-                nxt.version = vid
+        with self.cache.next_version(rnd.ref.name) as nxt:  # back again if the group fails the version
+            nxt.seq = rnd.ref.seq
+            nxt.version = vid
         self._submit(rnd)
         return rnd
 
