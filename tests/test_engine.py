@@ -653,3 +653,52 @@ def test_a_version_whose_placement_fails_settles_its_manifest_future(tmp_path: P
         h.wait("local", timeout=10)
     with pytest.raises(StorageError, match="injected: the policy broke"):  # the lost version, reported
         cache.close()
+
+
+def test_a_version_whose_copy_fails_after_its_first_chunk_was_hashed_leaves_nothing_pinned_in_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk 0 is copied and hashed into RAM (pinned for the version in flight), then the copy fails.
+
+    The failed version must let that chunk go: a chunk pinned for good is never dropped and keeps
+    the arena from growing, so a later save could wait for room that never comes.
+    """
+    from tiercache.pipeline import staging
+
+    data = torch.randn(1 << 20)  # 4 MiB: 16 chunks of 256 KiB, one copy slice each
+    # One copy thread: the hasher takes each chunk as it is copied (with every core copying, it
+    # waits for the whole version).
+    cfg = {"ram": {"capacity": "64MiB", "copy_threads": 1}, "disk": {"path": str(tmp_path / "disk")},
+           "chunk_bytes": "256KiB", "policy": {"name": "write-through"}}
+    with tiercache.open(cfg) as cache:
+        ram = cache.engine.ramcache
+        real = staging._memmove
+
+        def failing(dst: int, src: int, nbytes: int) -> object:
+            if src == data.data_ptr():  # chunk 0's slice
+                return real(dst, src, nbytes)
+            deadline = time.monotonic() + 30
+            while not (ram.ram is not None and ram.ram.list("chunks/")) and time.monotonic() < deadline:
+                time.sleep(0.005)  # until the hasher took chunk 0 into RAM
+            raise OSError("bad page")
+
+        monkeypatch.setattr(staging, "_memmove", failing)
+        with pytest.raises(OSError, match="bad page"):
+            cache.save({"w": data}, step=1)
+        monkeypatch.setattr(staging, "_memmove", real)
+        cache.flush()  # the hasher has failed the version (the copy's error was raised above, not again)
+        assert ram.ram is not None and ram.arena is not None
+        held = ram.ram.list("chunks/")
+        assert len(held) == 1  # chunk 0, hashed before the copy failed
+        ram.evict(held)  # nothing pins it now: it goes
+        assert ram.ram.list("chunks/") == []
+        # (The failed version's disk writer may still be reading it: its region returns as it ends.)
+        deadline = time.monotonic() + 30
+        while ram.arena.in_use != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ram.arena.in_use == (0, 0)
+        again = cache.save({"w": data}, step=1)
+        assert again.wait("local", timeout=30) == again.version
+    with tiercache.open({"disk": cfg["disk"]}) as reader:
+        assert torch.equal(reader.restore(again.version)["w"], data)
+        assert [v.id for v in reader.versions()] == [again.version]

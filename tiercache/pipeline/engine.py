@@ -822,6 +822,13 @@ class Engine:
                 if r is not None and arena is not None:
                     arena.free(r)  # an early write that retained it frees it last
                     job.regions[i] = None
+            # The chunks hashed before the failure were pinned for this version: pinned for good,
+            # RAM could never drop them nor the arena grow. They stay as read cache (a write
+            # still reading one holds its bytes until it ends).
+            hashed = [] if job.ram_released else list(job.chunk_keys)
+            job.ram_released = True
+            job.kept.clear()
+        self.ramcache.unpin(hashed)
         self.repo.leases.close(job.version_id)
         self.jobs.remove(job)
         self.ramcache.notify()
