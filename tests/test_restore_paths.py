@@ -85,8 +85,12 @@ def test_new_destinations_are_page_aligned_and_filled_without_bounce_copies(
 
     _assert_same(out, state)
     # Only each chunk's header and sub-page tail pass through the bounce buffer: the payloads
-    # go with O_DIRECT straight into the new tensors (and into the pack window).
-    assert sum(bounced) == sum(HEADER_BYTES + c.nbytes % 4096 for c in version.chunks)
+    # go with O_DIRECT straight into the new tensors (and into the pack window). A header whose
+    # buffer happens to be page-aligned is read straight too (CI saw 3 of them), so the headers
+    # are a bound, not a count; no bounced piece is larger than a page.
+    tails = sum(c.nbytes % 4096 for c in version.chunks)
+    assert tails <= sum(bounced) <= tails + HEADER_BYTES * len(version.chunks), bounced
+    assert max(bounced) <= 4096, bounced
     for name in ("big.f32", "big.i64", "big.bf16"):
         assert out[name].data_ptr() % 4096 == 0, name
         assert out[name].is_contiguous()
