@@ -827,8 +827,10 @@ class Engine:
             # still reading one holds its bytes until it ends).
             hashed = [] if job.ram_released else list(job.chunk_keys)
             job.ram_released = True
+            kept = list(job.kept)  # (none unless a local tier had committed it)
             job.kept.clear()
         self.ramcache.unpin(hashed)
+        self.ramcache.let_go(kept)
         self.repo.leases.close(job.version_id)
         self.jobs.remove(job)
         self.ramcache.notify()
