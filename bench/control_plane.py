@@ -72,6 +72,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import CacheConfig
 from tiercache.format import flatten
 from tiercache.group.collective import Channel, Collective, Decision
@@ -400,7 +401,7 @@ class World:
         vid = new_version_id()
         # As a group save's begin does on the ranks that commit: the branch moves to vid in their view.
         for cache in (self.local, self.shared):
-            with cache.next_version("main") as nxt:
+            with core_of(cache).next_version("main") as nxt:
                 nxt.version = vid
         ref = RefRecord(kind="branch", name="main", version=vid, seq=nxt.seq)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import tiercache
 from tiercache import failpoints
+from tiercache.cache import core_of
 from tiercache.errors import StorageError
 from tiercache.names import CHUNKS
 
@@ -502,14 +503,15 @@ def scenario_ddp_save(cache: tiercache.TierCache, rank: int, world: int, out: di
 def scenario_peer_dies(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """The last rank dies while it sends its node's part to a peer; the others report what they see."""
     if rank == world - 1:
-        read = cache.reader.read_chunk
+        reader = core_of(cache).reader
+        read = reader.read_chunk
 
         def dying(*args: Any, **kw: Any) -> str:
             if threading.current_thread().name.startswith("tiercache-send"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return read(*args, **kw)
 
-        cache.reader.read_chunk = dying  # type: ignore[method-assign]
+        reader.read_chunk = dying  # type: ignore[method-assign]
     h = cache.save(node_state(rank, 1), step=1, group=dist.group.WORLD)
     out["levels"] = _levels(h)
 

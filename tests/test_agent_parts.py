@@ -33,6 +33,7 @@ from tiercache.agent.arena import SharedArena, map_shared, sweep
 from tiercache.agent.lifecycle import cgroup_memory_limit, check_environment
 from tiercache.agent.protocol import Connection, ProtocolError, error_from_wire, error_to_wire
 from tiercache.agent.saver import pin_mapping
+from tiercache.cache import core_of
 from tiercache.config import load_config
 from tiercache.format import flatten
 from tiercache.layout import plan_layout
@@ -340,7 +341,7 @@ def test_engine_adopt_finishes_a_version_copied_by_someone_else(tmp_path: Path) 
                 dst = arena.tensor(regions[ci])
                 dst[HEADER_BYTES + p.chunk_offset: HEADER_BYTES + p.chunk_offset + p.nbytes] = \
                     src[p.offset: p.offset + p.nbytes]
-        with cache.next_version("main") as nxt:
+        with core_of(cache).next_version("main") as nxt:
             staged = StagedVersion("01ADOPTEDVERSION0000000000", "main", 4, nxt.seq, nxt.parent, {}, time.time(),
                                    flat.tree, tuple(flat.metas), flat.pickled)
             h = engine.adopt(staged, layout, regions)

@@ -19,6 +19,7 @@ import torch
 import tiercache
 from tiercache.agent.peering import PeerPort, advertised_host
 from tiercache.agent.peerwire import ACK, CHUNK, HELLO, Frame, PeerKey
+from tiercache.cache import core_of
 from tiercache.errors import IntegrityError, TierUnavailableError
 from tiercache.group.copies import PeerFiles
 from tiercache.group.transfer import Move, Slot, schedule
@@ -120,7 +121,7 @@ def test_the_chunks_land_verified_on_the_other_nodes_disk(nodes: Any, ports: Any
         got, want = (torch.empty(s.move.nbytes, dtype=torch.uint8) for _ in range(2))
         for cache, buf in ((a, want), (b, got)):
             n = s.move.nbytes
-            cache.reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
+            core_of(cache).reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
         assert torch.equal(got, want)
     assert all(b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is not None for s in slots)
     sent = sum(s.move.nbytes for s in slots)

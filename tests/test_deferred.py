@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.errors import InvalidArgumentError
 from tiercache.format import flatten
 from tiercache.pipeline.deferred import deferrable, owned_by
@@ -112,7 +113,8 @@ def test_restore_into_the_saved_tensors_waits_for_the_deferred_copy(
     # call is the one that must wait.
     manifest = cache.manifest(old.version)
     new = cache.save(state, step=2, optimizer=opt)
-    restorer = threading.Thread(target=cache.restore_version, args=(manifest,), kwargs={"into": _state(model, opt)})
+    restorer = threading.Thread(target=core_of(cache).restore_version, args=(manifest,),
+                                kwargs={"into": _state(model, opt)})
     restorer.start()
     restorer.join(0.3)
     assert restorer.is_alive()  # it waits: the copy still has to read these tensors

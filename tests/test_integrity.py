@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tiercache
-from tiercache.cache import TierCache
+from tiercache.cache import TierCache, core_of
 from tiercache.codecs import HEADER_BYTES
 from tiercache.config import S3Config
 from tiercache.errors import IntegrityError
@@ -76,11 +76,10 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 
 def _prefer(cache: TierCache, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
     """Pin the reader's tier order (it otherwise follows measured speeds, which change as it reads)."""
-    real = type(cache.reader).order
+    reader = core_of(cache).reader
+    real = type(reader).order
     rank = {first: 0}
-    monkeypatch.setattr(
-        cache.reader, "order", lambda cid: sorted(real(cache.reader, cid), key=lambda n: rank.get(n, 1))
-    )
+    monkeypatch.setattr(reader, "order", lambda cid: sorted(real(reader, cid), key=lambda n: rank.get(n, 1)))
 
 
 def test_flipped_bits_are_detected_restored_from_the_other_tier_and_repaired(

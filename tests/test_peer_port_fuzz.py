@@ -26,6 +26,7 @@ from test_agent_peering import HOST, KEY, _both, _closed_unanswered, _hello, _sl
 from tiercache.agent import peering
 from tiercache.agent.peering import PeerPort, copy_request, port_request
 from tiercache.agent.peerwire import CHUNK, HEADER_BYTES, HELLO, UNREADABLE, Frame, PeerKey
+from tiercache.cache import core_of
 from tiercache.group.copies import PeerFiles
 from tiercache.names import chunk_key
 from tiercache.restore import byte_view
@@ -56,7 +57,7 @@ def _copy_is_whole(a: Any, b: Any, vid: str, pa: PeerPort, pb: PeerPort, token: 
         got, want = (torch.empty(s.move.nbytes, dtype=torch.uint8) for _ in range(2))
         for cache, buf in ((a, want), (b, got)):
             n = s.move.nbytes
-            cache.reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
+            core_of(cache).reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
         assert torch.equal(got, want)
     assert pb.bytes["received"] - before == sum(s.move.nbytes for s in slots)
 

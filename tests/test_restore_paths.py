@@ -19,6 +19,7 @@ import torch
 import tiercache
 import tiercache.tiers.disk as disk_module
 from tiercache import restore as restore_module
+from tiercache.cache import core_of
 from tiercache.codecs import HEADER_BYTES
 from tiercache.config import S3Config
 from tiercache.errors import IntegrityError
@@ -80,7 +81,7 @@ def test_new_destinations_are_page_aligned_and_filled_without_bounce_copies(
     with tiercache.open(_config(tmp_path)) as cache:
         assert cache.manifest("main") == version
         monkeypatch.setattr(disk_module, "copy_bytes", counting_copy)
-        out = cache.restore_version(version)
+        out = core_of(cache).restore_version(version)
         assert cache.repo.durable["disk"].o_direct_active
 
     _assert_same(out, state)

@@ -133,7 +133,7 @@ def test_source_takes_a_new_capture_only_after_refresh(cache_cfg: tuple[Any, lis
     assert source.capture() is first and len(opened) == 1
     now[0] += 0.1
     assert source.capture() is not first and len(opened) == 2
-    assert all(c._closed for c in opened)  # type: ignore[attr-defined]
+    assert all(c.closed for c in opened)
 
 
 def test_is_loopback() -> None:

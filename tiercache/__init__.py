@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from tiercache.cache import ConfigLike, MultiRank, TierCache
     from tiercache.config import CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
+    from tiercache.core import CacheCore
     from tiercache.group import GroupView
     from tiercache.handle import SaveHandle
     from tiercache.manifest import RefMove, TierState, VersionInfo
@@ -96,11 +97,12 @@ def open(config: ConfigLike = None) -> TierCache:
     return TierCache(load_config(config), group_views=_group_view)
 
 
-def _group_view(cache: TierCache, group: ProcessGroup | None, timeout: timedelta | None) -> MultiRank:
-    """The group view of ``cache`` (made on first use: multi-rank code and torch.distributed load only then)."""
+def _group_view(cache: TierCache, core: CacheCore, group: ProcessGroup | None,
+                timeout: timedelta | None) -> MultiRank:
+    """The group view of ``cache`` and its core (made on first use: multi-rank code and torch.distributed load then)."""
     from tiercache.group import DEFAULT_TIMEOUT, GroupView
 
-    return GroupView(cache, group, timeout=timeout or DEFAULT_TIMEOUT)
+    return GroupView(cache, core, group, timeout=timeout or DEFAULT_TIMEOUT)
 
 
 def __getattr__(name: str) -> object:

@@ -10,10 +10,15 @@ branch, rollback, tag, promote, evict, verify, gc, doctor) with no storage logic
 The engine (and with it torch) is made on first use: a cache opened to list, inspect or collect
 versions (``tiercache ls``, ``log``, ``gc``...) imports no torch and starts no thread of it.
 
+The facade is the public API and nothing else: what the layers above the storage need of an open
+cache (the repo and catalog, the reader, the save lock and where a branch's next version starts,
+the assembly of a restore) is its :class:`~tiercache.core.CacheCore`, which it owns and delegates
+to (docs/design.md section 1, "The facade and the core"). Code outside this module gets a cache's
+core from :func:`core_of`.
+
 Multi-rank saves and restores (``save(..., group=g)``) are the group view's
-(:mod:`tiercache.group`), which sits above this facade and uses it through its public methods
-(``engine``, ``next_version``, ``restore_version``, ``note_restored``, ``repo``...). This module
-never imports it: :func:`tiercache.open` hands each cache a :data:`GroupViews` factory.
+(:mod:`tiercache.group`), which sits above this facade and is handed its core. This module never
+imports it: :func:`tiercache.open` hands each cache a :data:`GroupViews` factory.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from types import TracebackType
@@ -36,9 +41,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache import repo as repo_ops
 from tiercache.config import DURABLE_TIERS, CacheConfig, parse_duration
+from tiercache.core import CacheCore
 from tiercache.errors import (
     BranchNotFoundError,
-    CacheClosedError,
     ConfigError,
     InvalidArgumentError,
     RefExistsError,
@@ -57,7 +62,6 @@ from tiercache.manifest import (
     Version,
     VersionInfo,
     check_meta,
-    parse_ref,
 )
 from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
@@ -75,7 +79,7 @@ if TYPE_CHECKING:
     from tiercache.agent.client import AgentLink
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
-    from tiercache.restore import Fill, Progress, Reader, RestoreReport
+    from tiercache.restore import Progress, RestoreReport
     from tiercache.saver import Saver
     from tiercache.tiers.ram import Arena
 
@@ -105,8 +109,8 @@ class MultiRank(Protocol):
         ...
 
 
-#: Makes the group view of a cache for a process group (``None``: the world), with a timeout.
-GroupViews = Callable[["TierCache", "ProcessGroup | None", "timedelta | None"], MultiRank]
+#: Makes the group view of a cache (given with its core) for a process group (``None``: the world), with a timeout.
+GroupViews = Callable[["TierCache", CacheCore, "ProcessGroup | None", "timedelta | None"], MultiRank]
 
 
 def _probe_at_open(tiers: dict[str, Tier], health: TierHealth, *, has_ram: bool) -> None:
@@ -180,26 +184,18 @@ class TierCache:
             for t in self._tiers.values():
                 t.close()
             raise
-        self.repo = Repo(config, self._tiers, self.health)
+        self._core = CacheCore(config, Repo(config, self._tiers, self.health), self.meter,
+                               saver=lambda: self.engine, made_saver=lambda: self._engine,
+                               on_restored=self._restored)
         self._seed_meter()
         self._engine: Saver | None = None
         #: Why the node agent refused this cache (one warning said so; it is not asked again).
         self._agent_refusal: TierCacheError | None = None
         #: The connection to the node agent (``[agent]``), once attached.
         self._link: AgentLink | None = self._attach_agent(start=False) if config.agent is not None else None
-        self._reader: Reader | None = None
         self._step_guards: StepGuards | None = None
         self._lazy_lock = threading.Lock()
-        self._save_lock = threading.Lock()
-        #: Per branch, the version this process last restored from it: the next save there names
-        #: it as parent (a resume), even if the branch's head is newer.
-        self._resumed: dict[str, str] = {}
-        #: The version this process last restored or saved: a save on a new branch starts there.
-        self._last: str | None = None
-        self._closed = False
         self._groups: dict[ProcessGroup, MultiRank] = {}
-        #: What the last restore of this process read, from where (bytes per source).
-        self.last_restore: RestoreReport | None = None
         # Made by the first save (or advisor): a cache that only reads publishes nothing.
         self._recorder: StatusRecorder | None = None
         self._recorder_lock = threading.Lock()
@@ -230,9 +226,27 @@ class TierCache:
         return link if link is not None and link.lost is None else None
 
     @property
+    def repo(self) -> Repo:
+        """Internal: the storage layer; outside this module use :func:`core_of`.
+
+        Not part of the public API: the facade's own shorthand, kept while ``agent/requests.py``
+        and ``agent/server.py`` still reach it here.
+        """
+        return self._core.repo
+
+    @property
     def catalog(self) -> Catalog:
-        """The catalog of versions and refs (read it; change the tiers through :attr:`repo`)."""
-        return self.repo.catalog
+        """Internal: the catalog of versions and refs; outside this module use :func:`core_of`.
+
+        Not part of the public API: the facade's own shorthand, kept while ``agent/requests.py``
+        still reaches it here.
+        """
+        return self._core.catalog
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """What the last restore of this process read, from where (bytes per source), or ``None``."""
+        return self._core.last_restore
 
     @property
     def engine(self) -> Saver:
@@ -254,7 +268,7 @@ class TierCache:
     def _local_engine(self) -> Engine:
         from tiercache.pipeline.engine import Engine
 
-        return Engine(self.config, self.repo, policy=self.policy, meter=self.meter, read_object=self._read_object,
+        return Engine(self.config, self.repo, policy=self.policy, meter=self.meter, read_object=self._core.read_object,
                       make_arena=self._make_arena)
 
     def _attach_agent(self, *, start: bool) -> AgentLink | None:
@@ -286,26 +300,9 @@ class TierCache:
         return AgentSaver(self.config, self.repo, link, make_local=self._local_engine)
 
     @property
-    def reader(self) -> Reader:
-        """The read path (made on first use: it needs torch)."""
-        with self._lazy_lock:
-            if self._reader is None:
-                from tiercache.restore import Reader
-
-                self._reader = Reader(lambda: self.repo.tiers, self._holds, self.meter, self.config.io_threads)
-            return self._reader
-
-    def _holds(self, tier: str, chunk_id: str) -> bool:
-        return self.catalog.holds(tier, chunk_id)
-
-    def _read_object(self, chunk_id: str, nbytes: int, algo: str) -> tuple[bytes, str]:
-        """A verified chunk object from the tier the reader ranks best among those holding it."""
-        return self.repo.read_object(chunk_id, nbytes, algo, order=self.reader.order(chunk_id))
-
-    @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._core.closed
 
     def pending(self) -> list[str]:
         """Ids of the versions this process is still writing."""
@@ -313,8 +310,7 @@ class TierCache:
 
     def check_open(self) -> None:
         """Raise :class:`CacheClosedError` if the cache is closed."""
-        if self._closed:
-            raise CacheClosedError("the cache is closed: open a new one")
+        self._core.check_open()
 
 
     # ------------------------------------------------------------------ save
@@ -395,7 +391,7 @@ class TierCache:
             owned = owned_by(optimizer)
             assert self._step_guards is not None
             self._step_guards.add(optimizer)
-        with self.next_version(branch) as nxt:
+        with self._core.next_version(branch) as nxt:
             handle = engine.stage(state, step=step, branch=branch, meta=meta, parent=nxt.parent, seq=nxt.seq,
                                   defer=owned)
             staged = handle.future("staged")
@@ -403,45 +399,6 @@ class TierCache:
             if not (staged.done() and staged.exception() is not None):
                 nxt.version = handle.version
         return handle
-
-    @contextlib.contextmanager
-    def next_version(self, branch: str) -> Iterator[NextVersion]:
-        """Serialise one save on ``branch`` with every other save and with ``close()``.
-
-        Yields where the next version of ``branch`` starts (its parent, the ref's next ``seq``);
-        the caller stages or commits the version and sets ``version`` to its id, and the branch
-        then moves there in this process's view (its commits move it on the tiers). Multi-rank
-        saves and the DCP writer use it too.
-
-        Raises:
-            CacheClosedError: If the cache is closed.
-        """
-        with self._save_lock:
-            self.check_open()
-            cur = self.catalog.ref("branch", branch)
-            parent, why = self._parent_for(branch, cur)
-            nxt = NextVersion(branch=branch, parent=parent, seq=cur.seq + 1 if cur else 0, base=cur, why=why)
-            yield nxt
-            if nxt.version is not None:
-                rec = RefRecord(kind="branch", name=branch, version=nxt.version, seq=nxt.seq)
-                self.catalog.note_move(rec, cur, why)
-                self._resumed.pop(branch, None)
-                self._last = nxt.version
-
-    def _parent_for(self, branch: str, head: RefRecord | None) -> tuple[str | None, MoveReason]:
-        """The parent of the next version saved on ``branch``, and how the branch moves.
-
-        After ``restore()`` of an older version of the branch, the new version continues from
-        what was restored (a resume: the branch moves there, as rollback + save would, and the
-        versions it leaves behind stay in the reflog). A new branch starts from the version this
-        process last restored or saved. Otherwise the branch's head is the parent.
-        """
-        if head is None:
-            return self._last, ("branch" if self._last is not None else "save")
-        resumed = self._resumed.get(branch)
-        if resumed is not None and resumed != head.version:
-            return resumed, "resume"
-        return head.version, "save"
 
     def distributed(self, group: ProcessGroup | None = None, *, timeout: timedelta | None = None) -> MultiRank:
         """The multi-rank view of this cache for ``group`` (the world by default), made once per group.
@@ -466,7 +423,7 @@ class TierCache:
         key = group if group is not None else dist.group.WORLD
         view = self._groups.get(key)
         if view is None:
-            view = self._groups[key] = self._group_views(self, group, timeout)
+            view = self._groups[key] = self._group_views(self, self._core, group, timeout)
         return view
 
     # ------------------------------------------------------------------ restore
@@ -520,100 +477,21 @@ class TierCache:
             return self.distributed(group).restore(ref, into=into, map_location=map_location, progress=progress,
                                                    strict=strict, resume=resume)
         self.check_open()
-        version = self.catalog.get(self.resolve(ref))
-        out = self.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict)
+        version = self._core.catalog.get(self.resolve(ref))
+        out = self._core.restore_version(version, into=into, map_location=map_location, progress=progress,
+                                         strict=strict)
         if resume:
-            self.note_restored(ref, version)
+            self._core.note_restored(ref, version)
         return out
 
-    def note_restored(self, ref: str, version: Version) -> None:
-        """Remember that this process resumes from ``version`` (restored as ``ref``).
-
-        The next save on its branch names it as parent and moves the branch there (see
-        :meth:`save`); a save on a new branch starts from it.
-        """
-        base = parse_ref(ref).base
-        branch = base if self.catalog.ref("branch", base) is not None else version.branch
-        with self._save_lock:
-            self._resumed[branch] = version.id
-            self._last = version.id
-
-    def restore_version(
-        self,
-        version: Version,
-        *,
-        into: Any = None,
-        map_location: str | torch.device = "cpu",
-        progress: Progress | None = None,
-        strict: bool = True,
-        fill: Fill | None = None,
-    ) -> Any:
-        """Return the state a manifest describes; :meth:`restore` with the version already resolved.
-
-        A version saved by several ranks restores as the list of the ranks' states. ``fill``
-        reads the chunks into the new tensors in place of this cache's reader (a restore over a
-        process group passes one that gets chunks from the other ranks); what it reports read is
-        :attr:`last_restore`.
-        """
-        import torch
-
-        from tiercache.format import dtype_from_name, unflatten
-        from tiercache.gcpause import gc_paused
-        from tiercache.restore import RestoreReport, empty_aligned, into_targets, plan_into
-
-        self.check_open()
-        if self._engine is not None:
-            self._engine.wait_deferred()  # a deferred copy may still be reading the tensors of ``into``
-        table = version.tensors
-        finals: list[tuple[torch.Tensor, torch.Tensor]] = []
-        dests: list[torch.Tensor]
-        with gc_paused():  # lists of every tensor: a large object graph (tiercache.gcpause)
-            targets = into_targets(into)
-            plan = plan_into(version, targets, strict=strict)
-            if targets and plan.all_direct:
-                # Every saved tensor goes straight into a tensor of ``into`` (the usual resume).
-                dests = plan.slots  # type: ignore[assignment]  # all_direct: no slot is None
-            else:
-                dtypes = {name: dtype_from_name(name) for name in set(table.dtypes)}
-                dests = []
-                # Over the table's columns: at 100k tensors, every object made per tensor shows.
-                for slot, direct, dname, shape, nbytes in zip(plan.slots, plan.direct, table.dtypes, table.shapes,
-                                                              table.nbytes.tolist(), strict=True):
-                    if slot is None:
-                        dests.append(empty_aligned(shape, dtypes[dname], nbytes))
-                    elif direct:
-                        dests.append(slot)
-                    else:
-                        tmp = empty_aligned(shape, dtypes[dname], nbytes)
-                        dests.append(tmp)
-                        finals.append((slot, tmp))
-        t0, began = time.perf_counter(), time.time()
-        if fill is None:
-            # Every destination is a contiguous CPU tensor of its entry's size: the plan checked
-            # the slots of ``into``, and the others were made here.
-            read = self.reader.read_version(version, dests, progress, checked=True)
-        else:
-            read = fill(version, dests, progress)
-        self.last_restore = RestoreReport(version.id, read, time.perf_counter() - t0)
+    def _restored(self, report: RestoreReport, began: float) -> None:
+        """Tell who publishes this process's status that a restore read ``report`` (its reads began at ``began``)."""
         if self._link is not None:
             # By source, in the agent's metrics; its time (and when it began: the end of a
             # restart) in the status the agent publishes, for `tiercache plan`.
-            self._link.notify("restored", nbytes=read, seconds=self.last_restore.seconds, began=began)
+            self._link.notify("restored", nbytes=report.nbytes, seconds=report.seconds, began=began)
         else:
-            self._note_restore(self.last_restore.seconds)
-        for target, tmp in finals:
-            with torch.no_grad():
-                target.copy_(tmp)
-        tensors = dests
-        with gc_paused():
-            if finals or torch.device(map_location).type != "cpu":
-                moved = torch.device(map_location).type != "cpu"
-                tensors = [slot if slot is not None else d.to(map_location) if moved else d
-                           for slot, d in zip(plan.slots, dests, strict=True)]
-            state = unflatten(version.tree, tensors, allow_pickle=self.config.allow_pickle and version.pickled)
-        if into is not None and not strict:
-            return state, [f"{key}: {why}" for key, why in plan.unmatched]
-        return state
+            self._note_restore(report.seconds)
 
     def manifest(self, ref: str) -> Version:
         """Return the manifest of the version ``ref`` resolves to.
@@ -760,8 +638,7 @@ class TierCache:
         cur = self.catalog.ref("branch", branch)
         if cur is None:
             raise BranchNotFoundError(f"branch {branch!r} does not exist: create it with branch()", branch=branch)
-        with self._save_lock:
-            self._resumed.pop(branch, None)  # the branch's head is where the next save continues
+        self._core.follow_head(branch)  # the branch's head is where the next save continues
         self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1), cur,
                                    "rollback")
         return vid
@@ -786,13 +663,8 @@ class TierCache:
     # ------------------------------------------------------------------ tier moves
 
     def keep_in_ram(self, chunks: Sequence[tuple[str, int]], hash_algo: str) -> int:
-        """Copy chunks (id, bytes) into the RAM tier as evictable read cache; return bytes copied.
-
-        What a multi-rank save asks of the node agent once the group committed a version: node
-        RAM then holds this rank's part, and a restarted trainer restores it from there.
-        """
-        self.check_open()
-        return self.engine.keep_chunks(chunks, hash_algo, self._read_object)
+        """Internal: :meth:`tiercache.core.CacheCore.keep_in_ram` (kept while ``agent/requests.py`` calls it here)."""
+        return self._core.keep_in_ram(chunks, hash_algo)
 
     def promote(self, ref: str, to: str = "disk", progress: Progress | None = None) -> int:
         """Copy a version's chunks into tier ``to`` ahead of a restore (e.g. S3 -> local NVMe).
@@ -810,8 +682,8 @@ class TierCache:
         if (outage := self.health.outage(to)) is not None:
             raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
         if to == "ram":
-            return self.engine.promote_ram(version, self._read_object, progress)
-        return self.repo.copy_version(version, to, self._read_object, progress)
+            return self.engine.promote_ram(version, self._core.read_object, progress)
+        return self.repo.copy_version(version, to, self._core.read_object, progress)
 
     def evict(self, ref: str, tier: str) -> int:
         """Drop tier ``tier``'s copy of a version: its manifest, then the chunks no other version there needs.
@@ -888,11 +760,7 @@ class TierCache:
             report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
         if not dry_run and report.versions:
             # A collected version is never the parent of a later save (of a new branch, or a resume).
-            gone = set(report.versions)
-            with self._save_lock:
-                if self._last in gone:
-                    self._last = None
-                self._resumed = {b: v for b, v in self._resumed.items() if v not in gone}
+            self._core.forget(set(report.versions))
         return report
 
     def doctor(self, *, abort_stale: float | None = None, unsafe: bool = False,
@@ -1173,10 +1041,8 @@ class TierCache:
         Raises:
             TierCacheError: The first version since the last report that reached no durable tier.
         """
-        with self._save_lock:  # no save is half-staged from here on, and none starts
-            if self._closed:
-                return
-            self._closed = True
+        if not self._core.stop_saves():  # no save is half-staged from here on, and none starts
+            return
         atexit.unregister(self._atexit)  # (a threading exit hook stays: it finds the cache closed)
         try:
             if self._engine is not None:
@@ -1191,9 +1057,7 @@ class TierCache:
                 group_view.close()
             if self._link is not None:
                 self._link.close()
-            if self._reader is not None:
-                self._reader.close()
-            self.repo.close()
+            self._core.close()
 
     def _seed_meter(self) -> None:
         """Start from the throughput the last process observed on these tiers (policy and ``stats``)."""
@@ -1235,26 +1099,14 @@ class TierCache:
         return f"TierCache(tiers={self.tier_names}, policy={self.config.policy.name!r})"
 
 
-@dataclass
-class NextVersion:
-    """Where the next version of a branch starts (see :meth:`TierCache.next_version`).
+def core_of(cache: TierCache) -> CacheCore:
+    """The internal interface of ``cache``: the one way code outside this module reaches past its public API.
 
-    Attributes:
-        branch: The branch.
-        parent: Its parent: the head, the version this process resumed from, or (a new branch)
-            the version it last saved or restored.
-        seq: The ref's ``seq`` once the branch moves to it.
-        base: The ref record it moves from (``None`` for a new branch).
-        why: How the branch moves (``save``, ``resume``, ``branch``).
-        version: Set by the caller to the new version's id once staged or committed.
+    For the node agent and the integrations that are handed a user's cache (the DCP storage
+    writer and reader, the Hugging Face callback); users never need it. See docs/design.md
+    section 1, "The facade and the core".
     """
-
-    branch: str
-    parent: str | None
-    seq: int
-    base: RefRecord | None
-    why: MoveReason
-    version: str | None = None
+    return cache._core
 
 
 def _at_exit(flush: Callable[[], None]) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,8 @@ import torch
 from tiercache import codecs
 from tiercache.dtypes import DTYPES
 from tiercache.errors import IntegrityError, StateMismatchError, TierCacheError, UnsupportedStateError
-from tiercache.format import dtype_from_name, dtype_name, tensor_paths
+from tiercache.format import dtype_from_name, dtype_name, tensor_paths, unflatten
+from tiercache.gcpause import gc_paused
 from tiercache.manifest import Version
 from tiercache.names import chunk_key
 from tiercache.policy.meter import ThroughputMeter
@@ -280,6 +282,67 @@ def _prefix_hint(missing: list[str], unused: list[str]) -> str:
                 shown = "".join(f"{{{part!r}: " for part in outer) + "..." + "}" * len(outer)
                 return f"; they are the version's keys under {prefix!r}: pass into={shown}"
     return ""
+
+
+def assemble(version: Version, read: Callable[[Sequence[torch.Tensor]], None], *, into: Any, map_location: Any,
+             strict: bool, allow_pickle: bool) -> Any:
+    """The state ``version`` describes, its tensors filled by ``read`` (a restore once the version is resolved).
+
+    Plans where each saved tensor lands (a tensor of ``into``, or a new page-aligned one), has
+    ``read`` fill those destinations (each a contiguous CPU tensor of its entry's size), copies
+    into the tensors of ``into`` that could not be read into straight, and rebuilds the state.
+
+    Args:
+        version: The manifest (a rank's part, or a version with one part).
+        read: Reads the version's chunks into the destinations, one per tensor entry.
+        into: As ``TierCache.restore``: tensors that receive the saved bytes in place.
+        map_location: Device for the tensors that are allocated.
+        strict: As ``TierCache.restore``.
+        allow_pickle: Whether a pickled leaf may be loaded (the config allows it).
+
+    Returns:
+        The state; with ``into`` and ``strict=False``, ``(state, unmatched)``.
+
+    Raises:
+        StateMismatchError: With ``strict``, as :func:`plan_into` (nothing is read).
+    """
+    table = version.tensors
+    finals: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dests: list[torch.Tensor]
+    with gc_paused():  # lists of every tensor: a large object graph (tiercache.gcpause)
+        targets = into_targets(into)
+        plan = plan_into(version, targets, strict=strict)
+        if targets and plan.all_direct:
+            # Every saved tensor goes straight into a tensor of ``into`` (the usual resume).
+            dests = plan.slots  # type: ignore[assignment]  # all_direct: no slot is None
+        else:
+            dtypes = {name: dtype_from_name(name) for name in set(table.dtypes)}
+            dests = []
+            # Over the table's columns: at 100k tensors, every object made per tensor shows.
+            for slot, direct, dname, shape, nbytes in zip(plan.slots, plan.direct, table.dtypes, table.shapes,
+                                                          table.nbytes.tolist(), strict=True):
+                if slot is None:
+                    dests.append(empty_aligned(shape, dtypes[dname], nbytes))
+                elif direct:
+                    dests.append(slot)
+                else:
+                    tmp = empty_aligned(shape, dtypes[dname], nbytes)
+                    dests.append(tmp)
+                    finals.append((slot, tmp))
+    read(dests)
+    for target, tmp in finals:
+        with torch.no_grad():
+            target.copy_(tmp)
+    tensors = dests
+    with gc_paused():
+        if finals or torch.device(map_location).type != "cpu":
+            moved = torch.device(map_location).type != "cpu"
+            tensors = [slot if slot is not None else d.to(map_location) if moved else d
+                       for slot, d in zip(plan.slots, dests, strict=True)]
+        state = unflatten(version.tree, tensors, allow_pickle=allow_pickle and version.pickled)
+    if into is not None and not strict:
+        return state, [f"{key}: {why}" for key, why in plan.unmatched]
+    return state
 
 
 class Targets:

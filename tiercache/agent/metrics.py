@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tiercache.cache import core_of
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _families(server: AgentServer) -> Iterator[Any]:
     up = GaugeMetricFamily("tiercache_agent_tier_up", "Whether the tier answers", labels=["tier"])
     held: dict[str, dict[str, int]] = {t: {} for t in cache.tier_names}
     counts = dict.fromkeys(cache.tier_names, 0)
-    cat = cache.catalog
+    cat = core_of(cache).catalog
     for v in cat.all():
         for tier in cat.residency(v):
             if tier in held:
@@ -87,7 +88,7 @@ def _families(server: AgentServer) -> Iterator[Any]:
     yield levels
     yield GaugeMetricFamily("tiercache_agent_versions_in_flight", "Versions being written", value=st["in_flight"])
     queue = GaugeMetricFamily("tiercache_agent_queue_depth", "Versions still to write, per tier", labels=["tier"])
-    for tier in cache.repo.durable:
+    for tier in core_of(cache).repo.durable:
         queue.add_metric([tier], st["queues"].get(tier, 0))
     yield queue
     parts = GaugeMetricFamily("tiercache_agent_group_parts", "Ranks' parts of group versions", labels=["state"])

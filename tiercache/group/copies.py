@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache import codecs
+from tiercache.cache import core_of
 from tiercache.errors import IntegrityError
 from tiercache.failpoints import failpoint
 from tiercache.group.transfer import Move
@@ -35,14 +36,16 @@ class PeerFiles:
     """This node's side of the peer copies of version ``vid`` to and from its disk ``tier``.
 
     :meth:`land` may be called from several threads at once; :meth:`finish` once, after the last.
+    It is handed the cache (a trainer's, or the node agent's) and works on its core
+    (:func:`tiercache.cache.core_of`).
     """
 
     def __init__(self, cache: TierCache, tier: str, vid: str) -> None:
-        self.cache = cache
+        self.core = core_of(cache)
         self.vid = vid
         self.tier = tier
-        self.disk = cache.repo.durable[tier]
-        self.algo = cache.config.hash
+        self.disk = self.core.repo.durable[tier]
+        self.algo = self.core.config.hash
         self._lock = threading.Lock()
         self._written: list[str] = []
         self._parts: list[Version] = []  # written once the chunks they name are durable
@@ -60,7 +63,7 @@ class PeerFiles:
                 raise IntegrityError(f"{m.chunk} of version {self.vid} is not on this node's disk as written")
             return torch.frombuffer(bytearray(data), dtype=torch.uint8)
         buf = torch.empty(m.nbytes, dtype=torch.uint8)
-        self.cache.reader.read_chunk(m.chunk, m.nbytes, self.algo, [(byte_view(buf), 0, m.nbytes)])
+        self.core.reader.read_chunk(m.chunk, m.nbytes, self.algo, [(byte_view(buf), 0, m.nbytes)])
         return buf
 
     def land(self, m: Move, data: torch.Tensor | memoryview) -> None:
@@ -80,13 +83,13 @@ class PeerFiles:
             return
         if codecs.content_id(raw, self.algo) != m.chunk:
             raise IntegrityError(f"chunk {m.chunk} from rank {m.src} does not match its id")
-        self.cache.repo.put_chunk(self.tier, m.chunk, codecs.chunk_object(raw, m.chunk, self.algo))
+        self.core.repo.put_chunk(self.tier, m.chunk, codecs.chunk_object(raw, m.chunk, self.algo))
         with self._lock:
             self._written.append(m.chunk)
 
     def finish(self) -> None:
         """Make the landed chunks' names durable, then write the part manifests that name them."""
-        repo = self.cache.repo
+        repo = self.core.repo
         repo.sync_chunks(self.tier, self._written)
         for part in self._parts:
             repo.put_part(self.tier, part)

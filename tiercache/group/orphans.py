@@ -97,7 +97,7 @@ def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
     agent = view.cache.agent
     if agent is None:
         return {}
-    catalog = view.cache.catalog
+    catalog = view.core.catalog
     head = catalog.ref("branch", branch)
     head_step = -1
     if head is not None:
@@ -184,14 +184,13 @@ def _never_adopted(view: GroupView, ref: str, incomplete: dict[str, dict[str, An
 
 def _read_part(view: GroupView, orphan: dict[str, Any]) -> Any:
     """This rank's state of an orphaned part, read back from node RAM (every chunk verified)."""
-    cache = view.cache
     part = Version.from_json(str(orphan["manifest"]).encode(), source="node agent")
-    agent = cache.agent
+    agent = view.cache.agent
     assert agent is not None
     ids = sorted({c.id for c in part.chunks})
     _, held = agent.holds([], ids)
-    cache.catalog.note_chunks("ram", [c for c, ok in held.items() if ok])
-    return cache.restore_version(part)
+    view.core.catalog.note_chunks("ram", [c for c, ok in held.items() if ok])
+    return view.core.restore_version(part)
 
 
 __all__ = ["adopt_orphans"]

@@ -87,7 +87,7 @@ class Phases:
         self.view = view
         self._workers = [Worker(view, "parts", self._parts)]
         self._workers += [Worker(view, tier, lambda rnd, ch, tier=tier: self._tier(tier, rnd, ch))
-                          for tier in view.cache.repo.durable]
+                          for tier in view.core.repo.durable]
         if replicator is not None:
             self._workers.append(Worker(view, "peers", replicator.run))
 
@@ -190,7 +190,7 @@ class Phases:
     def _assign(self, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator's decision at ``parts``: who writes what, and what the group manifest says."""
         view = self.view
-        plan = plan_parts([s.payload for s in statuses], list(view.cache.repo.durable), view.node_local,
+        plan = plan_parts([s.payload for s in statuses], list(view.core.repo.durable), view.node_local,
                           view.topology, rnd.declared_writers())
         rnd.plan.writers, rnd.plan.part_bytes, rnd.plan.sizes = plan.writers, plan.part_bytes, plan.sizes
         return Decision(plan.nbytes, plan.per_rank)
@@ -207,7 +207,7 @@ class Phases:
             failpoint("group.write", f"{rnd.vid}/{tier}")
         except Exception as e:
             status = Status.of(e)
-        pacer = view.cache.repo.durable[tier].pacer
+        pacer = view.core.repo.durable[tier].pacer
         throttled = pacer.take_throttled() if pacer is not None else 0
         if status.ok:
             status = Status("ok", throttled)
@@ -258,7 +258,7 @@ class Phases:
     def _commit_shared(self, tier: str, rnd: Round, statuses: list[Status]) -> Decision:
         """The coordinator commits the version on a tier every node shares (every rank's part is there)."""
         failpoint("group.commit", f"{rnd.vid}/{tier}")
-        self.view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=())
+        self.view.core.repo.commit(tier, self._header(rnd), rnd.ref, held=())
         return Decision(any(s.payload for s in statuses))  # whether some rank was throttled
 
     def _commit_node(self, tier: str, rnd: Round) -> Status:
@@ -268,7 +268,7 @@ class Phases:
             return Status()
         try:
             failpoint("group.commit", f"{rnd.vid}/{tier}")
-            view.cache.repo.commit(tier, self._header(rnd), rnd.ref, held=(),
+            view.core.repo.commit(tier, self._header(rnd), rnd.ref, held=(),
                                    node=view.topology.names[view.node])
         except Exception as e:
             return Status.of(e)

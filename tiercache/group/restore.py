@@ -80,7 +80,7 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
     """
     t0 = time.perf_counter()
     ch = view.channel
-    cache = view.cache
+    core = view.core
     tag = f"restore/{slot}"
     what = f"the group's restore of {ref!r}"
     if view.agents:
@@ -94,12 +94,12 @@ def restore(view: GroupView, slot: int, ref: str, *, into: Any, map_location: An
         mine = Status.of(e)
     ch.exchange(f"{tag}/into", mine, what=what).raise_failure()
     fill = GroupFill(view, ch, tag, what)
-    out = cache.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict,
-                                fill=fill)
-    if cache.last_restore is not None:  # the group's exchanges took part of the time: count them too
-        cache.last_restore = dataclasses.replace(cache.last_restore, seconds=time.perf_counter() - t0)
+    out = core.restore_version(version, into=into, map_location=map_location, progress=progress, strict=strict,
+                               fill=fill)
+    if core.last_restore is not None:  # the group's exchanges took part of the time: count them too
+        core.last_restore = dataclasses.replace(core.last_restore, seconds=time.perf_counter() - t0)
     if resume:
-        cache.note_restored(ref, version)
+        core.note_restored(ref, version)
     return out
 
 
@@ -126,10 +126,9 @@ def resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict
     Raises:
         VersionNotFoundError: If no rank resolves it (rank 0's error, on every rank).
     """
-    cache = view.cache
     try:
         failpoint("group.restore", tag)
-        vid = cache.resolve(ref)
+        vid = view.cache.resolve(ref)
         rnd = view.round(vid)
         # A version this group is still saving is waited for (its outcome is near: it is staged).
         if rnd is not None and rnd.futures["durable"].exception() is not None:
@@ -137,7 +136,7 @@ def resolve(view: GroupView, ch: Channel, tag: str, what: str, ref: str) -> dict
             # save) names a version the group failed to commit.
             raise VersionNotFoundError(f"{ref!r} resolves to version {vid}, which the group failed to save "
                                        f"({rnd.futures['durable'].exception()}): restore an earlier one, e.g. {ref}~1")
-        v = cache.catalog.peek(vid)
+        v = view.core.catalog.peek(vid)
         mine = Status("ok", {"id": v.id, "branch": v.branch, "parent": v.parent, "step": v.step, "world": v.world,
                              "created": v.created_at.isoformat(), "hash": v.hash_algo})
     except (VersionNotFoundError, AmbiguousRefError, InvalidNameError) as e:
@@ -166,7 +165,7 @@ def _part(view: GroupView, ch: Channel, tag: str, what: str, found: dict[str, An
         raise InvalidArgumentError(
             f"version {vid} was saved by {world} ranks, this group has {view.world_size}: restore it at the same "
             "world size, or save and load it with tiercache.integrations.dcp to reshard")
-    cat = view.cache.catalog
+    cat = view.core.catalog
     if world == 1:  # saved by one process: every rank restores the whole state
         try:
             version, mine = cat.get(vid), Status("ok", [])
@@ -203,13 +202,13 @@ def fetch_parts(view: GroupView, ch: Channel, tag: str, what: str, header: Versi
     Raises:
         IntegrityError: If some wanted part is on no tier and no node (on every rank).
     """
-    cache = view.cache
-    order = [*sorted(view.node_local), *(t for t in cache.repo.durable if t not in view.node_local)]
+    core = view.core
+    order = [*sorted(view.node_local), *(t for t in core.repo.durable if t not in view.node_local)]
     got: dict[int, Version] = {}
     try:
         for rank in wanted:
             # Merged in memory (or written merged by an older tiercache): the part is in it already.
-            part = rank_view(header, rank) if header.parts else cache.catalog.part(header, rank, order)
+            part = rank_view(header, rank) if header.parts else core.catalog.part(header, rank, order)
             if part is not None:
                 got[rank] = part
         missing = sorted(set(wanted) - set(got))
@@ -228,7 +227,7 @@ def fetch_parts(view: GroupView, ch: Channel, tag: str, what: str, header: Versi
         mine = Status.of(e)
     offer = ch.exchange(f"{tag}/offer", mine, what=what, decide=lambda statuses: _providers(statuses, header.id))
     offer.raise_failure()
-    disk = cache.repo.durable[min(view.node_local)] if view.node_local else None
+    disk = core.repo.durable[min(view.node_local)] if view.node_local else None
     status = Status()
     for rank, needer in offer.mine or ():
         data = b""
@@ -242,7 +241,7 @@ def fetch_parts(view: GroupView, ch: Channel, tag: str, what: str, header: Versi
             data = ch.receive(f"{tag}/part/{rank}/{view.rank}", f"{what}: rank {rank}'s part of version {header.id}")
             got[rank] = check_part(header, rank, Version.from_json(
                 data, source=f"rank {rank}'s part of version {header.id} (from a peer)"), "the part a peer sent")
-            cache.catalog.add_part(got[rank])
+            core.catalog.add_part(got[rank])
     except Exception as e:
         status = Status.of(e)
     ch.exchange(f"{tag}/delivered", status, what=what).raise_failure()
@@ -257,7 +256,7 @@ def _held_parts(view: GroupView, vid: str, ranks: Sequence[int]) -> list[int]:
     """Those of ``ranks`` whose part manifests this rank's node-local disk holds (peer copies)."""
     if not view.node_local:
         return []
-    tier = view.cache.repo.durable[min(view.node_local)]
+    tier = view.core.repo.durable[min(view.node_local)]
     out = []
     for r in ranks:
         try:
@@ -327,7 +326,7 @@ class GroupFill:
 
     def __init__(self, view: GroupView, ch: Channel, tag: str, what: str) -> None:
         self.view = view
-        self.cache = view.cache
+        self.core = view.core
         self.ch = ch
         self.tag = tag
         self.what = what
@@ -353,7 +352,7 @@ class GroupFill:
         status = Status()
         if not wanted.status.payload:
             try:
-                self._count(self.cache.reader.read_chunks(version, needed, targets, progress))
+                self._count(self.core.reader.read_chunks(version, needed, targets, progress))
             except Exception as e:  # the others learn it at done
                 status = Status.of(e)
         else:
@@ -370,7 +369,7 @@ class GroupFill:
             own_idx = [i for i in needed if version.chunks[i].id in held]
             try:
                 with ThreadPoolExecutor(1, thread_name_prefix="tiercache-restore-local") as pool:
-                    local = pool.submit(self.cache.reader.read_chunks, version, own_idx, targets, progress)
+                    local = pool.submit(self.core.reader.read_chunks, version, own_idx, targets, progress)
                     self._transfer(version, slots, set(missing), targets, progress)
                     self._count(local.result())
             except Exception as e:  # a transfer that broke (a peer died) too: the others learn it at done
@@ -382,7 +381,7 @@ class GroupFill:
         """The coordinator's moves; each rank gets its own slots."""
         moves = plan_moves(None, [set(s.payload["missing"]) for s in statuses],  # type: ignore[arg-type]
                            [set(s.payload["holding"]) for s in statuses], sizes)
-        slots = schedule(moves, self.cache.config.peers.batch_bytes)
+        slots = schedule(moves, self.core.config.peers.batch_bytes)
         return Decision(None, shares(slots, len(statuses)))
 
     def _count(self, read: dict[str, int]) -> None:
@@ -397,12 +396,12 @@ class GroupFill:
         an earlier trainer and peer copies put chunks there without this process's catalog
         knowing; what is found is noted so the reader tries it (node RAM first).
         """
-        repo = self.cache.repo
+        repo = self.core.repo
         out: set[str] = set()
         for name, tier in repo.tiers.items():
             if not tier.durable:  # the RAM arena: this process's catalog knows what it holds
                 out |= ids & repo.catalog.chunks_on(name)
-        agent = self.cache.agent
+        agent = self.view.cache.agent
         if agent is not None and ids - out:
             try:
                 _, held = agent.holds([], sorted(ids - out))
@@ -432,7 +431,7 @@ class GroupFill:
             if t and c.id in missing:
                 where.setdefault(c.id, []).append(t)
         algo = version.hash_algo
-        reader = self.cache.reader
+        reader = self.core.reader
         bad: list[IntegrityError] = []
 
         def deliver(m: Move, raw: memoryview) -> None:
@@ -463,7 +462,7 @@ class GroupFill:
             self._count({PEER: m.nbytes})
 
         run_moves(self.view.transfers, self.view.rank, slots, read=read, land=land,
-                  threads=self.cache.config.io_threads)
+                  threads=self.core.config.io_threads)
         if bad:
             raise bad[0]
 

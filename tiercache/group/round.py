@@ -77,7 +77,7 @@ class Round:
         self.meta = meta
         self.trade = trade
         self.declared = declared
-        tiers = list(view.cache.repo.durable)
+        tiers = list(view.core.repo.durable)
         #: This rank's chunk ids to write per tier (set by the ``parts`` phase).
         self.owners: dict[str, Future[frozenset[str]]] = {t: Future() for t in tiers}
         #: Set when this rank's chunks and part are durable on a tier (or its write there failed).
@@ -147,7 +147,7 @@ class Round:
         process wrote it again) writes the part again and reports nothing twice.
         """
         try:
-            self.view.cache.repo.put_part(tier, part_of(manifest, self.view.rank))
+            self.view.core.repo.put_part(tier, part_of(manifest, self.view.rank))
         except BaseException as e:
             with contextlib.suppress(InvalidStateError):
                 self.ready[tier].set_exception(e)
@@ -253,12 +253,12 @@ class Round:
             elif done:
                 # A version the group failed everywhere is no branch head in this process's view,
                 # before anyone waiting for the level hears of it.
-                self.view.cache.catalog.retract(self.ref)
+                self.view.core.catalog.retract(self.ref)
                 durable.set_exception(self._durable_error())
 
     def _note_missed(self, settled: dict[str, BaseException | None]) -> None:
         """Why the tiers that missed the version did, in this process's catalog (``versions()``) at once."""
-        self.view.cache.catalog.note_outcomes(self.vid, {
+        self.view.core.catalog.note_outcomes(self.vid, {
             t: TierOutcome(state="skipped", reason=str(e)) if isinstance(e, SkippedError)
             else TierOutcome(state="failed", reason=f"{type(e).__name__}: {e}")
             for t, e in settled.items() if e is not None})
@@ -276,7 +276,7 @@ class Round:
         if not on:
             return
         try:
-            view.cache.catalog.store_outcomes(self.vid, on)
+            view.core.catalog.store_outcomes(self.vid, on)
         except TierCacheError as e:
             log.info("could not record why version %s is not on every tier: %s", self.vid, e)
 
@@ -291,7 +291,7 @@ class Round:
         err = self._durable_error()
         if self.local is None or isinstance(err, SkippedError):
             return
-        self.view.cache.engine.record_loss(self.vid, self.step, err)
+        self.view.core.saver.record_loss(self.vid, self.step, err)
 
     def _durable_error(self) -> BaseException:
         # The first failed tier in tier order, not in the order they settled here, so every rank

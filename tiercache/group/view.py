@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     import torch
 
     from tiercache.cache import TierCache
+    from tiercache.core import CacheCore
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.group.view")
@@ -101,7 +102,10 @@ class GroupView:
 
     Args:
         cache: This process's cache (each rank opens its own with the same config; the ranks of
-            a node share its disk directory, and all share the S3 prefix).
+            a node share its disk directory, and all share the S3 prefix). The view calls its
+            public methods only.
+        core: Its internal interface (:class:`~tiercache.core.CacheCore`): the tiers, the catalog,
+            the save engine and the save lock, the reader.
         group: The process group whose ranks save together (default: the world).
         timeout: How long a rank waits for the others at each phase before the version fails.
 
@@ -119,11 +123,12 @@ class GroupView:
             setting that must be the same (on every rank, naming the setting and the ranks).
     """
 
-    def __init__(self, cache: TierCache, group: dist.ProcessGroup | None = None, *,
+    def __init__(self, cache: TierCache, core: CacheCore, group: dist.ProcessGroup | None = None, *,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("multi-rank saves need torch.distributed: call init_process_group first")
         self.cache = cache
+        self.core = core
         pg = group or dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
         self.rank = ranks.index(dist.get_rank())
@@ -132,19 +137,19 @@ class GroupView:
         self.collective = Collective(store, self.rank, self.world_size, timeout=timeout.total_seconds())
         self._channel = self.collective.channel()  # the calling (training) thread's
         cfg = cache.config
-        self.node_local = frozenset(n for n, t in cache.repo.durable.items() if t.node_local)
+        self.node_local = frozenset(n for n, t in core.repo.durable.items() if t.node_local)
         #: Whether the ranks save through node agents (every rank alike: it is agreed below).
         self.agents = cfg.agent is not None
         name, domain = this_node(cfg)
         settings = {"chunk_bytes": cfg.chunk_bytes, "pack_below": cfg.pack_below, "hash": cfg.hash,
-                    "[peers] copies": cfg.peers.copies, "durable tiers": sorted(cache.repo.durable),
+                    "[peers] copies": cfg.peers.copies, "durable tiers": sorted(core.repo.durable),
                     "node-local tiers": sorted(self.node_local), "[agent]": cfg.agent is not None}
         mine = Status("ok", {"node": [name, domain], "settings": settings})
         try:
             # Each rank learns its tiers' versions and refs now, while the group is being made,
             # not in its first save(): a save reads no tier (an S3 that hangs after this point
             # never holds save() or the `local` level; one down now is left out, as at open).
-            cache.catalog.load()
+            core.catalog.load()
         except TierCacheError as e:  # the group learns it in this exchange, naming this rank
             mine = Status.of(e)
         verdict = self._channel.exchange("view", mine, what="opening the group view", decide=self._agree)
@@ -176,7 +181,7 @@ class GroupView:
             replicator = Replicator(self, self._gloo(ranks), peers, min(self.node_local),
                                     timeout=timeout.total_seconds(), agent_host=agent_host)
         self.phases = Phases(self, replicator)
-        for tier in cache.repo.durable.values():  # a node sends the requests one process would
+        for tier in core.repo.durable.values():  # a node sends the requests one process would
             if tier.pacer is not None:
                 tier.pacer.share(len(self.topology.ranks(self.node)))
         self._rounds: dict[str, Round] = {}
@@ -316,7 +321,7 @@ class GroupView:
                                    "largest": max((m.nbytes for m in flat.metas), default=0)}
         with contextlib.ExitStack() as stack:
             try:
-                nxt = stack.enter_context(cache.next_version(branch))  # the save lock: close() waits for this
+                nxt = stack.enter_context(self.core.next_version(branch))  # the save lock: close() waits for this
             except TierCacheError as e:  # closed meanwhile
                 self._channel.exchange(f"save/{slot}", Status.of(e), what=what, decide=self._begin).raise_failure()
                 raise
@@ -406,7 +411,7 @@ class GroupView:
 
     def _stage(self, agreed: dict[str, Any], flat: Flat, step: int, branch: str, declared: tuple[str, ...]) -> Round:
         """Copy this rank's part into the arena as the version the group agreed on."""
-        engine = self.cache.engine
+        engine = self.core.saver
         vid, chunk = agreed["vid"], agreed["chunk"]
         trade = bool(agreed["split"]) and bool(
             declared_chunks(engine.layout_of(flat, chunk), [m.path for m in flat.metas], declared))
@@ -446,7 +451,7 @@ class GroupView:
         """
         if durable.exception() is None and self.cache.agent is not None and rnd.published is not None:
             part = rnd.published.result()
-            self.cache.keep_in_ram(sorted({(c.id, c.nbytes) for c in part.chunks}), part.hash_algo)
+            self.core.keep_in_ram(sorted({(c.id, c.nbytes) for c in part.chunks}), part.hash_algo)
 
     # ------------------------------------------------------------------ what the phases ask
 
@@ -467,13 +472,13 @@ class GroupView:
         """Know the group's version as committed on ``tier`` (this rank's part is there)."""
         from tiercache.parts import group_header
 
-        cache = self.cache
+        core = self.core
         header = group_header(id=rnd.vid, parent=self.durable_parent(rnd), branch=rnd.ref.name, step=rnd.step,
-                              created_at=rnd.created_at, meta=rnd.meta, hash_algo=cache.config.hash,
+                              created_at=rnd.created_at, meta=rnd.meta, hash_algo=core.config.hash,
                               ranks=self.world_size, nbytes=rnd.plan.nbytes, nodes=rnd.nodes)
         assert rnd.published is not None
         own = rnd.published.result()
-        cache.repo.adopt_group(header, tier, own, self.rank)
+        core.repo.adopt_group(header, tier, own, self.rank)
 
     # ------------------------------------------------------------------ restore
 
@@ -509,7 +514,7 @@ class GroupView:
         and then nothing would take the move back (the next version would name this one, which
         no tier holds, as its parent).
         """
-        with self.cache.next_version(branch) as nxt:
+        with self.core.next_version(branch) as nxt:
             return {"vid": new_version_id(), "parent": nxt.parent, "seq": nxt.seq, "created": utcnow().isoformat(),
                     "meta": check_meta(meta), "step": step, "branch": branch}
 
@@ -525,7 +530,7 @@ class GroupView:
                     step=agreed["step"], parent=agreed["parent"], created_at=datetime.fromisoformat(agreed["created"]),
                     meta=dict(agreed["meta"]), trade=False, declared=())
         rnd.published = Future()
-        with self.cache.next_version(rnd.ref.name) as nxt:  # back again if the group fails the version
+        with self.core.next_version(rnd.ref.name) as nxt:  # back again if the group fails the version
             nxt.seq = rnd.ref.seq
             nxt.version = vid
         self._submit(rnd)

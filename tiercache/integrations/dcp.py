@@ -27,6 +27,9 @@ Unchanged shards (a frozen base model) dedupe against earlier versions, DCP or n
 rank's needed entries from its own node, a peer or S3 (a chunk no node holds is read once and
 shared), and narrows them to the requested ranges.
 
+Both are handed the user's cache and work on its internal interface, which they get from
+:func:`tiercache.cache.core_of` (docs/design.md section 1, "The facade and the core").
+
 The ``Metadata`` object is stored with pickle, as DCP's own file system storage does, and is
 read back with an unpickler that only accepts DCP's metadata classes and plain torch/builtin
 values, so a tampered object cannot run code.
@@ -59,6 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tiercache import codecs
+from tiercache.cache import core_of
 from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, VersionNotFoundError
 from tiercache.format import dtype_from_name, dtype_name
 from tiercache.layout import plan_layout
@@ -69,6 +73,7 @@ from tiercache.restore import RestoreReport, empty_aligned
 
 if TYPE_CHECKING:
     from tiercache.cache import TierCache
+    from tiercache.core import CacheCore
     from tiercache.group.round import Round
     from tiercache.group.view import GroupView
     from tiercache.handle import SaveHandle
@@ -102,10 +107,10 @@ def _item_bytes(item: WriteItem, data: Any) -> tuple[torch.Tensor, str, tuple[in
     return t.reshape(-1).view(torch.uint8), dtype_name(t.dtype), tuple(t.shape)
 
 
-def _durable(cache: TierCache) -> list[str]:
-    if not cache.repo.durable:
+def _durable(core: CacheCore) -> list[str]:
+    if not core.repo.durable:
         raise ConfigError("a DCP checkpoint needs a durable tier (disk or s3): this cache has only RAM")
-    return list(cache.repo.durable)
+    return list(core.repo.durable)
 
 
 def _view(cache: TierCache, group: dist.ProcessGroup | None) -> GroupView | None:
@@ -145,7 +150,7 @@ class _Entries:
 
 
 def put_blobs(
-    cache: TierCache, blobs: list[torch.Tensor], owner: str
+    core: CacheCore, blobs: list[torch.Tensor], owner: str
 ) -> list[tuple[tuple[tuple[str, int], ...], tuple]]:
     """Store flat uint8 blobs as content-addressed chunks on every durable tier, through the storage layer.
 
@@ -158,8 +163,8 @@ def put_blobs(
         Per blob, its chunks ``(id, raw length)`` and its pieces ``(index into those chunks,
         offset in chunk, offset in blob, length)``.
     """
-    tiers = _durable(cache)
-    cfg = cache.config
+    tiers = _durable(core)
+    cfg = core.config
     layout = plan_layout([b.numel() for b in blobs], [1] * len(blobs), chunk_bytes=cfg.chunk_bytes,
                          pack_below=cfg.pack_below)
     hdr = codecs.HEADER_BYTES
@@ -176,9 +181,9 @@ def put_blobs(
         codecs.seal_chunk(mv, cid, cfg.hash)
         objects[cid] = buf
         ids.append(cid)
-    written = [cache.repo.store(owner, name, objects) for name in tiers]
+    written = [core.repo.store(owner, name, objects) for name in tiers]
     for name, ids_written in zip(tiers, written, strict=True):
-        cache.repo.sync_chunks(name, ids_written)  # before a manifest names them
+        core.repo.sync_chunks(name, ids_written)  # before a manifest names them
     out = []
     for tensor_pieces in layout.tensor_pieces:
         chunks = tuple((ids[ci], layout.chunks[ci].nbytes) for ci, _ in tensor_pieces)
@@ -208,8 +213,10 @@ class TierCacheStorageWriter(StorageWriter):
         check_name(branch, "branch")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidArgumentError(f"step must be an int, got {step!r}")
-        _durable(cache)
+        core = core_of(cache)
+        _durable(core)
         self.cache = cache
+        self._core = core
         self.step = step
         self.branch = branch
         self.meta = check_meta(meta)
@@ -229,7 +236,7 @@ class TierCacheStorageWriter(StorageWriter):
         self.version_id = None
         self._round = None
         self._entries = _Entries()
-        self.cache.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
+        self._core.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
         self._owner = f"dcp-{new_version_id()}"
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -262,10 +269,10 @@ class TierCacheStorageWriter(StorageWriter):
         rnd = self._round = view.open_round(plan.storage_data) if view is not None else None
         if rnd is not None:
             self.version_id, self.handle = rnd.vid, rnd.handle()
-            owner, cache = self._owner, self.cache
+            owner, core = self._owner, self._core
             # Whatever the outcome (committed, failed, or DCP aborted the checkpoint): the group
             # settles every level, and the chunks leased for it are free then.
-            rnd.futures["durable"].add_done_callback(lambda _: cache.repo.leases.close(owner))
+            rnd.futures["durable"].add_done_callback(lambda _: core.repo.leases.close(owner))
         try:
             items = list(plan.items)
             blobs, kinds = [], []
@@ -274,7 +281,7 @@ class TierCacheStorageWriter(StorageWriter):
                 blobs.append(data)
                 kinds.append((dtype, shape))
             results = []
-            for item, stored, (dtype, shape), blob in zip(items, put_blobs(self.cache, blobs, self._owner), kinds,
+            for item, stored, (dtype, shape), blob in zip(items, put_blobs(self._core, blobs, self._owner), kinds,
                                                           blobs, strict=True):
                 index = self._entries.add(_item_path(item.index), dtype, shape, stored)
                 results.append(WriteResult(index=item.index, size_in_bytes=blob.numel(),
@@ -295,14 +302,14 @@ class TierCacheStorageWriter(StorageWriter):
     def _publish(self, rnd: Round) -> None:
         """Hand this rank's part to the group: write it to every durable tier, then let the phases commit."""
         assert rnd.published is not None
-        cache = self.cache
+        core = self._core
         own = self._entries.version(id=rnd.vid, parent=None, branch=rnd.ref.name, step=rnd.step,
-                                    created_at=rnd.created_at, hash_algo=cache.config.hash)
+                                    created_at=rnd.created_at, hash_algo=core.config.hash)
         rnd.published.set_result(own)
         part = part_of(own, self._rank)
-        for tier in cache.repo.durable:
+        for tier in core.repo.durable:
             try:
-                cache.repo.put_part(tier, part)
+                core.repo.put_part(tier, part)
             except BaseException as e:
                 rnd.ready[tier].set_exception(e)
                 continue
@@ -315,7 +322,7 @@ class TierCacheStorageWriter(StorageWriter):
             TierCacheError: If the version reached no durable tier (with several ranks: the
                 group's error, naming the rank).
         """
-        cache = self.cache
+        core = self._core
         rnd = self._round
         try:
             # Plain tuples: the loader's unpickler accepts DCP's classes and builtins only.
@@ -323,7 +330,7 @@ class TierCacheStorageWriter(StorageWriter):
                                      for rank_results in results for wr in rank_results}
             blob = torch.frombuffer(bytearray(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)),
                                     dtype=torch.uint8)
-            (stored,) = put_blobs(cache, [blob], self._owner)
+            (stored,) = put_blobs(core, [blob], self._owner)
             self._entries.add(METADATA_ENTRY, "uint8", (blob.numel(),), stored)
         except BaseException as e:
             if rnd is not None:
@@ -335,18 +342,18 @@ class TierCacheStorageWriter(StorageWriter):
             rnd.futures["durable"].result()  # the group's outcome: raises its error
             self.version_id = rnd.vid
             return
-        with cache.next_version(self.branch) as nxt:
+        with core.next_version(self.branch) as nxt:
             version = self._entries.version(id=new_version_id(), parent=nxt.parent, branch=self.branch,
                                             step=self.step, created_at=utcnow(), meta=self.meta,
-                                            hash_algo=cache.config.hash)
+                                            hash_algo=core.config.hash)
             ref = RefRecord(kind="branch", name=self.branch, version=version.id, seq=nxt.seq)
             nxt.version = version.id
         try:
-            for name in _durable(cache):
-                cache.repo.commit(name, version, ref)
+            for name in _durable(core):
+                core.repo.commit(name, version, ref)
         finally:
-            cache.repo.leases.close(self._owner)
-        cache.repo.adopt(version, _durable(cache))
+            core.repo.leases.close(self._owner)
+        core.repo.adopt(version, _durable(core))
         self.version_id = version.id
 
     @classmethod
@@ -462,8 +469,8 @@ class TierCacheStorageReader(StorageReader):
             planner.commit_tensor(req, target)
         # As a restore reports it: what this rank read, per source, and the load's time from the
         # ref's resolution on (the group's exchanges included).
-        self.cache.last_restore = RestoreReport(self._source.vid, dict(self._source.nbytes),
-                                                time.perf_counter() - self._t0)
+        core_of(self.cache).last_restore = RestoreReport(self._source.vid, dict(self._source.nbytes),
+                                                         time.perf_counter() - self._t0)
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -520,8 +527,8 @@ class _Local(_Source):
     """One process reads a version it can read whole (single-process, or every part on its tiers)."""
 
     def __init__(self, cache: TierCache, ref: str) -> None:
-        self.cache = cache
-        self.version = cache.catalog.get(cache.resolve(ref))
+        self.core = core_of(cache)
+        self.version = self.core.catalog.get(cache.resolve(ref))
         self.vid = self.version.id
         self.nbytes = {}
 
@@ -541,7 +548,7 @@ class _Local(_Source):
     def read(self, items: list[StoredItem]) -> list[torch.Tensor]:
         version = _select([(self._entry(s), self.version.chunks) for s in items], self.vid, self.version.hash_algo)
         dests = _tensors(version)
-        self._count(self.cache.reader.read_version(version, dests))
+        self._count(self.core.reader.read_version(version, dests))
         return dests
 
 
@@ -560,7 +567,7 @@ class _Group(_Source):
         found = resolve(view, view.channel, self.tag, self.what, ref)
         self.vid = found["id"]
         self.world = found["world"]
-        cat = view.cache.catalog
+        cat = view.core.catalog
         try:
             self.header = cat.peek(self.vid)
         except VersionNotFoundError:
@@ -576,7 +583,7 @@ class _Group(_Source):
 
         self._reads += 1
         if self.world == 1:  # a single-process checkpoint: every rank reads it whole
-            version = self.view.cache.catalog.get(self.vid)
+            version = self.view.core.catalog.get(self.vid)
             return {0: version}
         return fetch_parts(self.view, self.view.channel, f"{self.tag}/{self._reads}", f"{self.what} ({what})",
                            self.header, ranks)

@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from tiercache.cache import core_of
 from tiercache.errors import InvalidArgumentError
 from tiercache.handle import Level
 from tiercache.names import check_name
@@ -100,11 +101,12 @@ def restore_checkpoint(cache: TierCache, ref: str, directory: str | os.PathLike[
         raise InvalidArgumentError(f"version {version.id} is not a Trainer checkpoint (no meta[{DIR_KEY!r}])")
     check_name(name, "checkpoint directory")
     out = Path(directory) / name
-    for rel, data in cache.restore_version(version)["files"].items():
+    core = core_of(cache)
+    for rel, data in core.restore_version(version)["files"].items():
         target = (out / rel).resolve()
         if not target.is_relative_to(out.resolve()):
             raise InvalidArgumentError(f"version {version.id} names a file outside its checkpoint: {rel!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.numpy().tobytes())
-    cache.note_restored(ref, version)
+    core.note_restored(ref, version)
     return out
