@@ -312,8 +312,8 @@ def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles
     # a trainer reading the head right after wait("durable") raised must not find it there.
     retracted: list[tuple[RefRecord, bool]] = []
     catalog = SimpleNamespace(retract=lambda rec: retracted.append((rec, rnd.futures["durable"].done())))
-    view = SimpleNamespace(cache=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None}),
-                                                 catalog=catalog), nodes=())
+    view = SimpleNamespace(core=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None}),
+                                                catalog=catalog), nodes=())
     ref = RefRecord(kind="branch", name="main", version="v", seq=0)
     rnd = Round(view, "v", ref, step=1,  # type: ignore[arg-type]
                 parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
