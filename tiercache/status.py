@@ -14,7 +14,7 @@ nothing. Everything in the object is bounded: the newest :data:`RECENT_VERSIONS`
 newest :data:`RECENT_ERRORS` errors, :data:`LAG_HISTORY` lag samples and :data:`RECENT_SAMPLES`
 samples per measurement.
 
-The object (``schema_version`` 1), times in Unix seconds::
+The object (``schema_version`` 1; typed by :class:`tiercache.runtime.Status`), times in Unix seconds::
 
     {"schema_version": 1, "pid": 1234, "writer": "trainer" | "agent", "started_at": t, "updated_at": t,
      "closed": false,
@@ -62,8 +62,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from pydantic import ValidationError
+
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.handle import LEVELS, SaveHandle
+from tiercache.runtime import Status
 
 log = logging.getLogger("tiercache.status")
 
@@ -308,11 +311,11 @@ class StatusRecorder:
         with self._cv:
             return self._staged["version"] if self._staged else None
 
-    def current(self) -> dict[str, Any]:
+    def current(self) -> Status:
         """The status object as it would be written now (see the module docstring)."""
         meter = self._meter()
         with self._cv:
-            return {
+            return Status.model_validate({
                 "schema_version": STATUS_SCHEMA,
                 "pid": os.getpid(),
                 "writer": self._writer,
@@ -335,7 +338,7 @@ class StatusRecorder:
                 "errors": list(self._errors),
                 "meter": meter,
                 "advice": self._advice,
-            }
+            })
 
     # ------------------------------------------------------------------ writing
 
@@ -354,7 +357,7 @@ class StatusRecorder:
 
     def _write(self) -> None:
         assert self._write_fn is not None
-        data = json.dumps(self.current(), allow_nan=False).encode()
+        data = json.dumps(self.current().to_json(), allow_nan=False).encode()
         self._last_write = time.monotonic()
         try:
             self._write_fn(data)
@@ -381,8 +384,12 @@ def public_name(err: BaseException) -> str:
     return next(c.__name__ for c in type(err).__mro__ if not c.__name__.startswith("_"))
 
 
-def read_status(data: bytes | None) -> dict[str, Any] | None:
-    """Parse a stored status object; ``None`` if there is none or it is not one (a hint, never an error)."""
+def read_status(data: bytes | None) -> Status | None:
+    """Parse a stored status object; ``None`` if there is none or it is not one (a hint, never an error).
+
+    A document an older version wrote loads: a field it lacks takes its default (see
+    :class:`tiercache.runtime.Status`).
+    """
     if data is None:
         return None
     try:
@@ -392,7 +399,11 @@ def read_status(data: bytes | None) -> dict[str, Any] | None:
         return None
     if not isinstance(doc, dict) or doc.get("schema_version") != STATUS_SCHEMA:
         return None
-    return doc
+    try:
+        return Status.model_validate(doc)
+    except ValidationError as e:
+        log.debug("ignoring a malformed %s: %s", STATUS_KEY, e)
+        return None
 
 
 __all__ = ["STATUS_KEY", "Samples", "StatusRecorder", "public_name", "read_status"]

@@ -54,6 +54,7 @@ from tiercache.manifest import RefRecord, Version
 from tiercache.names import chunk_key
 from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
+from tiercache.runtime import AgentStats, ArenaStats, ClientStats, OrphanedVersion, PartCounts, PeerBytes
 from tiercache.saver import absent_levels
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
@@ -612,9 +613,9 @@ class Requests:
         return {}
 
     def _stats(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.stats()
+        return self.stats().to_json()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> AgentStats:
         """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics.
 
         Cheap enough for every scrape: nothing here lists a tier (``meter`` is what the agent
@@ -624,32 +625,31 @@ class Requests:
         engine = self.engine
         arena = engine.ramcache.arena
         with self._lock:
-            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins), "saves": c.saves}
+            clients = [ClientStats(pid=c.pid, reservations=len(c.reservations), pins=len(c.pins), saves=c.saves)
                        for c in self._clients.values()]
             tracked = len(self._tracked)
-            parts = {"in_flight": sum(t.part is not None for t in self._tracked.values()),
-                     "orphaned": len(self._orphans)}
+            parts = PartCounts(in_flight=sum(t.part is not None for t in self._tracked.values()),
+                               orphaned=len(self._orphans))
         queues: Counter[str] = Counter()
         for job in engine.jobs.snapshot():
             for name in job.pending:
                 queues[name] += 1
-        status = self._recorder.current() if self._recorder is not None else None
-        return {
-            "pid": os.getpid(), "started_at": self.started_at, "socket": str(self.place.socket),
-            "cache": self.place.key,
-            "metrics": None if self.metrics_address is None else "{}:{}".format(*self.metrics_address),
-            "arena": {"path": str(self.shared.path) if self.shared else None,
-                      "capacity": arena.capacity if arena is not None else None,
-                      "used_bytes": arena.used_bytes if arena is not None else 0},
-            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
-            "parts_released": self._orphans.released, "orphans": self._orphans.summary(),
-            "orphans_limit": LIMIT,
-            "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
-            "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
-            "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
-            "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
-            "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
-        }
+        lag = self._recorder.current().lag if self._recorder is not None else {}
+        return AgentStats(
+            pid=os.getpid(), started_at=self.started_at, socket=str(self.place.socket), cache=self.place.key,
+            metrics=None if self.metrics_address is None else "{}:{}".format(*self.metrics_address),
+            arena=ArenaStats(path=str(self.shared.path) if self.shared else None,
+                             capacity=arena.capacity if arena is not None else None,
+                             used_bytes=arena.used_bytes if arena is not None else 0),
+            clients=clients, in_flight=len(engine.pending_jobs()), tracked=tracked, parts=parts,
+            parts_released=self._orphans.released,
+            orphans=[OrphanedVersion.model_validate(o) for o in self._orphans.summary()], orphans_limit=LIMIT,
+            queues=dict(queues), levels=dict(self._levels), restores=dict(self._restores),
+            restore_bytes=dict(self._restore_bytes), served_bytes=dict(self._served),
+            peer_bytes=PeerBytes(sent=self._peers.bytes["sent"], received=self._peers.bytes["received"]),
+            request_errors=dict(self._errors), lag=lag, lost_versions=engine.errors_total,
+            meter=self.cache.meter.snapshot(),
+        )
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
