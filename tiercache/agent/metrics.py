@@ -44,15 +44,14 @@ from typing import TYPE_CHECKING, Any
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tiercache.agent.server import AgentServer
+    from tiercache.agent.requests import Requests
 
 
-def _families(server: AgentServer) -> Iterator[Any]:
+def _families(agent: Requests) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-    st = server.stats()
-    cache = server.cache
-    assert cache is not None
+    st = agent.stats()
+    cache = agent.cache
     yield InfoMetricFamily("tiercache_agent", "The node agent", value={
         "pid": str(st.pid), "cache": st.cache, "socket": st.socket})
     yield GaugeMetricFamily("tiercache_agent_start_time_seconds", "When the agent started", value=st.started_at)
@@ -131,15 +130,15 @@ def _families(server: AgentServer) -> Iterator[Any]:
 
 
 class _Collector:
-    def __init__(self, server: AgentServer) -> None:
-        self._server = server
+    def __init__(self, agent: Requests) -> None:
+        self._agent = agent
 
     def collect(self) -> Iterator[Any]:
-        yield from _families(self._server)
+        yield from _families(self._agent)
 
 
-def serve_metrics(server: AgentServer, address: str) -> tuple[Any, tuple[str, int]]:
-    """Serve ``/metrics`` for ``server`` at ``HOST:PORT`` on a thread of its own.
+def serve_metrics(agent: Requests, address: str) -> tuple[Any, tuple[str, int]]:
+    """Serve ``/metrics`` for the agent whose requests ``agent`` answers, at ``HOST:PORT``, on a thread of its own.
 
     Returns:
         The HTTP server (``shutdown()`` stops it) and the address it listens on (port 0 picks one).
@@ -153,7 +152,7 @@ def serve_metrics(server: AgentServer, address: str) -> tuple[Any, tuple[str, in
         raise ConfigError(f"[agent] metrics needs prometheus_client ({e}): pip install 'tiercache[agent]'") from None
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(server))  # type: ignore[arg-type]
+    registry.register(_Collector(agent))  # type: ignore[arg-type]
     try:
         httpd, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     except OSError as e:
