@@ -66,7 +66,7 @@ from pydantic import ValidationError
 
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.handle import LEVELS, SaveHandle
-from tiercache.runtime import Status
+from tiercache.runtime import Lag, LagSample, Status
 
 log = logging.getLogger("tiercache.status")
 
@@ -150,7 +150,8 @@ class StatusRecorder:
         self._advised: dict[str, dict[str, float]] = {}
         self._failed: set[str] = set()
         self._newest: dict[str, dict[str, dict[str, Any]]] = {}
-        self._lag_history: deque[dict[str, Any]] = deque(maxlen=LAG_HISTORY)
+        # Typed as they are taken: a write then dumps them without validating hundreds of dicts again.
+        self._lag_history: deque[LagSample] = deque(maxlen=LAG_HISTORY)
         self._save_wait = Samples()
         self._time_to: dict[str, Samples] = {}
         self._restore = Samples()
@@ -287,9 +288,9 @@ class StatusRecorder:
 
     def _touch(self, branch: str) -> None:
         """Take a lag sample of ``branch`` and wake the writer (call with the lock held)."""
-        self._lag_history.append({"t": self._clock(), "branch": branch,
-                                  "step": self._training.get(branch, {}).get("step"),
-                                  "levels": self._lag_of(branch)})
+        self._lag_history.append(LagSample(t=self._clock(), branch=branch,
+                                           step=self._training.get(branch, {}).get("step"),
+                                           levels=self._lag_of(branch)))
         self._dirty = True
         self._cv.notify_all()
 
@@ -305,6 +306,12 @@ class StatusRecorder:
             return {"save_wait": self._save_wait.to_json(),
                     "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
                     "restore": self._restore.to_json(), "restart": self._restart.to_json()}
+
+    def lag(self) -> dict[str, dict[str, Lag | None]]:
+        """The status's ``lag`` alone, cheaply: per branch and level, how far behind training."""
+        with self._cv:
+            return {b: {lvl: None if x is None else Lag(steps=int(x["steps"]), seconds=x["seconds"])
+                        for lvl, x in self._lag_of(b).items()} for b in self._training}
 
     def newest_version(self) -> str | None:
         """Id of the newest version this process saved, or ``None``."""
@@ -357,7 +364,7 @@ class StatusRecorder:
 
     def _write(self) -> None:
         assert self._write_fn is not None
-        data = json.dumps(self.current().to_json(), allow_nan=False).encode()
+        data = self.current().model_dump_json().encode()
         self._last_write = time.monotonic()
         try:
             self._write_fn(data)

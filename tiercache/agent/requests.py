@@ -707,7 +707,7 @@ class Requests:
         for job in engine.jobs.snapshot():
             for name in job.pending:
                 queues[name] += 1
-        lag = self._recorder.current().lag if self._recorder is not None else {}
+        lag = self._recorder.lag() if self._recorder is not None else {}
         return AgentStats(
             pid=os.getpid(), started_at=self.started_at, socket=str(self.place.socket), cache=self.place.key,
             metrics=None if address is None else "{}:{}".format(*address),
