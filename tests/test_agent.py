@@ -32,6 +32,7 @@ from tiercache.cli import app, short_id_length
 from tiercache.config import load_config
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
 from tiercache.manifest import Version
+from tiercache.runtime import AgentStats, CacheStats
 from tiercache.ui import views
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -527,6 +528,17 @@ def test_stats_show_the_agent(tmp_path: Path, sock_dir: Path, shm_dir: Path, age
         stats = cache.stats()
     with tiercache.open(cfg) as cache:  # as `tiercache ui` reads it: a process that never saved
         overview = views.overview(views.Capture.of(cache, mttf=None, now=time.time()), refresh=2.0)
+    # One typed model: the agent-backed stats and an in-process cache's are both a CacheStats that
+    # describes every key (a round trip through the model gives the very dict back).
+    with tiercache.open({**without_agent(cfg), "disk": {"path": str(tmp_path / "own")}}) as own:
+        own.save(state_for(1), step=1).wait("local")
+        in_process = own.stats()
+    typed = {name: CacheStats.model_validate(d) for name, d in (("agent", stats), ("in_process", in_process))}
+    assert {name: t.to_json() for name, t in typed.items()} == {"agent": stats, "in_process": in_process}
+    assert typed["in_process"].agent is None and typed["agent"].agent is not None
+    assert set(stats) - {"agent"} == set(in_process) and set(stats["tiers"]["disk"]) == set(in_process["tiers"]["disk"])
+    wire = call(load_config(cfg), "stats")
+    assert AgentStats.model_validate(wire).to_json() == {k: v for k, v in wire.items() if k != "id"}
     assert overview["agent"]["pid"] == agent.pid and overview["agent"]["arena_capacity"] == 32 << 20
     assert overview["tiers"] == ["ram", "disk"] and overview["versions"] == 1
     assert stats["agent"]["pid"] == agent.pid

@@ -15,6 +15,7 @@ import tiercache
 from tiercache.cli import app
 from tiercache.errors import ConfigError, SkippedError, TierUnavailableError
 from tiercache.handle import LEVELS, SaveHandle
+from tiercache.runtime import CacheStats
 from tiercache.status import RECENT_ERRORS, STATUS_KEY, StatusRecorder, read_status
 
 
@@ -86,7 +87,7 @@ def test_recorder_follows_each_level_and_writes_at_most_once_per_interval() -> N
     clock.t = 115.0
     rec.note_step(25)
 
-    doc = rec.current()
+    doc = rec.current().to_json()
     assert writes.docs == []  # nothing written yet: the interval is an hour
     assert doc["levels"] == ["staged", "local", "durable"]
     assert doc["queues"] == {"staged": 0, "local": 0, "durable": 0}
@@ -116,7 +117,7 @@ def test_errors_are_bounded() -> None:
         h, f = _handle(f"01{i:03d}")
         rec.note_save(h, step=i, branch="main", started_at=float(i), wait_s=0.0)
         f["local"].set_exception(OSError(f"boom {i}"))
-    errors = rec.current()["errors"]
+    errors = rec.current().to_json()["errors"]
     assert [e["message"] for e in errors] == [f"boom {i}" for i in range(5, RECENT_ERRORS + 5)]
     rec.close()
 
@@ -134,12 +135,12 @@ def test_a_version_that_failed_is_not_the_training_step_and_errors_name_public_c
         f1[lvl].set_result("01A")
     h2, f2 = _handle("01B")
     rec.note_save(h2, step=11, branch="main", started_at=105.0, wait_s=0.0)
-    assert rec.current()["training"] == {"main": {"step": 11, "at": 105.0}}
+    assert rec.current().to_json()["training"] == {"main": {"step": 11, "at": 105.0}}
     clock.t = 110.0
     f2["staged"].set_result("01B")
     for lvl in ("local", "durable"):
         f2[lvl].set_exception(trainer_left(4242))
-    doc = rec.current()
+    doc = rec.current().to_json()
     assert doc["writer"] == "agent"
     assert doc["training"] == {"main": {"step": 10, "at": 100.0}}
     assert doc["lag"]["main"]["local"] == {"steps": 0, "seconds": 0.0}
@@ -150,7 +151,7 @@ def test_a_version_that_failed_is_not_the_training_step_and_errors_name_public_c
     assert doc["versions"]["01B"]["levels"]["durable"] == {"state": "failed", "at": 110.0,
                                                            "reason": f"AgentUnavailableError: {message}"}
     cap = views.Capture(at=120.0, tiers=["disk"], levels=["staged", "local", "durable"], policy="write-through",
-                        versions=[], refs={}, reflog=[], manifests={}, status=doc, stats={"meter": {}},
+                        versions=[], refs={}, reflog=[], manifests={}, status=rec.current(), stats=CacheStats(),
                         inputs=None)  # type: ignore[arg-type]
     assert views.throughput(cap)["errors"] == doc["errors"][::-1]
     assert views.lag(cap)["branches"]["main"]["training"] == {"step": 10, "at": 100.0}
@@ -159,7 +160,7 @@ def test_a_version_that_failed_is_not_the_training_step_and_errors_name_public_c
     h3, f3 = _handle("01C")
     rec.note_save(h3, step=13, branch="main", started_at=115.0, wait_s=0.0)
     f3["durable"].set_exception(OSError("disk gone"))
-    assert rec.current()["training"] == {"main": {"step": 12, "at": 110.0}}
+    assert rec.current().to_json()["training"] == {"main": {"step": 12, "at": 110.0}}
     rec.close()
 
 
@@ -168,8 +169,10 @@ def test_a_saving_cache_publishes_its_status_and_a_fresh_process_reads_it(tmp_pa
         ids = [cache.save({"w": torch.full((1024,), float(s))}, step=s).wait("local") for s in range(3)]
         live = cache.status()
         assert live is not None and live["closed"] is False
-    stored = read_status((tmp_path / STATUS_KEY).read_bytes())
-    assert stored is not None and stored["closed"] is True
+    doc = read_status((tmp_path / STATUS_KEY).read_bytes())
+    assert doc is not None
+    stored = doc.to_json()
+    assert stored["closed"] is True
     assert list(stored["versions"]) == ids
     assert {lvl: s["state"] for lvl, s in stored["versions"][ids[-1]]["levels"].items()} == {
         "staged": "held", "local": "held", "durable": "held"}

@@ -13,6 +13,7 @@ import torch
 
 import tiercache
 from tiercache.manifest import TierState
+from tiercache.runtime import Status
 from tiercache.ui import views
 
 KIB = 1024
@@ -83,16 +84,17 @@ def test_states_merge_what_the_saving_process_recorded(history: tuple[dict[str, 
     cfg, ids = history
     with tiercache.open(cfg) as cache:
         info = next(v for v in cache.versions() if v.id == ids[0])
-    status = {"closed": False, "pid": 42, "versions": {ids[0]: {"levels": {
-        "staged": {"state": "held", "at": 5.0, "reason": ""},
-        "remote": {"state": "failed", "at": 7.0, "reason": "TierUnavailableError: s3 down"}}}}}
+    status = Status.model_validate({"closed": False, "pid": 42, "versions": {ids[0]: {
+        "branch": "main", "step": 1, "created_at": 1.0, "levels": {
+            "staged": {"state": "held", "at": 5.0, "reason": ""},
+            "remote": {"state": "failed", "at": 7.0, "reason": "TierUnavailableError: s3 down"}}}}})
     info = dataclasses.replace(info, states={**info.states, "s3": TierState("absent")})
     got = views.tier_states(info, ["ram", "disk", "s3"], status)
     assert got["ram"]["state"] == "held" and "pid 42" in got["ram"]["reason"]
     assert got["disk"] == {"state": "held", "reason": "", "at": None}
     # This viewer's "absent" gives way to the saving process's "failed", with its reason.
     assert got["s3"] == {"state": "failed", "reason": "TierUnavailableError: s3 down", "at": 7.0}
-    closed = views.tier_states(info, ["ram"], {**status, "closed": True})
+    closed = views.tier_states(info, ["ram"], status.model_copy(update={"closed": True}))
     assert closed["ram"] == {"state": "absent", "reason": "the saving process has closed: its RAM arena is gone",
                              "at": None}
 
@@ -124,7 +126,7 @@ def test_lag_from_status_and_catalog(history: tuple[dict[str, Any], list[str]]) 
     status = {"levels": ["staged", "local", "durable"], "training": {"main": {"step": 9, "at": created + 60.0}},
               "newest": {"main": {"local": {"version": ids[1], "step": 2, "created_at": created, "reached_at": 1.0}}},
               "lag_history": [{"t": 1.0, "branch": "main", "step": 9, "levels": {}}]}
-    got = views.lag(dataclasses.replace(cap, status=status))
+    got = views.lag(dataclasses.replace(cap, status=Status.model_validate(status)))
     assert got["levels"] == ["staged", "local", "durable"]
     main = got["branches"]["main"]
     assert main["training"] == {"step": 9, "at": created + 60.0} and main["training_source"] == "status"
@@ -147,8 +149,9 @@ def test_throughput_and_advice(history: tuple[dict[str, Any], list[str]]) -> Non
     assert th["queues"] == {"staged": 0, "local": 0, "durable": 0} and th["errors"] == []
     adv = views.advice(cap)
     assert adv["source"] == "measured" and adv["plan"]["inputs"]["mttf"]["seconds"] == 10800.0
-    trainer = dataclasses.replace(cap, status={**(cap.status or {}), "closed": False,
-                                               "advice": {"interval_s": 99.0, "inputs": {"level": "local"}}})
+    assert cap.status is not None
+    trainer = dataclasses.replace(cap, status=cap.status.model_copy(update={
+        "closed": False, "advice": {"interval_s": 99.0, "inputs": {"level": "local"}}}))
     assert views.advice(trainer) == {"source": "trainer", "plan": {"interval_s": 99.0, "inputs": {"level": "local"}},
                                      "reason": None, "inputs": {"level": "local"}}
     with tiercache.open(cfg) as cache:

@@ -68,6 +68,7 @@ from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
 from tiercache.repo.catalog import Catalog
+from tiercache.runtime import AgentStats, CacheStats, ErrorStats, TierRoom, TierStats
 from tiercache.status import RECENT_SAMPLES, STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
@@ -800,34 +801,29 @@ class TierCache:
     def stats(self) -> dict[str, Any]:
         """Observed throughput per tier and codec, and capacity/usage per tier (JSON-able).
 
-        With a node agent, the throughput is the agent's, and ``"agent"`` holds its figures (see
-        :meth:`tiercache.agent.requests.Requests.stats`).
+        Its shape is :class:`tiercache.runtime.CacheStats`. With a node agent, the throughput is
+        the agent's, and ``"agent"`` holds its figures (:class:`tiercache.runtime.AgentStats`).
         """
-        snap = self.meter.snapshot()
         tiers = {}
         for name in self.tier_names:
             t = self._tiers.get(name)
             if t is None:
                 continue
             outage = self.health.outage(name)
-            tiers[name] = {
-                "capacity": t.capacity, "used_bytes": t.used_bytes() if outage is None else None,
-                "available": outage is None, "unavailable": outage.reason if outage else None,
-            }
-            if name in self.repo.durable:
-                tiers[name].update(self._room(name, outage is None))
+            tiers[name] = TierStats(
+                capacity=t.capacity, used_bytes=t.used_bytes() if outage is None else None,
+                available=outage is None, unavailable=outage.reason if outage else None,
+                room=self._room(name, outage is None) if name in self.repo.durable else None)
         engine = self._engine
-        errors = {"lost_versions": engine.errors_total if engine else 0,
-                  "recent": list(engine.recent_errors) if engine else []}
-        out: dict[str, Any] = {"meter": snap, "tiers": tiers, "errors": errors}
+        errors = ErrorStats(lost_versions=engine.errors_total if engine else 0,
+                            recent=list(engine.recent_errors) if engine else [])
+        out = CacheStats(meter=self.meter.snapshot(), tiers=tiers, errors=errors)
         if self._link is not None and self._link.lost is None:
             with contextlib.suppress(TierCacheError):
-                agent = out["agent"] = self._link.request("stats")
-                out["meter"] = agent.pop("meter")  # the agent does the writes: its figures are the cache's
-                errors["lost_versions"] += agent["lost_versions"]
-        return out
+                out = out.with_agent(AgentStats.model_validate(self._link.request("stats")))
+        return out.to_json()
 
-    def _room(self, name: str, up: bool) -> dict[str, Any]:
+    def _room(self, name: str, up: bool) -> TierRoom:
         """A durable tier's room for the next version, for :meth:`stats` (see :mod:`tiercache.repo.room`).
 
         ``state`` is ``"full"`` when the next version does not fit even after eviction, or new
@@ -835,33 +831,31 @@ class TierCache:
         ``"unavailable"`` (down: what it holds is unknown).
         """
         if not up:
-            return {"full": None, "free_bytes": None, "reclaimable_bytes": None, "next_version_bytes": None,
-                    "state": "unavailable"}
+            return TierRoom(state="unavailable")
         try:
-            out = repo_ops.room(self.repo, name).to_json()
+            room = TierRoom.model_validate(repo_ops.room(self.repo, name).to_json())
         except TierCacheError:
-            return {"full": None, "free_bytes": None, "reclaimable_bytes": None, "next_version_bytes": None,
-                    "state": "unavailable"}
+            return TierRoom(state="unavailable")
         placement = getattr(self._engine, "placement", None)  # a node agent's is in the agent
-        out["full"] = out["full"] or (placement is not None and name in placement.full)
-        out["state"] = "full" if out["full"] else "available"
-        return out
+        full = bool(room.full) or (placement is not None and name in placement.full)
+        return room.model_copy(update={"full": full, "state": "full" if full else "available"})
 
     def status(self) -> dict[str, Any] | None:
         """What the saving process publishes for viewers: staged versions, levels reached, queues, costs.
 
         In the process that saves, the live status; elsewhere, the one it last wrote to the first
         durable tier (``stats/status.json``), or ``None``. Its fields are described in
-        :mod:`tiercache.status`.
+        :mod:`tiercache.status` (typed by :class:`tiercache.runtime.Status`).
         """
         self.check_open()
         if self._recorder is not None:
-            return self._recorder.current()
+            return self._recorder.current().to_json()
         try:
-            return read_status(self.repo.get_record(STATUS_KEY))
+            stored = read_status(self.repo.get_record(STATUS_KEY))
         except TierCacheError as e:  # a viewer's aid: an unreadable status is no status
             log.debug("no usable status: %s", e)
             return None
+        return None if stored is None else stored.to_json()
 
     def advisor(
         self,

@@ -982,34 +982,37 @@ def stats(
     room left (a filesystem's free space counts) and each tier's state: "full" when the next
     version does not fit even after eviction.
     """
+    from tiercache.runtime import CacheStats
+
     with _session(ctx) as cache:
         data = cache.stats()
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
-    observed = data["meter"]["tiers"]
+    st = CacheStats.model_validate(data)
+    observed = st.meter.get("tiers", {})
     table = _table()
     for name in ("tier", "state", "used", "capacity", "free", "read", "write"):
         table.add_column(name, justify="left" if name in ("tier", "state") else "right", no_wrap=True)
-    for name, usage in data["tiers"].items():
-        cap, free = usage["capacity"], usage.get("free_bytes")
+    for name, usage in st.tiers.items():
+        cap, free = usage.capacity, usage.room.free_bytes if usage.room else None
         seen = observed.get(name, {})
-        used = "unavailable" if usage["used_bytes"] is None else human_bytes(usage["used_bytes"])
-        state = usage.get("state") or ("available" if usage["available"] else "unavailable")
+        used = "unavailable" if usage.used_bytes is None else human_bytes(usage.used_bytes)
+        state = usage.room.state if usage.room else ("available" if usage.available else "unavailable")
         table.add_row(name, state, used, "-" if cap is None else human_bytes(cap), "-" if free is None else
                       human_bytes(free), _rate(seen.get("read")), _rate(seen.get("write")))
     console = _console(highlight=False)
     console.print(table)
-    if data["meter"]["codecs"]:
+    if st.meter.get("codecs"):
         codecs = _table()
         for name in ("codec", "ratio", "encode", "chunks"):
             codecs.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
-        for name, c in data["meter"]["codecs"].items():
+        for name, c in st.meter["codecs"].items():
             ratio = c.get("ratio")
             codecs.add_row(name, "-" if ratio is None else f"{ratio:.3f}", _rate({"bps": c.get("encode_bps")}),
                            str(c.get("chunks", 0)))
         console.print(codecs)
-    if data.get("agent"):
+    if st.agent is not None:
         from tiercache.cli_agent import describe  # the node agent's figures ([agent])
 
         for line in describe(data["agent"]):

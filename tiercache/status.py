@@ -14,7 +14,7 @@ nothing. Everything in the object is bounded: the newest :data:`RECENT_VERSIONS`
 newest :data:`RECENT_ERRORS` errors, :data:`LAG_HISTORY` lag samples and :data:`RECENT_SAMPLES`
 samples per measurement.
 
-The object (``schema_version`` 1), times in Unix seconds::
+The object (``schema_version`` 1; typed by :class:`tiercache.runtime.Status`), times in Unix seconds::
 
     {"schema_version": 1, "pid": 1234, "writer": "trainer" | "agent", "started_at": t, "updated_at": t,
      "closed": false,
@@ -62,8 +62,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from pydantic import ValidationError
+
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.handle import LEVELS, SaveHandle
+from tiercache.runtime import Lag, LagSample, Status
 
 log = logging.getLogger("tiercache.status")
 
@@ -147,7 +150,8 @@ class StatusRecorder:
         self._advised: dict[str, dict[str, float]] = {}
         self._failed: set[str] = set()
         self._newest: dict[str, dict[str, dict[str, Any]]] = {}
-        self._lag_history: deque[dict[str, Any]] = deque(maxlen=LAG_HISTORY)
+        # Typed as they are taken: a write then dumps them without validating hundreds of dicts again.
+        self._lag_history: deque[LagSample] = deque(maxlen=LAG_HISTORY)
         self._save_wait = Samples()
         self._time_to: dict[str, Samples] = {}
         self._restore = Samples()
@@ -284,9 +288,9 @@ class StatusRecorder:
 
     def _touch(self, branch: str) -> None:
         """Take a lag sample of ``branch`` and wake the writer (call with the lock held)."""
-        self._lag_history.append({"t": self._clock(), "branch": branch,
-                                  "step": self._training.get(branch, {}).get("step"),
-                                  "levels": self._lag_of(branch)})
+        self._lag_history.append(LagSample(t=self._clock(), branch=branch,
+                                           step=self._training.get(branch, {}).get("step"),
+                                           levels=self._lag_of(branch)))
         self._dirty = True
         self._cv.notify_all()
 
@@ -303,16 +307,22 @@ class StatusRecorder:
                     "time_to": {lvl: s.to_json() for lvl, s in self._time_to.items()},
                     "restore": self._restore.to_json(), "restart": self._restart.to_json()}
 
+    def lag(self) -> dict[str, dict[str, Lag | None]]:
+        """The status's ``lag`` alone, cheaply: per branch and level, how far behind training."""
+        with self._cv:
+            return {b: {lvl: None if x is None else Lag(steps=int(x["steps"]), seconds=x["seconds"])
+                        for lvl, x in self._lag_of(b).items()} for b in self._training}
+
     def newest_version(self) -> str | None:
         """Id of the newest version this process saved, or ``None``."""
         with self._cv:
             return self._staged["version"] if self._staged else None
 
-    def current(self) -> dict[str, Any]:
+    def current(self) -> Status:
         """The status object as it would be written now (see the module docstring)."""
         meter = self._meter()
         with self._cv:
-            return {
+            return Status.model_validate({
                 "schema_version": STATUS_SCHEMA,
                 "pid": os.getpid(),
                 "writer": self._writer,
@@ -335,7 +345,7 @@ class StatusRecorder:
                 "errors": list(self._errors),
                 "meter": meter,
                 "advice": self._advice,
-            }
+            })
 
     # ------------------------------------------------------------------ writing
 
@@ -354,7 +364,7 @@ class StatusRecorder:
 
     def _write(self) -> None:
         assert self._write_fn is not None
-        data = json.dumps(self.current(), allow_nan=False).encode()
+        data = self.current().model_dump_json().encode()
         self._last_write = time.monotonic()
         try:
             self._write_fn(data)
@@ -381,8 +391,12 @@ def public_name(err: BaseException) -> str:
     return next(c.__name__ for c in type(err).__mro__ if not c.__name__.startswith("_"))
 
 
-def read_status(data: bytes | None) -> dict[str, Any] | None:
-    """Parse a stored status object; ``None`` if there is none or it is not one (a hint, never an error)."""
+def read_status(data: bytes | None) -> Status | None:
+    """Parse a stored status object; ``None`` if there is none or it is not one (a hint, never an error).
+
+    A document an older version wrote loads: a field it lacks takes its default (see
+    :class:`tiercache.runtime.Status`).
+    """
     if data is None:
         return None
     try:
@@ -392,7 +406,11 @@ def read_status(data: bytes | None) -> dict[str, Any] | None:
         return None
     if not isinstance(doc, dict) or doc.get("schema_version") != STATUS_SCHEMA:
         return None
-    return doc
+    try:
+        return Status.model_validate(doc)
+    except ValidationError as e:
+        log.debug("ignoring a malformed %s: %s", STATUS_KEY, e)
+        return None
 
 
 __all__ = ["STATUS_KEY", "Samples", "StatusRecorder", "public_name", "read_status"]

@@ -45,22 +45,21 @@ from tiercache.cache import core_of
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tiercache.agent.server import AgentServer
+    from tiercache.agent.requests import Requests
 
 
-def _families(server: AgentServer) -> Iterator[Any]:
+def _families(agent: Requests) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-    st = server.stats()
-    cache = server.cache
-    assert cache is not None
+    st = agent.stats()
+    cache = agent.cache
     yield InfoMetricFamily("tiercache_agent", "The node agent", value={
-        "pid": str(st["pid"]), "cache": st["cache"], "socket": st["socket"]})
-    yield GaugeMetricFamily("tiercache_agent_start_time_seconds", "When the agent started", value=st["started_at"])
-    yield GaugeMetricFamily("tiercache_agent_clients", "Trainer processes connected", value=len(st["clients"]))
+        "pid": str(st.pid), "cache": st.cache, "socket": st.socket})
+    yield GaugeMetricFamily("tiercache_agent_start_time_seconds", "When the agent started", value=st.started_at)
+    yield GaugeMetricFamily("tiercache_agent_clients", "Trainer processes connected", value=len(st.clients))
     arena = GaugeMetricFamily("tiercache_agent_arena_bytes", "Node RAM arena", labels=["kind"])
-    arena.add_metric(["capacity"], st["arena"]["capacity"] or 0)
-    arena.add_metric(["used"], st["arena"]["used_bytes"] or 0)
+    arena.add_metric(["capacity"], st.arena.capacity or 0)
+    arena.add_metric(["used"], st.arena.used_bytes)
     yield arena
     tier_bytes = GaugeMetricFamily("tiercache_agent_tier_bytes", "Bytes of distinct chunks per tier", labels=["tier"])
     tier_versions = GaugeMetricFamily("tiercache_agent_tier_versions", "Versions held whole per tier",
@@ -82,49 +81,49 @@ def _families(server: AgentServer) -> Iterator[Any]:
     yield from (tier_bytes, tier_versions, up)
     levels = CounterMetricFamily("tiercache_agent_versions", "Versions per level and outcome",
                                  labels=["level", "outcome"])
-    for key, n in sorted(st["levels"].items()):
+    for key, n in sorted(st.levels.items()):
         level, _, outcome = key.partition(":")
         levels.add_metric([level, outcome], n)
     yield levels
-    yield GaugeMetricFamily("tiercache_agent_versions_in_flight", "Versions being written", value=st["in_flight"])
+    yield GaugeMetricFamily("tiercache_agent_versions_in_flight", "Versions being written", value=st.in_flight)
     queue = GaugeMetricFamily("tiercache_agent_queue_depth", "Versions still to write, per tier", labels=["tier"])
     for tier in core_of(cache).repo.durable:
-        queue.add_metric([tier], st["queues"].get(tier, 0))
+        queue.add_metric([tier], st.queues.get(tier, 0))
     yield queue
     parts = GaugeMetricFamily("tiercache_agent_group_parts", "Ranks' parts of group versions", labels=["state"])
-    for state, n in sorted(st["parts"].items()):
+    for state, n in sorted(st.parts.model_dump().items()):
         parts.add_metric([state], n)
     yield parts
     lag_s = GaugeMetricFamily("tiercache_agent_lag_seconds", "Durability lag in seconds", labels=["branch", "level"])
     lag_n = GaugeMetricFamily("tiercache_agent_lag_steps", "Durability lag in steps", labels=["branch", "level"])
-    for branch, per_level in sorted(st["lag"].items()):
+    for branch, per_level in sorted(st.lag.items()):
         for level, lag in sorted(per_level.items()):
             if lag is not None:
-                lag_s.add_metric([branch, level], lag["seconds"])
-                lag_n.add_metric([branch, level], lag["steps"])
+                lag_s.add_metric([branch, level], lag.seconds)
+                lag_n.add_metric([branch, level], lag.steps)
     yield from (lag_s, lag_n)
     yield CounterMetricFamily("tiercache_agent_lost_versions", "Versions that reached no durable tier",
-                              value=st["lost_versions"])
+                              value=st.lost_versions)
     errors = CounterMetricFamily("tiercache_agent_request_errors", "Requests answered with an error", labels=["type"])
-    for kind, n in sorted(st["request_errors"].items()):
+    for kind, n in sorted(st.request_errors.items()):
         errors.add_metric([kind], n)
     yield errors
     restores = CounterMetricFamily("tiercache_agent_restores", "Restores by source", labels=["source"])
     restore_bytes = CounterMetricFamily("tiercache_agent_restore_bytes", "Restored bytes by source", labels=["source"])
-    for source, n in sorted(st["restores"].items()):
+    for source, n in sorted(st.restores.items()):
         restores.add_metric([source], n)
-        restore_bytes.add_metric([source], st["restore_bytes"].get(source, 0))
+        restore_bytes.add_metric([source], st.restore_bytes.get(source, 0))
     yield from (restores, restore_bytes)
     yield CounterMetricFamily("tiercache_agent_ram_served_bytes", "Bytes of node RAM lent to readers",
-                              value=st["served_bytes"].get("ram", 0))
+                              value=st.served_bytes.get("ram", 0))
     peer = CounterMetricFamily("tiercache_agent_peer_bytes", "Bytes of peer copies, by direction",
                                labels=["direction"])
-    for direction, n in sorted(st["peer_bytes"].items()):
+    for direction, n in sorted(st.peer_bytes.model_dump().items()):
         peer.add_metric([direction], n)
     yield peer
     speed = GaugeMetricFamily("tiercache_agent_throughput_bytes_per_second", "Observed throughput",
                               labels=["tier", "direction"])
-    for tier, per_dir in sorted(st["meter"]["tiers"].items()):
+    for tier, per_dir in sorted((st.meter or {}).get("tiers", {}).items()):
         for direction, fig in sorted(per_dir.items()):
             if fig.get("bps"):
                 speed.add_metric([tier, direction], fig["bps"])
@@ -132,15 +131,15 @@ def _families(server: AgentServer) -> Iterator[Any]:
 
 
 class _Collector:
-    def __init__(self, server: AgentServer) -> None:
-        self._server = server
+    def __init__(self, agent: Requests) -> None:
+        self._agent = agent
 
     def collect(self) -> Iterator[Any]:
-        yield from _families(self._server)
+        yield from _families(self._agent)
 
 
-def serve_metrics(server: AgentServer, address: str) -> tuple[Any, tuple[str, int]]:
-    """Serve ``/metrics`` for ``server`` at ``HOST:PORT`` on a thread of its own.
+def serve_metrics(agent: Requests, address: str) -> tuple[Any, tuple[str, int]]:
+    """Serve ``/metrics`` for the agent whose requests ``agent`` answers, at ``HOST:PORT``, on a thread of its own.
 
     Returns:
         The HTTP server (``shutdown()`` stops it) and the address it listens on (port 0 picks one).
@@ -154,7 +153,7 @@ def serve_metrics(server: AgentServer, address: str) -> tuple[Any, tuple[str, in
         raise ConfigError(f"[agent] metrics needs prometheus_client ({e}): pip install 'tiercache[agent]'") from None
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(server))  # type: ignore[arg-type]
+    registry.register(_Collector(agent))  # type: ignore[arg-type]
     try:
         httpd, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     except OSError as e:

@@ -1,16 +1,21 @@
 """What the agent does for each request of a trainer, and what it tells every trainer it is connected to.
 
-:class:`Requests` is the part of :class:`~tiercache.agent.server.AgentServer` that answers the
-requests of :mod:`tiercache.agent.protocol` (one method per request, :data:`HANDLERS` maps names
-to them) and follows each published version level by level, broadcasting events. The server
-(:mod:`tiercache.agent.server`) owns the process, the socket and the threads, and sets the state
-declared here.
+:class:`Requests` answers the requests of :mod:`tiercache.agent.protocol` (one method per request,
+:data:`HANDLERS` maps names to them), keeps the connected clients and what they hold, and follows
+each published version level by level, broadcasting events. The server
+(:class:`~tiercache.agent.server.AgentServer`, see :mod:`tiercache.agent.server`) owns the
+process, the socket, the threads and what lives as long as the process (the cache, the shared
+arena, the status recorder, the peer port); it makes one :class:`Requests` once the cache is
+open, hands it each connection (:meth:`Requests.connect`, :meth:`Requests.disconnect`) and each
+request (:meth:`Requests.handler`), and tells it the little it needs to ask back through
+:class:`Host`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -18,11 +23,11 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from tiercache.agent.arena import SharedArena, free_bytes
 from tiercache.agent.client import shared_settings
-from tiercache.agent.committer import Calls, TrainerCommitter
+from tiercache.agent.committer import Calls, TrainerCommitter, trainer_left
 from tiercache.agent.holdings import Holdings
 from tiercache.agent.keep import LIMIT, KeptParts
 from tiercache.agent.naming import AgentPlace
@@ -54,6 +59,7 @@ from tiercache.manifest import RefRecord, Version
 from tiercache.names import chunk_key
 from tiercache.pipeline.engine import Engine
 from tiercache.pipeline.staging import PlanCache
+from tiercache.runtime import AgentStats, ArenaStats, ClientStats, OrphanedVersion, PartCounts, PeerBytes
 from tiercache.saver import absent_levels
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
@@ -120,42 +126,119 @@ class Tracked:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-class Requests:
-    """The request handlers of the agent (mixed into :class:`~tiercache.agent.server.AgentServer`)."""
+class Host(Protocol):
+    """What the request handlers ask of the server that owns them, read when needed."""
 
-    place: AgentPlace
-    inner: CacheConfig
-    cache: TierCache | None
-    shared: SharedArena | None
-    started_at: float
-    metrics_address: tuple[str, int] | None
-    _lock: threading.RLock
-    _ids: itertools.count[int]
-    _clients: dict[int, Client]
-    _structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]]
-    _plans: PlanCache
-    _tracked: dict[str, Tracked]
-    #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
-    _orphans: KeptParts
-    #: What node RAM took of each version, for ``ls`` in other processes.
-    _holdings: Holdings
-    #: Recent group versions whose first part was noted for the durability lag.
-    _group_versions: OrderedDict[str, None]
-    _levels: Counter[str]
-    _restores: Counter[str]
-    _restore_bytes: Counter[str]
-    _served: Counter[str]
-    _errors: Counter[str]
-    _recorder: StatusRecorder | None
-    #: Unix time the last connected trainer that saved here left (a restart may follow), or ``None``.
-    _trainer_left_at: float | None
-    #: Where this agent takes and sends the peer copies of its ranks' group versions.
-    _peers: PeerPort
+    @property
+    def shared(self) -> SharedArena | None:
+        """The shared arena, once the first save (or an explicit capacity) made it."""
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where the metrics endpoint listens, if it does."""
+
+
+class Requests:
+    """The request handlers of the agent, owned and called by :class:`~tiercache.agent.server.AgentServer`.
+
+    Args:
+        cache: The agent's cache (open, with its engine over the shared arena).
+        place: Where the agent lives (its cache's key, socket, shm directory).
+        inner: The config of ``cache`` (the agent's config without its ``[agent]`` table).
+        host: The server, for what only it knows (the arena, the metrics address).
+        recorder: The status the agent publishes for viewers, or ``None``.
+        peers: Where this agent takes and sends the peer copies of its ranks' group versions.
+        started_at: Unix time the agent started.
+    """
+
+    def __init__(self, cache: TierCache, place: AgentPlace, inner: CacheConfig, host: Host, *,
+                 recorder: StatusRecorder | None, peers: PeerPort, started_at: float) -> None:
+        self.cache = cache
+        self.place = place
+        self.inner = inner
+        self.started_at = started_at
+        self._host = host
+        self._recorder = recorder
+        self._peers = peers
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._clients: dict[int, Client] = {}
+        self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
+        self._plans = PlanCache(inner.pack_below)
+        self._tracked: dict[str, Tracked] = {}
+        #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
+        self._orphans = KeptParts()
+        #: What node RAM took of each version, for ``ls`` in other processes.
+        self._holdings = Holdings(started_at)
+        #: Recent group versions whose first part was noted for the durability lag.
+        self._group_versions: OrderedDict[str, None] = OrderedDict()
+        self._levels: Counter[str] = Counter()
+        self._restores: Counter[str] = Counter()
+        self._restore_bytes: Counter[str] = Counter()
+        self._served: Counter[str] = Counter()  # bytes of node RAM lent to readers
+        self._errors: Counter[str] = Counter()
+        #: Unix time the last connected trainer that saved here left (a restart may follow), or ``None``.
+        self._trainer_left_at: float | None = None
+        self._watch_ram()
+
+    @property
+    def shared(self) -> SharedArena | None:
+        """The shared arena (the server's), or ``None`` before it is made."""
+        return self._host.shared
+
+    # ------------------------------------------------------------------ what the server calls
+
+    def handler(self, op: str) -> tuple[Callable[[Client, dict[str, Any]], Any], bool] | None:
+        """The handler of request ``op`` and whether it may take a while, or ``None`` for no such request."""
+        got = HANDLERS.get(op)
+        return None if got is None else (functools.partial(got[0], self), got[1])
+
+    def note_error(self, err: BaseException) -> None:
+        """Count a request answered with ``err`` (``request_errors`` in :meth:`stats`)."""
+        with self._lock:
+            self._errors[type(err).__name__] += 1
+
+    def connect(self, conn: Connection) -> Client:
+        """A new connection: its client, known from now on."""
+        with self._lock:
+            client = Client(next(self._ids), conn)
+            self._clients[client.cid] = client
+        return client
+
+    def disconnect(self, client: Client) -> int:
+        """A client went away: what it reserved and did not publish, and what it was reading, go back.
+
+        Returns:
+            How many unpublished reservations it left.
+        """
+        client.alive = False
+        with self._lock:
+            self._clients.pop(client.cid, None)
+            if client.saves and not any(c.saves for c in self._clients.values()):
+                self._trainer_left_at = time.time()  # the node's last trainer: a restart's clock starts
+            reservations, client.reservations = list(client.reservations.values()), {}
+            pins, client.pins = list(client.pins.values()), {}
+        # Its parts of group versions fail here (nothing waits for it), once it is known gone: a
+        # part hashed whole is kept for the restarted group to adopt (:meth:`_orphan`).
+        client.calls.close(trainer_left(client.pid))
+        self._give_back([r for regions in reservations for r in regions] + pins)
+        return len(reservations)
+
+    def clients(self) -> list[Client]:
+        """The connected clients."""
+        with self._lock:
+            return list(self._clients.values())
+
+    def busy(self) -> bool:
+        """Whether a client is connected or a version is still being written (the agent must not exit idle)."""
+        with self._lock:
+            return bool(self._clients) or bool(self._tracked) or bool(self.engine.pending_jobs())
+
+    # ------------------------------------------------------------------ requests
 
     @property
     def engine(self) -> Engine:
         """The engine of the agent's cache."""
-        assert self.cache is not None
         engine = self.cache.engine
         assert isinstance(engine, Engine)
         return engine
@@ -289,7 +372,6 @@ class Requests:
         client.saves += 1
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
-        assert self.cache is not None
         if part is None:
             # Before the engine has it: its commit may then replace ``base`` and nothing else.
             self.cache.catalog.note_move(record, base, msg.get("why") or "save")
@@ -319,7 +401,7 @@ class Requests:
             job.published.add_done_callback(lambda f: self._published(t, f))
         else:  # already through the pipeline
             try:
-                manifest = self.cache.catalog.get(t.version)  # type: ignore[union-attr]
+                manifest = self.cache.catalog.get(t.version)
             except TierCacheError:
                 manifest = None
             self._send_published(t, manifest)
@@ -362,7 +444,6 @@ class Requests:
     def _level(self, t: Tracked, level: str, f: Future[str]) -> None:
         err = f.exception()
         ok = err is None
-        assert self.cache is not None
         # A level this cache has no tier for is no level of its (no counter); a skip (the
         # policy's, or the group's on a part) is not a failure.
         if level not in absent_levels(self.cache.repo.durable):
@@ -458,7 +539,6 @@ class Requests:
     def _snapshot(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
         engine.wait_published()
-        assert self.cache is not None
         cat = self.cache.catalog
         with self._lock:
             tracked = [t for t in self._tracked.values() if t.part is None]
@@ -516,7 +596,6 @@ class Requests:
         return {"missing": True} if data is None else {"data": data.decode("latin-1")}
 
     def _holds(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
         cat = self.cache.catalog
         ram = self.engine.ram
         versions = {}
@@ -529,7 +608,6 @@ class Requests:
         return {"versions": versions, "chunks": chunks}
 
     def _ram(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
         ram = self.engine.ram
         states, reasons = self._holdings.states((str(v) for v in msg.get("versions", ())), self.cache.catalog,
                                                 lambda c: ram is not None and ram.size(chunk_key(c)) is not None)
@@ -551,11 +629,9 @@ class Requests:
         return {}
 
     def _promote(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
         return {"nbytes": self.cache.promote(str(msg["version"]), to="ram")}
 
     def _keep(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
         chunks = [(str(c), int(n)) for c, n in msg.get("chunks", ())]
         if any(n < 0 for _, n in chunks):
             raise InvalidArgumentError("a chunk's size cannot be negative")
@@ -566,7 +642,6 @@ class Requests:
         return {"nbytes": self.engine.evict_ram(str(c) for c in msg.get("chunks", ()))}
 
     def _gc(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        assert self.cache is not None
         # Trainers move refs themselves (rollback, branch, tag): read what the tiers hold now.
         for name in self.cache.repo.durable:
             self.cache.catalog.reload(name)
@@ -583,7 +658,6 @@ class Requests:
 
     def _peer_copy(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         """One rank's moves of a version's peer copies, agent to agent (:mod:`tiercache.agent.peering`)."""
-        assert self.cache is not None
         args = copy_request(msg)  # every field checked first
         files = PeerFiles(self.cache, str(msg["tier"]), str(msg["vid"]))
         self._peers.copy(**args, files=files, threads=self.cache.config.io_threads)
@@ -612,44 +686,43 @@ class Requests:
         return {}
 
     def _stats(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.stats()
+        return self.stats().to_json()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> AgentStats:
         """What the agent holds and does: for ``tiercache agent status``, ``stats``, the UI and the metrics.
 
         Cheap enough for every scrape: nothing here lists a tier (``meter`` is what the agent
         observed writing and reading, ``lag`` what its status recorder computes).
         """
-        assert self.cache is not None
         engine = self.engine
         arena = engine.ramcache.arena
         with self._lock:
-            clients = [{"pid": c.pid, "reservations": len(c.reservations), "pins": len(c.pins), "saves": c.saves}
+            clients = [ClientStats(pid=c.pid, reservations=len(c.reservations), pins=len(c.pins), saves=c.saves)
                        for c in self._clients.values()]
             tracked = len(self._tracked)
-            parts = {"in_flight": sum(t.part is not None for t in self._tracked.values()),
-                     "orphaned": len(self._orphans)}
+            parts = PartCounts(in_flight=sum(t.part is not None for t in self._tracked.values()),
+                               orphaned=len(self._orphans))
+        shared, address = self.shared, self._host.metrics_address
         queues: Counter[str] = Counter()
         for job in engine.jobs.snapshot():
             for name in job.pending:
                 queues[name] += 1
-        status = self._recorder.current() if self._recorder is not None else None
-        return {
-            "pid": os.getpid(), "started_at": self.started_at, "socket": str(self.place.socket),
-            "cache": self.place.key,
-            "metrics": None if self.metrics_address is None else "{}:{}".format(*self.metrics_address),
-            "arena": {"path": str(self.shared.path) if self.shared else None,
-                      "capacity": arena.capacity if arena is not None else None,
-                      "used_bytes": arena.used_bytes if arena is not None else 0},
-            "clients": clients, "in_flight": len(engine.pending_jobs()), "tracked": tracked, "parts": parts,
-            "parts_released": self._orphans.released, "orphans": self._orphans.summary(),
-            "orphans_limit": LIMIT,
-            "queues": dict(queues), "levels": dict(self._levels), "restores": dict(self._restores),
-            "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
-            "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
-            "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
-            "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
-        }
+        lag = self._recorder.lag() if self._recorder is not None else {}
+        return AgentStats(
+            pid=os.getpid(), started_at=self.started_at, socket=str(self.place.socket), cache=self.place.key,
+            metrics=None if address is None else "{}:{}".format(*address),
+            arena=ArenaStats(path=str(shared.path) if shared else None,
+                             capacity=arena.capacity if arena is not None else None,
+                             used_bytes=arena.used_bytes if arena is not None else 0),
+            clients=clients, in_flight=len(engine.pending_jobs()), tracked=tracked, parts=parts,
+            parts_released=self._orphans.released,
+            orphans=[OrphanedVersion.model_validate(o) for o in self._orphans.summary()], orphans_limit=LIMIT,
+            queues=dict(queues), levels=dict(self._levels), restores=dict(self._restores),
+            restore_bytes=dict(self._restore_bytes), served_bytes=dict(self._served),
+            peer_bytes=PeerBytes(sent=self._peers.bytes["sent"], received=self._peers.bytes["received"]),
+            request_errors=dict(self._errors), lag=lag, lost_versions=engine.errors_total,
+            meter=self.cache.meter.snapshot(),
+        )
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
@@ -659,9 +732,8 @@ class Requests:
 
     # ------------------------------------------------------------------ node RAM changes
 
-    def _watch_ram(self, engine: Engine) -> None:
+    def _watch_ram(self) -> None:
         """Tell clients when node RAM drops chunks (evicted for room), so they stop counting on them."""
-        assert self.cache is not None
         catalog = self.cache.catalog
         note = catalog.note_chunks
 
@@ -672,12 +744,6 @@ class Requests:
                 self.broadcast({"ev": "ram", "chunks": ids, "present": False})
 
         catalog.note_chunks = noted  # type: ignore[method-assign]
-
-    def ram_versions(self) -> list[Version]:
-        """Versions node RAM holds whole."""
-        assert self.cache is not None
-        cat = self.cache.catalog
-        return [v for v in cat.all() if "ram" in cat.residency(v)]
 
 
 #: Each request: its handler, and whether it may take a while (answered from a thread of its own).
@@ -712,7 +778,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
 
 
 
-__all__ = ["HANDLERS", "Client", "Requests", "Tracked"]
+__all__ = ["HANDLERS", "Client", "Host", "Requests", "Tracked"]
 
 
 #: The largest group a publish may name (a bound on what a client's message can make the agent keep).

@@ -8,6 +8,11 @@
 writes and commits it like any save, and the agent tells every client of the cache what happened
 (see :mod:`tiercache.agent.protocol` for the messages).
 
+The server owns the process: the lock, the socket, the threads, the cache, the shared arena, the
+status recorder and the peer port. What each request does is up to :class:`~tiercache.agent.requests.Requests`
+(made once the cache is open): the server hands it each connection and each request, and it asks
+back only for the arena and the metrics address (:class:`~tiercache.agent.requests.Host`).
+
 Threads: one accepts connections; one per client reads its requests (answered in order, inline,
 except those that may wait: ``reserve``, ``flush``, ``stop``, ``promote``, ``gc`` run on a thread
 of their own and send a heartbeat every second meanwhile); the engine's threads send events. A
@@ -22,23 +27,18 @@ import contextlib
 import errno
 import faulthandler
 import fcntl
-import itertools
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from tiercache.agent import naming
 from tiercache.agent.arena import SharedArena, sweep
-from tiercache.agent.committer import trainer_left
-from tiercache.agent.holdings import Holdings
-from tiercache.agent.keep import KeptParts
 from tiercache.agent.lifecycle import check_environment
 from tiercache.agent.peering import PeerPort
 from tiercache.agent.protocol import (
@@ -46,7 +46,7 @@ from tiercache.agent.protocol import (
     ProtocolError,
     error_to_wire,
 )
-from tiercache.agent.requests import HANDLERS, Client, Requests, Tracked
+from tiercache.agent.requests import Client, Requests
 from tiercache.agent.rundir import open_private, private_dir
 from tiercache.cache import TierCache
 from tiercache.config import CacheConfig, RamConfig
@@ -55,9 +55,6 @@ from tiercache.errors import (
     ConfigError,
     TierCacheError,
 )
-from tiercache.format import TensorMeta
-from tiercache.layout import Layout
-from tiercache.pipeline.staging import PlanCache
 from tiercache.status import STATUS_KEY, StatusRecorder
 from tiercache.tiers.ram import ALIGN, Arena
 
@@ -74,7 +71,7 @@ class AgentRunningError(AgentUnavailableError):
     """Another agent already serves this cache on this node (its lock is held)."""
 
 
-class AgentServer(Requests):
+class AgentServer:
     """The node agent of one cache (see the module docstring).
 
     Args:
@@ -95,27 +92,15 @@ class AgentServer(Requests):
         self.started_at = time.time()
         self.cache: TierCache | None = None
         self.shared: SharedArena | None = None
-        self._lock = threading.RLock()
-        self._clients: dict[int, Client] = {}
-        self._ids = itertools.count(1)
-        self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
-        self._plans = PlanCache(self.inner.pack_below)
-        self._tracked: dict[str, Tracked] = {}
-        self._orphans = KeptParts()
-        self._holdings = Holdings(self.started_at)
-        self._group_versions: OrderedDict[str, None] = OrderedDict()
-        self._levels: Counter[str] = Counter()
-        self._restores: Counter[str] = Counter()
-        self._restore_bytes: Counter[str] = Counter()
-        self._served: Counter[str] = Counter()  # bytes of node RAM lent to readers
-        self._errors: Counter[str] = Counter()
+        #: What the agent does for each request; made once the cache is open (see :meth:`start`).
+        self.requests: Requests | None = None
+        self._lock = threading.Lock()  # for ``_idle_since``
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._idle_since: float | None = time.monotonic()
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._recorder: StatusRecorder | None = None
-        self._trainer_left_at: float | None = None
         self._peers = PeerPort()
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_server: Any = None
@@ -146,17 +131,18 @@ class AgentServer(Requests):
             if problems:
                 raise ConfigError("; ".join(problems))
             self.cache = TierCache(self.inner, make_arena=self._make_arena)
-            engine = self.engine  # with an explicit capacity, the arena is made and pre-faulted now
+            _ = self.cache.engine  # with an explicit capacity, the arena is made and pre-faulted now
             write = partial(self.cache.repo.put_record, STATUS_KEY) if self.cache.repo.durable else None
             self._recorder = StatusRecorder(write,
                                             interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot,
                                             writer="agent")
-            self._watch_ram(engine)
+            self.requests = Requests(self.cache, self.place, self.inner, self, recorder=self._recorder,
+                                     peers=self._peers, started_at=self.started_at)
             self._listen()
             if self.settings.metrics is not None:
                 from tiercache.agent.metrics import serve_metrics
 
-                self._metrics_server, self.metrics_address = serve_metrics(self, self.settings.metrics)
+                self._metrics_server, self.metrics_address = serve_metrics(self.requests, self.settings.metrics)
         except BaseException:
             self._teardown()
             raise
@@ -226,8 +212,7 @@ class AgentServer(Requests):
             with contextlib.suppress(FileNotFoundError):
                 self.place.socket.unlink()
         self._peers.close()
-        with self._lock:
-            clients = list(self._clients.values())
+        clients = self.requests.clients() if self.requests is not None else []
         for c in clients:
             c.conn.close()
         self._teardown()
@@ -255,8 +240,9 @@ class AgentServer(Requests):
         while not self._stop.wait(min(1.0, limit) if limit else 1.0):
             if not limit:
                 continue
+            assert self.requests is not None
             with self._lock:
-                busy = bool(self._clients) or bool(self._tracked) or bool(self.engine.pending_jobs())
+                busy = self.requests.busy()
                 now = time.monotonic()
                 if busy:
                     self._idle_since = None
@@ -275,7 +261,7 @@ class AgentServer(Requests):
         A loop that ended here would leave every trainer of the node without its agent for good
         (out of fds, a flood of connections): it backs off a moment and tries again instead.
         """
-        assert self._listener is not None
+        assert self._listener is not None and self.requests is not None
         failures = 0
         while not self._stop.is_set():
             try:
@@ -291,9 +277,8 @@ class AgentServer(Requests):
             if failures:
                 log.info("the agent takes connections again (after %d failures)", failures)
                 failures = 0
-            client = Client(next(self._ids), Connection(sock))
+            client = self.requests.connect(Connection(sock))
             with self._lock:
-                self._clients[client.cid] = client
                 self._idle_since = None
             try:
                 threading.Thread(target=self._serve, args=(client,), name=f"tiercache-agent-client-{client.cid}",
@@ -315,26 +300,18 @@ class AgentServer(Requests):
 
     def _drop(self, client: Client) -> None:
         """A client went away: what it reserved and did not publish, and what it was reading, go back."""
+        assert self.requests is not None
         client.alive = False
         client.conn.close()
-        with self._lock:
-            self._clients.pop(client.cid, None)
-            if client.saves and not any(c.saves for c in self._clients.values()):
-                self._trainer_left_at = time.time()  # the node's last trainer: a restart's clock starts
-            reservations, client.reservations = list(client.reservations.values()), {}
-            pins, client.pins = list(client.pins.values()), {}
-        # Its parts of group versions fail here (nothing waits for it), once it is known gone: a
-        # part hashed whole is kept for the restarted group to adopt (Requests._orphan).
-        client.calls.close(trainer_left(client.pid))
-        self._give_back([r for regions in reservations for r in regions] + pins)
-        if reservations:
-            log.info("client pid %d left %d unpublished reservation(s); their regions went back",
-                     client.pid, len(reservations))
+        left = self.requests.disconnect(client)
+        if left:
+            log.info("client pid %d left %d unpublished reservation(s); their regions went back", client.pid, left)
 
     def _dispatch(self, client: Client, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         rid = msg.get("id")
-        handler = HANDLERS.get(str(op))
+        assert self.requests is not None
+        handler = self.requests.handler(str(op))
         if handler is None:
             client.send({"id": rid, "error": error_to_wire(ProtocolError(f"unknown request {op!r}"))})
             return
@@ -346,13 +323,14 @@ class AgentServer(Requests):
         self._answer(client, rid, fn, msg)
 
     def _answer(self, client: Client, rid: Any, fn: Callable[..., Any], msg: dict[str, Any]) -> None:
+        assert self.requests is not None
         fds: list[int] = []
         try:
-            result = fn(self, client, msg)
+            result = fn(client, msg)
             if isinstance(result, tuple):
                 result, fds = result
         except (TierCacheError, ValueError, TypeError, KeyError, OSError) as e:
-            self._errors[type(e).__name__] += 1
+            self.requests.note_error(e)
             client.send({"id": rid, "error": error_to_wire(e)})
             return
         if client.alive:

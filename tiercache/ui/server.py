@@ -196,7 +196,7 @@ def create_app(source: Source, *, token: str, loopback: bool = True) -> ASGIApp:
         Route("/api/lag", endpoint(lambda cap, r: views.lag(cap))),
         Route("/api/throughput", endpoint(lambda cap, r: views.throughput(cap))),
         Route("/api/advice", endpoint(lambda cap, r: views.advice(cap))),
-        Route("/api/status", endpoint(lambda cap, r: {"status": cap.status})),
+        Route("/api/status", endpoint(lambda cap, r: {"status": cap.status.to_json() if cap.status else None})),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     return Guard(Starlette(routes=routes), token=token, loopback=loopback)

@@ -23,6 +23,7 @@ from tiercache.advisor import PlanInputs, plan
 from tiercache.errors import InvalidArgumentError
 from tiercache.handle import LEVELS, TIER_LEVEL
 from tiercache.manifest import RefMove, Version, VersionInfo, left_behind
+from tiercache.runtime import CacheStats, LevelState, Status
 
 #: How many versions the lineage and residency views list (newest first).
 MAX_VERSIONS = 200
@@ -43,8 +44,8 @@ class Capture:
         refs: Every ref (``{"branch/main": id, "tag/best": id}``).
         reflog: The cache's ref moves (``TierCache.reflog()``), oldest first.
         manifests: Each version's manifest by id.
-        status: What the saving process published (``TierCache.status()``), or ``None``.
-        stats: ``TierCache.stats()``.
+        status: What the saving process published (``TierCache.status()``, typed), or ``None``.
+        stats: ``TierCache.stats()``, typed.
         inputs: The advisor's inputs for the level the UI advises on.
     """
 
@@ -56,8 +57,8 @@ class Capture:
     refs: dict[str, str]
     reflog: list[RefMove]
     manifests: dict[str, Version]
-    status: dict[str, Any] | None
-    stats: dict[str, Any]
+    status: Status | None
+    stats: CacheStats
     inputs: PlanInputs
 
     @classmethod
@@ -67,11 +68,13 @@ class Capture:
         # Versions a rule the user set pruned stay in the lineage, marked (their states say why).
         everything = sorted([*versions, *cache.pruned()], key=lambda v: v.id)
         levels = list(cache.levels)
+        status = cache.status()
         return cls(
             at=now, tiers=list(cache.tier_names), levels=levels, policy=cache.config.policy.name,
             versions=everything, refs=cache.refs(), reflog=list(cache.reflog()),
             manifests={v.id: cache.manifest(v.id) for v in versions[-MAX_VERSIONS:]},
-            status=cache.status(), stats=cache.stats(),
+            status=None if status is None else Status.model_validate(status),
+            stats=CacheStats.model_validate(cache.stats()),
             inputs=cache.plan_inputs(advice_level(levels), mttf=mttf),
         )
 
@@ -95,7 +98,7 @@ def _tier_level(tier: str) -> str:
 # Residency
 
 
-def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+def tier_states(info: VersionInfo, tiers: Sequence[str], status: Status | None) -> dict[str, dict[str, Any]]:
     """Each tier's state for one version, and why a tier does not hold it.
 
     Args:
@@ -107,18 +110,18 @@ def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, An
         ``{tier: {"state", "reason", "at"}}``; ``state`` is one of ``held``, ``pending``,
         ``skipped``, ``failed``, ``evicted``, ``pruned``, ``absent`` (see :class:`tiercache.TierState`).
     """
-    recorded = ((status or {}).get("versions") or {}).get(info.id) or {}
-    levels = recorded.get("levels") or {}
+    recorded = status.versions.get(info.id) if status is not None else None
+    levels = recorded.levels if recorded is not None else {}
     out: dict[str, dict[str, Any]] = {}
     for tier in tiers:
         got = info.states.get(tier)
         seen = levels.get(_tier_level(tier))
         if tier == "ram" and (got is None or got.state == "absent"):
             out[tier] = _ram_state(seen, status)
-        elif (got is None or got.state == "absent") and seen is not None and seen.get("state") in (
+        elif (got is None or got.state == "absent") and seen is not None and seen.state in (
                 "pending", "skipped", "failed"):
             # This viewer cannot see the saving process's queues: what it published says more.
-            out[tier] = {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at")}
+            out[tier] = {"state": seen.state, "reason": seen.reason, "at": seen.at}
         elif got is None:
             out[tier] = {"state": "absent", "reason": "", "at": None}
         else:
@@ -126,14 +129,14 @@ def tier_states(info: VersionInfo, tiers: Sequence[str], status: Mapping[str, An
     return out
 
 
-def _ram_state(seen: Mapping[str, Any] | None, status: Mapping[str, Any] | None) -> dict[str, Any]:
-    live = status is not None and not status.get("closed")
-    if seen is not None and seen.get("state") == "held" and live:
-        return {"state": "held", "at": seen.get("at"),
-                "reason": f"staged in the RAM arena of the saving process (pid {status.get('pid')}); it may "
+def _ram_state(seen: LevelState | None, status: Status | None) -> dict[str, Any]:
+    live = status is not None and not status.closed
+    if seen is not None and seen.state == "held" and status is not None and live:
+        return {"state": "held", "at": seen.at,
+                "reason": f"staged in the RAM arena of the saving process (pid {status.pid}); it may "
                           "since have been evicted"}
-    if seen is not None and seen.get("state") in ("pending", "skipped", "failed"):
-        return {"state": seen["state"], "reason": seen.get("reason") or "", "at": seen.get("at")}
+    if seen is not None and seen.state in ("pending", "skipped", "failed"):
+        return {"state": seen.state, "reason": seen.reason, "at": seen.at}
     why = "the saving process has closed: its RAM arena is gone" if status is not None and not live else \
         "RAM copies live only inside the saving process"
     return {"state": "absent", "reason": why, "at": None}
@@ -253,14 +256,14 @@ def lag(cap: Capture) -> dict[str, Any]:
     saw reach it and what the tiers list, among the versions a restart of the branch could resume
     from: its head and the head's ancestors (a version rolled back past is no resume point).
     """
-    status = cap.status or {}
-    levels = [lvl for lvl in LEVELS if lvl in {*(status.get("levels") or []), *cap.levels}]
+    status = cap.status or Status()
+    levels = [lvl for lvl in LEVELS if lvl in {*status.levels, *cap.levels}]
     by_id = {v.id: v for v in cap.versions}
     heads = {k.partition("/")[2]: vid for k, vid in cap.refs.items() if k.startswith("branch/")}
     listed = _newest_held([v for v in cap.versions if v.branch not in heads
                            or v.id in _ancestors(heads[v.branch], by_id)])
-    published = status.get("newest") or {}
-    training_by = status.get("training") or {}
+    published = {b: {lvl: r.model_dump() for lvl, r in per.items()} for b, per in status.newest.items()}
+    training_by = {b: t.model_dump() for b, t in status.training.items()}
     branches: dict[str, Any] = {}
     for name in dict.fromkeys([*(v.branch for v in cap.versions), *training_by]):
         own = [v for v in cap.versions if v.branch == name]
@@ -277,7 +280,7 @@ def lag(cap: Capture) -> dict[str, Any]:
                 **best, "steps": training["step"] - best["step"],
                 "seconds": max(0.0, training["at"] - best["created_at"])}
         branches[name] = {"training": training, "training_source": source, "levels": row}
-    return {"levels": levels, "branches": branches, "history": list(status.get("lag_history") or [])}
+    return {"levels": levels, "branches": branches, "history": [h.to_json() for h in status.lag_history]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,9 +289,9 @@ def lag(cap: Capture) -> dict[str, Any]:
 
 def throughput(cap: Capture) -> dict[str, Any]:
     """Body of ``/api/throughput``: the meter's rates and history, queues, codec ratios, recent errors, usage."""
-    status = cap.status or {}
-    live = isinstance(status.get("meter"), Mapping)
-    meter = status["meter"] if live else cap.stats["meter"]
+    status = cap.status or Status()
+    live = status.meter is not None
+    meter = status.meter if status.meter is not None else cap.stats.meter
     history = []
     for h in meter.get("history") or []:
         secs = h.get("seconds") or 0.0
@@ -298,11 +301,11 @@ def throughput(cap: Capture) -> dict[str, Any]:
         "rates": meter.get("tiers") or {},
         "history": history,
         "codecs": meter.get("codecs") or {},
-        "queues": status.get("queues") or {},
-        "errors": list(status.get("errors") or [])[::-1],
-        "tiers": cap.stats.get("tiers") or {},
-        "save_wait": status.get("save_wait"),
-        "time_to": status.get("time_to") or {},
+        "queues": status.queues,
+        "errors": [e.to_json() for e in reversed(status.errors)],
+        "tiers": {name: t.to_json() for name, t in cap.stats.tiers.items()},
+        "save_wait": status.save_wait.to_json() if cap.status is not None else None,
+        "time_to": {lvl: m.to_json() for lvl, m in status.time_to.items()},
     }
 
 
@@ -317,8 +320,8 @@ def advice(cap: Capture) -> dict[str, Any]:
     plan is computed from the captured inputs (measured figures, the UI's ``--mttf``).
     """
     status = cap.status
-    if status is not None and not status.get("closed") and status.get("advice"):
-        return {"source": "trainer", "plan": status["advice"], "reason": None, "inputs": status["advice"]["inputs"]}
+    if status is not None and not status.closed and status.advice:
+        return {"source": "trainer", "plan": status.advice, "reason": None, "inputs": status.advice["inputs"]}
     try:
         return {"source": "measured", "plan": plan(cap.inputs).to_json(), "reason": None,
                 "inputs": cap.inputs.to_json()}
@@ -335,24 +338,23 @@ def overview(cap: Capture, *, refresh: float) -> dict[str, Any]:
     lists the pids of the processes that saved through the agent and are still connected to it
     (empty when none is, or the agent that wrote the status is not the one running now).
     """
-    node_agent = cap.stats.get("agent")
+    node_agent = cap.stats.agent
     trainer = None
-    if cap.status is not None:
-        updated = cap.status.get("updated_at")
-        age = cap.at - updated if isinstance(updated, int | float) and math.isfinite(updated) else None
-        trainer = {"writer": cap.status.get("writer", "trainer"), "pid": cap.status.get("pid"), "updated_at": updated,
-                   "age_s": age, "closed": bool(cap.status.get("closed")), "staged": cap.status.get("staged")}
+    status = cap.status
+    if status is not None:
+        updated = status.updated_at
+        age = cap.at - updated if updated is not None and math.isfinite(updated) else None
+        trainer = {"writer": status.writer, "pid": status.pid, "updated_at": updated, "age_s": age,
+                   "closed": status.closed, "staged": status.staged.to_json() if status.staged else None}
         if trainer["writer"] == "agent":
-            running = bool(node_agent) and node_agent.get("pid") == trainer["pid"]
-            trainer["trainers"] = sorted({c["pid"] for c in node_agent.get("clients", []) if c.get("saves")}
-                                         ) if running else []
+            running = node_agent is not None and node_agent.pid == trainer["pid"]
+            trainer["trainers"] = sorted({c.pid for c in node_agent.clients if c.saves}
+                                         ) if node_agent is not None and running else []
     refs = cap.refs
-    agent = None if not node_agent else {
-        "pid": node_agent.get("pid"), "clients": len(node_agent.get("clients", [])),
-        "in_flight": node_agent.get("in_flight", 0), "queues": node_agent.get("queues", {}),
-        "arena_used": node_agent.get("arena", {}).get("used_bytes"),
-        "arena_capacity": node_agent.get("arena", {}).get("capacity"),
-        "metrics": node_agent.get("metrics")}
+    agent = None if node_agent is None else {
+        "pid": node_agent.pid, "clients": len(node_agent.clients), "in_flight": node_agent.in_flight,
+        "queues": node_agent.queues, "arena_used": node_agent.arena.used_bytes,
+        "arena_capacity": node_agent.arena.capacity, "metrics": node_agent.metrics}
     return {"tiers": cap.tiers, "levels": cap.levels, "policy": cap.policy, "refresh_s": refresh,
             "generated_at": cap.at, "trainer": trainer, "agent": agent, "versions": len(cap.versions),
             "branches": sum(1 for k in refs if k.startswith("branch/")),
