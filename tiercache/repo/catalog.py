@@ -79,10 +79,10 @@ def _ranges(ranks: list[int]) -> str:
         else:
             out.append(str(r))
     return ", ".join(out)
-#: Seconds the first load waits on a tier's read before probing whether the tier answers at all.
-_LOAD_PATIENCE_S = 1.0
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
 _CAS_ATTEMPTS = 8
+#: Seconds the first load waits on a tier's read before probing whether the tier answers at all.
+_LOAD_PATIENCE_S = 1.0
 
 
 @dataclass
@@ -208,7 +208,12 @@ class Catalog:
                 pass
             if self._health is None:
                 continue
-            if not self.available(name) or not self._health.probe_now(name):
+            try:
+                answers = self.available(name) and self._health.probe_now(name)
+            except StorageError as e:  # refused (credentials, bucket): as a failed read, down for now
+                self._health.mark_down(name, e)
+                answers = False
+            if not answers:
                 log.info("going on without %s's versions and refs: it does not answer (its read goes on, "
                          "and what it finds is merged in when it lands)", name)
                 return
