@@ -7,6 +7,7 @@ never answered). Timeouts are short so each outage is noticed within a second or
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -403,6 +404,9 @@ def test_s3_hanging_before_a_process_first_save_holds_neither_save_nor_local(
         assert saved, "save() waited for S3's listing"
         h = saved[0]
         assert h.wait("local", timeout=20) == h.version
+        # The read left behind on S3 does not hold off the garbage collector meanwhile (it paused
+        # it for its whole read, so for the trainer as long as S3 hung: 60 s here).
+        assert _until(gc.isenabled, 5)
         assert cache.manifest(h.version).parent == v1  # the disk knew the head
         assert _same(cache.restore("main"), _model(2))
         assert cache.stats()["tiers"]["s3"]["available"] is False

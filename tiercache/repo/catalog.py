@@ -178,8 +178,12 @@ class Catalog:
             if self._loaded:
                 return
             reads = {name: self._read_in_background(name) for name in self._durable if self.available(name)}
-            for name, read in reads.items():
-                self._await_read(name, read)
+            # The collector is held off while this caller waits (the reads build one object per
+            # version and chunk id: tiercache.gcpause), not by the reads: one left behind on a
+            # hanging tier must not hold it off for the trainer meanwhile.
+            with gc_paused():
+                for name, read in reads.items():
+                    self._await_read(name, read)
             with self._lock:
                 self._loaded = True
 
@@ -229,7 +233,8 @@ class Catalog:
             self._residency.clear()
             loaded = self._loaded
         if loaded:
-            self._load_available(name)
+            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
+                self._load_available(name)
 
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now (always, without a health monitor)."""
@@ -239,8 +244,7 @@ class Catalog:
         if not self.available(name):
             return
         try:
-            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
-                self._load_tier(name)
+            self._load_tier(name)
         except StorageError as e:
             if self._health is None:
                 raise
