@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, StorageError, VersionNotFoundError
+from tiercache.errors import (
+    AmbiguousRefError,
+    ConflictError,
+    IntegrityError,
+    StorageError,
+    TierFullError,
+    VersionNotFoundError,
+)
 from tiercache.failpoints import failpoint
 from tiercache.gcpause import gc_paused
 from tiercache.manifest import (
@@ -210,17 +217,24 @@ class Catalog:
                 return
             except TimeoutError:
                 pass
-            if self._health is None:
+            if self._health is None or self._answers(name, self._health):
                 continue
-            try:
-                answers = self.available(name) and self._health.probe_now(name)
-            except StorageError as e:  # refused (credentials, bucket): as a failed read, down for now
-                self._health.mark_down(name, e)
-                answers = False
-            if not answers:
-                log.info("going on without %s's versions and refs: it does not answer (its read goes on, "
-                         "and what it finds is merged in when it lands)", name)
-                return
+            log.info("going on without %s's versions and refs: it does not answer (its read goes on, and what "
+                     "it finds is merged in if it lands)", name)
+            return
+
+    def _answers(self, name: str, health: TierHealth) -> bool:
+        """Whether tier ``name`` answers its probe now; one that does not is marked down."""
+        if not self.available(name):  # a commit, or the read itself, found it down meanwhile
+            return False
+        try:
+            self._tiers[name].probe()
+        except TierFullError:
+            return True  # full, yet it answers (and its read goes on)
+        except StorageError as e:  # unreachable, hanging or refusing: down, as a failed read would leave it
+            health.mark_down(name, e)
+            return False
+        return True
 
     def reload(self, name: str) -> None:
         """Merge in what tier ``name`` holds now (after it came back from an outage).
