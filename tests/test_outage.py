@@ -384,7 +384,7 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
 
 
 def test_s3_hanging_before_a_process_first_save_holds_neither_save_nor_local(
-    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # S3 answers at open (its probe), then hangs (connections accepted, never answered) before the
     # process's first save. That save loads the catalog: before, it listed S3 under the S3 client's
@@ -415,11 +415,24 @@ def test_s3_hanging_before_a_process_first_save_holds_neither_save_nor_local(
     finally:
         relay.mode = "up"
         cache.close()
-    # A job restarted on a node whose disk is empty waits for a healthy S3's head: it is the parent.
+    # A job restarted on a node whose disk is empty waits for S3's head while S3 answers, even when
+    # its listing takes longer than the load's patience (it answers the probes): it is the parent.
+    from tiercache.tiers.s3 import S3Tier
+
+    listed = S3Tier.list
+
+    def slow(tier: S3Tier, prefix: str = "") -> list[str]:
+        if prefix == "versions/":
+            time.sleep(1.5)
+        return listed(tier, prefix)
+
+    monkeypatch.setattr(S3Tier, "list", slow)
     moved = {**cfg, "disk": {"path": str(tmp_path / "new-node")}}
     with tiercache.open(moved) as cache:
         h3 = cache.save(_model(3), step=3)
+        assert cache.stats()["tiers"]["s3"]["available"] is True
         assert h3.wait("remote") == h3.version and cache.manifest(h3.version).parent == h.version
+    monkeypatch.undo()
     with tiercache.open(_s3_only(s3_config)) as remote:
         assert {v.id: v.parent for v in remote.versions()} == {v1: None, h.version: v1, h3.version: h.version}
         assert _same(remote.restore(h.version), _model(2)) and _same(remote.restore("main"), _model(3))
