@@ -419,10 +419,11 @@ def test_s3_hanging_before_a_process_first_save_holds_neither_save_nor_local(
     # its listing takes longer than the load's patience (it answers the probes): it is the parent.
     from tiercache.tiers.s3 import S3Tier
 
-    listed = S3Tier.list
+    listed, first = S3Tier.list, threading.Event()
 
     def slow(tier: S3Tier, prefix: str = "") -> list[str]:
-        if prefix == "versions/":
+        if not first.is_set():  # the catalog's first load lists S3 first (versions/, refs/)
+            first.set()
             time.sleep(1.5)
         return listed(tier, prefix)
 
