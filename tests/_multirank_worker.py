@@ -617,7 +617,8 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     ``run.json`` (if the test wrote one) may say ``store``: the port of a store the test hosts,
     as torchrun's agent hosts one (so the death of rank 0 does not take the store with it), and
     ``timeout``: the group's timeout in seconds (default 20), and ``s3_proxy``: reach S3 through
-    a relay of this rank's own (:data:`S3_RELAY`).
+    a relay of this rank's own (:data:`S3_RELAY`), and ``view``: ``"first save"`` if the
+    scenario's first ``save(group=)`` makes the group's view (no ``cache.distributed()`` first).
     """
     env = work / "env.json"
     if env.exists():  # per-rank variables: the node (TIERCACHE_NODE) and its own disk directory
@@ -642,13 +643,18 @@ def run(scenario: str, rank: int, world: int, port: int, work: Path) -> None:
     # and the view's exchange waits only the group's timeout (2 s in the chaos test), after which
     # a rank still opening failed the view on every rank.
     dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
-    try:
-        cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
-    except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why
-        out["view_error"] = [type(e).__name__, str(e)]
-        (work / f"rank{rank}.json").write_text(json.dumps(out))
-        cache.close()
-        return
+    if opts.get("view") == "first save":  # the scenario's first save(group=) makes the view, with the default
+        from tiercache import group as views  # timeout (a trainer's cannot be set there): the run's instead
+
+        views.DEFAULT_TIMEOUT = timedelta(seconds=opts.get("timeout", 20))
+    else:
+        try:
+            cache.distributed(timeout=timedelta(seconds=opts.get("timeout", 20)))
+        except tiercache.TierCacheError as e:  # the ranks could not make the group's view: every rank says why
+            out["view_error"] = [type(e).__name__, str(e)]
+            (work / f"rank{rank}.json").write_text(json.dumps(out))
+            cache.close()
+            return
     module, _, name = scenario.rpartition(":")
     found = importlib.import_module(module).SCENARIOS if module else SCENARIOS  # "module:name" for other workers
     found[name](cache, rank, world, out, work)

@@ -267,8 +267,9 @@ def test_a_rank_killed_at_any_phase_breaks_the_group_once(
     check_tiers(tmp_path, config_s3(config), nodes, durable)
 
 
+@pytest.mark.parametrize("view", ["distributed", "first save"])
 def test_a_rank_whose_s3_hangs_saves_and_reaches_local_and_its_remote_fails_naming_it(
-    tmp_path: Path, s3_config: S3Config
+    tmp_path: Path, s3_config: S3Config, view: str
 ) -> None:
     # Rank 1 reaches S3 through a relay of its own, which hangs (connections accepted, never
     # answered) from before the group's first save until every rank read every level. Before,
@@ -277,18 +278,29 @@ def test_a_rank_whose_s3_hangs_saves_and_reaches_local_and_its_remote_fails_nami
     # failed on every rank after the group's timeout; and its `remote` waited for its upload.
     world, nodes = 2, ["a", "b"]
     config, env = setup(tmp_path, s3_config, nodes)
+    if view == "first save":
+        # No cache.distributed() first: rank 1's first save(group=) makes its view, whose first load
+        # of the catalog finds S3 hanging. Before, it listed S3 for the client's timeouts and retries
+        # (~100 s); now it probes S3 (here within 0.5 s, well inside the group's timeout) and goes on.
+        config["s3"]["probe_timeout"] = 0.5
     work = tmp_path / "work"
     work.mkdir()
     (work / "plan.json").write_text(json.dumps({"timeout": TIMEOUT}))
     store = _store(world)
     codes = run_ranks("_chaos_worker:s3hang", world, work, config, env=env, timeout=120,
-                      opts={"store": store.port, "timeout": TIMEOUT, "watchdog": 120, "s3_proxy": True})
+                      opts={"store": store.port, "timeout": TIMEOUT, "watchdog": 120, "s3_proxy": True, "view": view})
     assert codes == [0] * world
     outs = [rank_out(work, r) for r in range(world)]
     vid = outs[0].get("vid")
     assert vid is not None and outs[1].get("vid") == vid, outs
     remote = ["GroupSaveError", f"version {vid} on s3 failed: rank 1 (node b) did not answer within {TIMEOUT:g}s "
               "(still writing to s3)"]
+    if view == "first save":  # rank 1's view found S3 hanging (its probe timed out): S3 is down there, skipped
+        why = outs[1]["levels"]["remote"][1]
+        assert re.fullmatch(rf"version {vid} on s3 skipped: rank 1 \(node b\): version {vid} skipped for s3: s3 "
+                            r"unavailable \(TierUnavailableError: S3 endpoint http://127\.0\.0\.1:\d+ unreachable "
+                            r"\(ReadTimeoutError\): check s3.endpoint_url and that the server is running\)", why), why
+        remote = ["SkippedError", why]
     assert outs[1]["hanging"] is True
     for out in outs:
         # `local` (and the peer copies, and so `durable`) while rank 1's S3 still hangs; `remote`

@@ -7,6 +7,7 @@ never answered). Timeouts are short so each outage is noticed within a second or
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -367,3 +368,72 @@ def test_s3_hanging_in_a_commit_holds_no_later_version_from_the_disk(
         assert h1.wait("remote", timeout=60) == h1.version and h2.wait("remote", timeout=60) == h2.version
         got = cache.restore(h2.version)
         assert torch.equal(got["w"], _state(2)["w"]) and got["step"] == 2
+
+
+def _model(step: int) -> dict[str, Any]:
+    """A trainer's state of a few MiB: weights, optimizer moments, plain leaves."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1024, generator=g)},
+            "optim": {"m": torch.randn(512, 1024, generator=g).half()}, "step": step}
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    pairs = [(got["model"]["w"], want["model"]["w"]), (got["model"]["b"], want["model"]["b"]),
+             (got["optim"]["m"], want["optim"]["m"])]
+    return got["step"] == want["step"] and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
+
+
+def test_s3_hanging_before_a_process_first_save_holds_neither_save_nor_local(
+    tmp_path: Path, s3_config: S3Config, relay: ThrottledProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # S3 answers at open (its probe), then hangs (connections accepted, never answered) before the
+    # process's first save. That save loads the catalog: before, it listed S3 under the S3 client's
+    # timeouts and retries (here 2 x 30 s, as the defaults' 5 x 20 s) and save() waited them out.
+    # Now a tier still being read after a second is probed (0.5 s), and left out once it does not answer.
+    cfg = _cfg(tmp_path, s3_config, relay)
+    cfg["s3"].update(read_timeout=30.0, max_attempts=2)
+    with tiercache.open(cfg) as cache:
+        v1 = cache.save(_model(1), step=1).wait("remote")
+    cache = tiercache.open(cfg)
+    try:
+        relay.mode = "hang"
+        saved: list[Any] = []
+        saver = threading.Thread(target=lambda: saved.append(cache.save(_model(2), step=2)), daemon=True)
+        saver.start()
+        saver.join(20)  # a liveness bound, below one hanging S3 request's timeout (30 s, then retried)
+        assert saved, "save() waited for S3's listing"
+        h = saved[0]
+        assert h.wait("local", timeout=20) == h.version
+        # The read left behind on S3 does not hold off the garbage collector meanwhile (it paused
+        # it for its whole read, so for the trainer as long as S3 hung: 60 s here).
+        assert _until(gc.isenabled, 5)
+        assert cache.manifest(h.version).parent == v1  # the disk knew the head
+        assert _same(cache.restore("main"), _model(2))
+        assert cache.stats()["tiers"]["s3"]["available"] is False
+        relay.mode = "up"
+        assert h.wait("remote", timeout=60) == h.version
+    finally:
+        relay.mode = "up"
+        cache.close()
+    # A job restarted on a node whose disk is empty waits for S3's head while S3 answers, even when
+    # its listing takes longer than the load's patience (it answers the probes): it is the parent.
+    from tiercache.tiers.s3 import S3Tier
+
+    listed, first = S3Tier.list, threading.Event()
+
+    def slow(tier: S3Tier, prefix: str = "") -> list[str]:
+        if not first.is_set():  # the catalog's first load lists S3 first (versions/, refs/)
+            first.set()
+            time.sleep(1.5)
+        return listed(tier, prefix)
+
+    monkeypatch.setattr(S3Tier, "list", slow)
+    moved = {**cfg, "disk": {"path": str(tmp_path / "new-node")}}
+    with tiercache.open(moved) as cache:
+        h3 = cache.save(_model(3), step=3)
+        assert cache.stats()["tiers"]["s3"]["available"] is True
+        assert h3.wait("remote") == h3.version and cache.manifest(h3.version).parent == h.version
+    monkeypatch.undo()
+    with tiercache.open(_s3_only(s3_config)) as remote:
+        assert {v.id: v.parent for v in remote.versions()} == {v1: None, h.version: v1, h3.version: h.version}
+        assert _same(remote.restore(h.version), _model(2)) and _same(remote.restore("main"), _model(3))

@@ -148,7 +148,8 @@ class GroupView:
         try:
             # Each rank learns its tiers' versions and refs now, while the group is being made,
             # not in its first save(): a save reads no tier (an S3 that hangs after this point
-            # never holds save() or the `local` level; one down now is left out, as at open).
+            # never holds save() or the `local` level; one down now, or that stops answering its
+            # probe while it is read, is left out, as at open: see Catalog.load).
             core.catalog.load()
         except TierCacheError as e:  # the group learns it in this exchange, naming this rank
             mine = Status.of(e)

@@ -22,13 +22,20 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from tiercache.errors import AmbiguousRefError, ConflictError, IntegrityError, StorageError, VersionNotFoundError
+from tiercache.errors import (
+    AmbiguousRefError,
+    ConflictError,
+    IntegrityError,
+    StorageError,
+    TierFullError,
+    VersionNotFoundError,
+)
 from tiercache.failpoints import failpoint
 from tiercache.gcpause import gc_paused
 from tiercache.manifest import (
@@ -81,6 +88,8 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 #: Compare-and-swap attempts on one ref before giving up (each retry follows a changed token).
 _CAS_ATTEMPTS = 8
+#: Seconds the first load waits on a tier's read before probing whether the tier answers at all.
+_LOAD_PATIENCE_S = 1.0
 
 
 @dataclass
@@ -145,6 +154,7 @@ class Catalog:
         # Versions a user-set rule deleted from their last durable tier (see note_pruned).
         self._pruned: dict[str, PrunedRecord] = {}
         self._loaded = False
+        self._load_lock = threading.Lock()
 
     @property
     def _tiers(self) -> Mapping[str, Tier]:
@@ -158,13 +168,73 @@ class Catalog:
 
         A tier that is down is left out (and one that fails while being read is marked down):
         the catalog serves what the other tiers hold, and :meth:`reload` merges it in later.
+
+        The tiers are read side by side, each on a thread of its own, without the catalog's lock.
+        A tier still being read after :data:`_LOAD_PATIENCE_S` is probed (one cheap request,
+        bounded by the tier's probe timeout, as at open): while it answers, the load waits for
+        it, since it may hold a newer head than the others (a job restarted on a node whose disk
+        is empty), which the next version must build on. Once it does not answer it is marked
+        down and the load goes on without it, as if it had been down at open: the first save
+        (or the group view it makes) never waits out the request timeouts and retries of a tier
+        that hangs (S3). Its read goes on in the background and merges what it finds if it ever
+        lands; else :meth:`reload` merges the tier in when it is back.
         """
-        with self._lock:
+        if self._loaded:
+            return
+        with self._load_lock:  # one first load; other callers wait for it (bounded as above)
             if self._loaded:
                 return
-            for name in self._durable:
+            reads = {name: self._read_in_background(name) for name in self._durable if self.available(name)}
+            # The collector is held off while this caller waits (the reads build one object per
+            # version and chunk id: tiercache.gcpause), not by the reads: one left behind on a
+            # hanging tier must not hold it off for the trainer meanwhile.
+            with gc_paused():
+                for name, read in reads.items():
+                    self._await_read(name, read)
+            with self._lock:
+                self._loaded = True
+
+    def _read_in_background(self, name: str) -> Future[None]:
+        """Start reading tier ``name`` into the catalog on a thread of its own; its future says when it is done."""
+        done: Future[None] = Future()
+
+        def read() -> None:
+            try:
                 self._load_available(name)
-            self._loaded = True
+            except BaseException as e:  # without a health monitor the caller of load() raises it
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=read, name=f"tiercache-load-{name}", daemon=True).start()
+        return done
+
+    def _await_read(self, name: str, read: Future[None]) -> None:
+        """Wait for the first read of tier ``name`` while the tier answers its probe."""
+        while True:
+            try:
+                read.result(timeout=_LOAD_PATIENCE_S)
+                return
+            except TimeoutError:
+                pass
+            if self._health is None or self._answers(name, self._health):
+                continue
+            log.info("going on without %s's versions and refs: it does not answer (its read goes on, and what "
+                     "it finds is merged in if it lands)", name)
+            return
+
+    def _answers(self, name: str, health: TierHealth) -> bool:
+        """Whether tier ``name`` answers its probe now; one that does not is marked down."""
+        if not self.available(name):  # a commit, or the read itself, found it down meanwhile
+            return False
+        try:
+            self._tiers[name].probe()
+        except TierFullError:
+            return True  # full, yet it answers (and its read goes on)
+        except StorageError as e:  # unreachable, hanging or refusing: down, as a failed read would leave it
+            health.mark_down(name, e)
+            return False
+        return True
 
     def reload(self, name: str) -> None:
         """Merge in what tier ``name`` holds now (after it came back from an outage).
@@ -177,7 +247,8 @@ class Catalog:
             self._residency.clear()
             loaded = self._loaded
         if loaded:
-            self._load_available(name)
+            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
+                self._load_available(name)
 
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now (always, without a health monitor)."""
@@ -187,8 +258,7 @@ class Catalog:
         if not self.available(name):
             return
         try:
-            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
-                self._load_tier(name)
+            self._load_tier(name)
         except StorageError as e:
             if self._health is None:
                 raise
