@@ -415,7 +415,7 @@ class World:
 
         def commit_shared(statuses: list[Status]) -> Decision:  # as tiercache.group.phases.Phases._commit_shared
             t0 = time.perf_counter()
-            self.shared.repo.commit("disk", header(), ref, held=())
+            core_of(self.shared).repo.commit("disk", header(), ref, held=())
             self.row["commit_shared"] = time.perf_counter() - t0
             return Decision(any(s.payload for s in statuses))
 
@@ -431,7 +431,8 @@ class World:
                                                  lambda r: Status("ok", payloads[r]), assign))
         self._same(f"{vid}/disk", Status("ok", 0))
         t0 = time.perf_counter()
-        self.local.repo.commit("disk", header(), ref, held=(), node=self.topo.names[0])  # as Phases._commit_node
+        # as Phases._commit_node
+        core_of(self.local).repo.commit("disk", header(), ref, held=(), node=self.topo.names[0])
         self.row["commit_node"] = time.perf_counter() - t0
         self._same(f"{vid}/disk/commit", Status(), names=("disk_commit",))
         if self.replicator is not None:  # as tiercache.group.peers.Replicator.run, without the copies
@@ -450,16 +451,16 @@ class World:
         self._same(f"{tag}/into", Status(), names=("restore",))
         self._same(f"{tag}/missing", Status("ok", {}), lambda s: Decision(_union(s)), names=("restore",))
         self._same(f"{tag}/done", Status(), names=("restore",))
-        self.local.repo.put_part("disk", part_of(self.part.manifest.model_copy(update={"id": vid}), 0))
-        head = self.local.catalog.peek(vid)
+        core_of(self.local).repo.put_part("disk", part_of(self.part.manifest.model_copy(update={"id": vid}), 0))
+        head = core_of(self.local).catalog.peek(vid)
         key = part_key(vid, 0)
         t0 = time.perf_counter()
         # As tiercache.repo.catalog.Catalog.part reads a part it does not hold yet.
-        data = self.local.repo.durable["disk"].get(key)
+        data = core_of(self.local).repo.durable["disk"].get(key)
         assert data is not None
         check_part(head, 0, Version.from_json(data, source=f"disk:{key}"), f"disk:{key}")
         self.row["read_part"] = time.perf_counter() - t0
-        self.local.repo.durable["disk"].delete(key)
+        core_of(self.local).repo.durable["disk"].delete(key)
         row = self.row
         row["local"] = sum(row[x] for x in ("begin", "parts", "disk", "commit_node", "disk_commit"))
         row["replicated"] = row["local"] + row.get("peers_plan", 0.0) + row.get("peers", 0.0)
@@ -511,7 +512,7 @@ def committed_versions(root: Path, saved: Sequence[str], w: World) -> dict[str, 
     good = 0
     with tiercache.open({"disk": {"path": str(root)}}) as fresh:
         for vid in saved:
-            m = fresh.catalog.peek(vid)  # read from the tier and parsed
+            m = core_of(fresh).catalog.peek(vid)  # read from the tier and parsed
             good += int(m.id == vid and m.ranks == w.world and len(m.nodes) == w.topo.count and m.nbytes == w.total)
         head = fresh.resolve("main")
     return {"parsed": good, "head_is_last": head == saved[-1]}
@@ -564,7 +565,7 @@ def record_part_reads(cache: tiercache.TierCache, seen: list[str]) -> None:
     Wraps each tier's ``get``, ``read_into``, ``exists`` and ``list`` (a listing of ``parts/`` or
     above counts too): a save of a group version should read no part on any tier (docs/integrations.md).
     """
-    for tier in cache.repo.durable.values():
+    for tier in core_of(cache).repo.durable.values():
         for method in ("get", "read_into", "exists", "list"):
             real = getattr(tier, method)
 

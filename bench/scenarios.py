@@ -44,6 +44,7 @@ import tiercache
 from bench.baselines import memcpy
 from bench.state import advance, make_state, state_nbytes
 from tiercache import codecs
+from tiercache.cache import core_of
 from tiercache.config import PolicyConfig, parse_size
 from tiercache.errors import SkippedError
 from tiercache.names import chunk_key
@@ -224,13 +225,13 @@ def backlog(args: argparse.Namespace, server: LocalS3, root: Path, console: Cons
             trace = Trace()
             with tiercache.open(cfg) as cache:
                 slow_s = trace.save(cache, state, "slow", args.saves, args.interval)
-                bps_slow = cache.meter.rate("s3", "write")
+                bps_slow = core_of(cache).meter.rate("s3", "write")
                 proxy.limit_bps = None
                 fast_s = trace.save(cache, state, "fast", args.fast_saves, args.fast_interval)
                 cache.flush()
                 done = time.time()
-                bps_fast = cache.meter.rate("s3", "write")
-                observed: Observed = cache.policy  # type: ignore[assignment]
+                bps_fast = core_of(cache).meter.rate("s3", "write")
+                observed: Observed = core_of(cache).policy  # type: ignore[assignment]
             waits = sorted(trace.wait_s)
             results[policy] = {
                 "saves": len(trace.ids),
@@ -351,7 +352,7 @@ def compression(args: argparse.Namespace, server: LocalS3, root: Path, console: 
             proxy.limit_bps = args.slow_link
             trace.save(cache, state, f"{args.slow_link / _MB:.0f} MB/s link", 4, 2.0, step)
             cache.flush()
-            observed: Observed = cache.policy  # type: ignore[assignment]
+            observed: Observed = core_of(cache).policy  # type: ignore[assignment]
             client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name=server.region)
             rows = []
             for v in trace.ids:
@@ -367,7 +368,7 @@ def compression(args: argparse.Namespace, server: LocalS3, root: Path, console: 
                     "s3_MBps": (final["s3"][2] or 0) / _MB,
                 })
             client.close()
-            snap = cache.meter.snapshot()["codecs"].get(codecs.BGZSTD, {})
+            snap = core_of(cache).meter.snapshot()["codecs"].get(codecs.BGZSTD, {})
     t = Table(title=(f"Scenario 2: {nbytes / _MB:.0f} MB of {source} per save; "
                      f"bgzstd/1 measured at {(snap.get('encode_bps') or 0) / _MB:.0f} MB/s, "
                      f"ratio {snap.get('ratio') or 0:.2f}"))

@@ -20,6 +20,7 @@ from _multirank_worker import _error, _levels, _record_chunk_puts, _restore, _re
 
 import tiercache
 from tiercache import failpoints
+from tiercache.cache import core_of
 
 
 def scenario_save_and_die(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
@@ -28,7 +29,7 @@ def scenario_save_and_die(cache: tiercache.TierCache, rank: int, world: int, out
     group = dist.group.WORLD
     for step in (1, 2):
         out[f"v{step}"] = _levels(cache.save(node_state(rank, step), step=step, group=group))
-    part = cache.catalog.part(cache.catalog.peek(out["v2"]["local"]), rank)
+    part = core_of(cache).catalog.part(core_of(cache).catalog.peek(out["v2"]["local"]), rank)
     assert part is not None
     ids = sorted({c.id for c in part.chunks})
     agent = cache.agent
@@ -69,7 +70,7 @@ def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, o
     out["through_agent"] = _through_agent(cache)
     own = set()
     for h in handles:
-        part = cache.catalog.part(cache.catalog.peek(h.version), rank)
+        part = core_of(cache).catalog.part(core_of(cache).catalog.peek(h.version), rank)
         assert part is not None
         own |= {c.id for c in part.chunks}
     # What this trainer wrote itself: nothing (the agents hash, write and copy to peers).

@@ -52,7 +52,7 @@ def full_tensors(step: int) -> dict[str, torch.Tensor]:
 
 
 def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
-    for tier in cache.repo.durable.values():
+    for tier in core_of(cache).repo.durable.values():
         put = tier.put
 
         def recording(
@@ -66,7 +66,7 @@ def _record_chunk_puts(cache: tiercache.TierCache, seen: list[str]) -> None:
 
 
 def _fail_chunk_puts(cache: tiercache.TierCache, action: Callable[[], None]) -> None:
-    for tier in cache.repo.durable.values():
+    for tier in core_of(cache).repo.durable.values():
         put = tier.put
 
         def failing(key: str, data: Any, _put: Callable[..., None] = put, **kw: bool) -> None:
@@ -153,9 +153,9 @@ def scenario_throttled(cache: tiercache.TierCache, rank: int, world: int, out: d
     """The store throttles rank 1's first chunk uploads; every rank's S3 pacing is reported."""
     from _s3faults import SlowDownChunks
 
-    pacer = cache.repo.durable["s3"].pacer
+    pacer = core_of(cache).repo.durable["s3"].pacer
     out["limit_before"] = pacer.limit
-    throttle = SlowDownChunks(cache.repo.durable["s3"]._client, 2) if rank == 1 else None  # type: ignore[attr-defined]
+    throttle = SlowDownChunks(core_of(cache).repo.durable["s3"]._client, 2) if rank == 1 else None  # type: ignore[attr-defined]
     h = cache.save(ddp_state(rank, 1), step=1, group=dist.group.WORLD)
     out["remote"] = h.wait("remote") == h.version
     out["limit_after"], out["throttled"] = pacer.limit, pacer.throttled_total
@@ -374,7 +374,7 @@ def scenario_restore_seconds(cache: tiercache.TierCache, rank: int, world: int, 
 
 def scenario_shared_disk(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Ranks of one node hammer one disk directory: the same chunk object, and one ref each moves."""
-    disk = cache.repo.durable["disk"]
+    disk = core_of(cache).repo.durable["disk"]
     blob = bytes(range(256)) * 4096
     dist.barrier()
     for _ in range(20):

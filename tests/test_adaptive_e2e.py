@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, VersionNotFoundError
 from tiercache.policy.base import OnFull, Placement, PolicyContext, VersionView
@@ -184,7 +185,7 @@ def test_adaptive_coalesces_on_a_slow_link_and_uploads_everything_once_it_is_fas
                   direct_to_remote=False)
     run = Run()
     with tiercache.open(cfg) as cache:
-        rec: _Recorder = cache.policy.rec  # type: ignore[attr-defined]
+        rec: _Recorder = core_of(cache).policy.rec  # type: ignore[attr-defined]
         state = _state()
         run.save(cache, state, n=12, interval=0.25)  # 32 MiB/s of saves into a 4 MB/s link
         slow = run.ids()
@@ -194,7 +195,7 @@ def test_adaptive_coalesces_on_a_slow_link_and_uploads_everything_once_it_is_fas
         cache.flush()
         done = time.time()
         parents = {v: cache.manifest(v).parent for v in run.ids()}
-        meter_s3 = cache.meter.rate("s3", "write")
+        meter_s3 = core_of(cache).meter.rate("s3", "write")
 
     outcomes = {h.version: h.future("remote").exception() for h in run.handles}
     remote = {v for v, e in outcomes.items() if e is None}
@@ -229,7 +230,7 @@ def test_write_through_on_the_same_link_builds_a_backlog_that_s3_reads_back_from
     cfg = _config(tmp_path, s3_config, proxy, "RecordingWriteThrough")
     run = Run()
     with tiercache.open(cfg) as cache:
-        rec: _Recorder = cache.policy.rec  # type: ignore[attr-defined]
+        rec: _Recorder = core_of(cache).policy.rec  # type: ignore[attr-defined]
         run.save(cache, _state(), n=6, interval=0.25)
         proxy.limit_bps = None  # drain the backlog quickly
         cache.flush()
@@ -292,7 +293,7 @@ def test_a_full_disk_prunes_what_the_users_retention_does_not_keep_and_keeps_tag
     warned = [r.getMessage() for r in caplog.records if "pruned from disk by retention latest = 1" in r.getMessage()]
     assert sorted(v for m in warned for v in ids[1:4] if v in m) == sorted(ids[1:4])
     with tiercache.open(cfg) as cache:
-        assert [r.version for r in cache.catalog.pruned()] == ids[1:4]
+        assert [r.version for r in core_of(cache).catalog.pruned()] == ids[1:4]
         with pytest.raises(VersionNotFoundError, match=rf"version {ids[2]} was pruned by retention latest = 1 at "):
             cache.restore(ids[2])
         with pytest.raises(VersionNotFoundError, match="pruned by retention latest = 1"):

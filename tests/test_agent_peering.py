@@ -115,7 +115,7 @@ def test_the_chunks_land_verified_on_the_other_nodes_disk(nodes: Any, ports: Any
     a, b, vid = nodes
     slots = _slots(a, vid)
     assert len(slots) > 1
-    errors = _both(*ports, PeerFiles(a, "disk", vid), PeerFiles(b, "disk", vid), slots)
+    errors = _both(*ports, PeerFiles(core_of(a), "disk", vid), PeerFiles(core_of(b), "disk", vid), slots)
     assert errors == [None, None]
     for s in slots:  # node 1 reads each from its own disk (verified against its id), the bytes of node 0's
         got, want = (torch.empty(s.move.nbytes, dtype=torch.uint8) for _ in range(2))
@@ -123,7 +123,7 @@ def test_the_chunks_land_verified_on_the_other_nodes_disk(nodes: Any, ports: Any
             n = s.move.nbytes
             core_of(cache).reader.read_chunk(s.move.chunk, n, cache.config.hash, [(byte_view(buf), 0, n)])
         assert torch.equal(got, want)
-    assert all(b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is not None for s in slots)
+    assert all(core_of(b).repo.durable["disk"].get(chunk_key(s.move.chunk)) is not None for s in slots)
     sent = sum(s.move.nbytes for s in slots)
     assert ports[0].bytes["sent"] == ports[1].bytes["received"] == sent
 
@@ -151,12 +151,12 @@ def test_a_chunk_that_is_damaged_or_unreadable_fails_the_receiver_and_lands_nowh
 ) -> None:
     a, b, vid = nodes
     slots = _slots(a, vid)
-    errors = _both(*ports, sender(a, "disk", vid), PeerFiles(b, "disk", vid), slots)
+    errors = _both(*ports, sender(core_of(a), "disk", vid), PeerFiles(core_of(b), "disk", vid), slots)
     assert isinstance(errors[1], IntegrityError) and want in str(errors[1]), errors
     if sender is _Failing:
         assert isinstance(errors[0], IntegrityError)
     for s in slots:
-        assert b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is None
+        assert core_of(b).repo.durable["disk"].get(chunk_key(s.move.chunk)) is None
 
 
 def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_nothing(
@@ -171,7 +171,7 @@ def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_n
     def receive() -> None:
         try:
             pb.copy(token=_token("t2"), key=KEY, rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)},
-                    files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
+                    files=PeerFiles(core_of(b), "disk", vid), timeout=60.0, threads=1)
             result.append(None)
         except BaseException as e:
             result.append(e)
@@ -192,7 +192,7 @@ def test_a_sender_that_goes_away_fails_the_receiver_at_once_and_strangers_land_n
     assert not t.is_alive()
     [err] = result
     assert isinstance(err, TierUnavailableError) and "rank 0's node agent stopped before it sent" in str(err), err
-    assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
+    assert core_of(b).repo.durable["disk"].get(chunk_key(m.chunk)) is None
 
 
 def test_a_receiver_that_asks_after_its_sender_left_fails_at_once(nodes: Any, ports: Any) -> None:
@@ -207,7 +207,7 @@ def test_a_receiver_that_asks_after_its_sender_left_fails_at_once(nodes: Any, po
     # (Not DeadlineExceededError after the 60 s timeout: the receiver knows its sender is gone.)
     with pytest.raises(TierUnavailableError, match="rank 0's node agent stopped before it sent"):
         pb.copy(token=_token("t3"), key=KEY, rank=1, slots=slots, endpoints={0: ("127.0.0.1", 9)},
-                files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
+                files=PeerFiles(core_of(b), "disk", vid), timeout=60.0, threads=1)
 
 
 def test_the_advertised_host_is_the_route_to_the_store() -> None:
@@ -234,7 +234,7 @@ def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_
     def receive() -> None:
         try:
             pb.copy(token=_token("t4"), key=KEY, rank=1, slots=slots[:1], endpoints={0: ("127.0.0.1", 9)},
-                    files=PeerFiles(b, "disk", vid), timeout=60.0, threads=1)
+                    files=PeerFiles(core_of(b), "disk", vid), timeout=60.0, threads=1)
             result.append(None)
         except BaseException as e:
             result.append(e)
@@ -254,6 +254,6 @@ def test_a_frame_of_the_wrong_size_fails_its_move_and_no_header_makes_the_agent_
     [err] = result
     assert isinstance(err, IntegrityError) and str(err) == (
         f"rank 0 sent {m.nbytes + 3} bytes for {m.chunk}, not its {m.nbytes}"), err
-    assert b.repo.durable["disk"].get(chunk_key(m.chunk)) is None
+    assert core_of(b).repo.durable["disk"].get(chunk_key(m.chunk)) is None
     assert crashed == []
 

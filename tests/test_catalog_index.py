@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import tiercache
 from tiercache import failpoints
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StorageError
@@ -346,12 +347,12 @@ def test_a_group_version_lists_from_the_index_and_a_rank_parses_only_its_own_par
                           hash_algo="xxh3-128", ranks=2, nbytes=200)
     with tiercache.open(cfg) as cache:
         for rank in range(2):
-            cache.repo.put_part("disk", part_of(_rank_part(vid, f"{rank + 1:032x}"), rank))
-        cache.repo.commit("disk", header, RefRecord(kind="branch", name="main", version=vid, seq=1))
+            core_of(cache).repo.put_part("disk", part_of(_rank_part(vid, f"{rank + 1:032x}"), rank))
+        core_of(cache).repo.commit("disk", header, RefRecord(kind="branch", name="main", version=vid, seq=1))
     parsed.clear()
     with tiercache.open(cfg) as cache:
         assert [(v.id, v.step, v.meta, v.tiers) for v in cache.versions()] == [(vid, 1, {"loss": 0.5}, ("disk",))]
         assert parsed == []
-        got = cache.catalog.part(cache.catalog.peek(cache.resolve("main")), 1)
+        got = core_of(cache).catalog.part(core_of(cache).catalog.peek(cache.resolve("main")), 1)
         assert got is not None and [c.id for c in got.chunks] == [f"{2:032x}"]
     assert parsed == [f"disk:versions/{vid}.json", f"disk:parts/{vid}/1.json"]  # never rank 0's part

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import ConflictError
 from tiercache.manifest import RefRecord, new_version_id
@@ -66,7 +67,7 @@ def test_a_head_read_before_a_save_never_moves_the_branch_back(tmp_path: Path) -
     with tiercache.open(_cfg(tmp_path)) as a:
         a.save({"x": torch.zeros(4)}, step=0).wait("local")
     with tiercache.open(_cfg(tmp_path)) as b:
-        cat = b.catalog
+        cat = core_of(b).catalog
         read = cat.ref("branch", "main")  # catch-up takes its snapshot of the heads
         assert read is not None
         newer = b.save({"x": torch.ones(4)}, step=1)
@@ -87,7 +88,7 @@ def test_a_head_read_before_a_save_still_brings_a_lagging_tier_forward(tmp_path:
         second = a.save({"x": torch.ones(4)}, step=1)
         assert second.wait("local") == second.version
     with tiercache.open(both) as b:
-        cat = b.catalog
+        cat = core_of(b).catalog
         read = cat.ref("branch", "main")
         assert read is not None and read.version == second.version
         # A save of this process moves the branch on (noted, not yet written anywhere)...

@@ -14,6 +14,7 @@ from _multirank_worker import full_tensors
 from test_multirank import cache_config, one_tier, rank_out, run_ranks
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import IntegrityError, InvalidArgumentError
 from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter, _load_metadata
@@ -149,7 +150,7 @@ def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> Non
     with tiercache.open({"disk": {"path": str(tmp_path / "d")}, "chunk_bytes": "64KiB", "pack_below": "4KiB"}) as c:
         base = {"frozen": torch.arange(65536, dtype=torch.float32), "head": torch.ones(8), "note": "hi"}
         dcp.save(base, storage_writer=TierCacheStorageWriter(c, step=1), no_dist=True)
-        chunks_after_first = set(c.catalog.chunks_on("disk"))
+        chunks_after_first = set(core_of(c).catalog.chunks_on("disk"))
         dcp.save({**base, "head": torch.full((8,), 2.0)}, storage_writer=TierCacheStorageWriter(c, step=2),
                  no_dist=True)
         v1, v2 = c.manifest("main~1"), c.manifest("main")

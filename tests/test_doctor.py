@@ -17,6 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import ConfigError, StorageError
@@ -81,7 +82,7 @@ def test_abort_stale_refuses_a_store_whose_upload_times_are_fixed(
         return [(k, u, datetime(2010, 1, 1, tzinfo=UTC)) for k, u, _ in real(tier)]  # an emulator's fixed date
 
     with tiercache.open({"s3": s3_config.model_dump()}) as cache:
-        tier = cache.repo.durable["s3"]
+        tier = core_of(cache).repo.durable["s3"]
         upload = tier._client.create_multipart_upload(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/chunks/x")
         monkeypatch.setattr(S3Tier, "list_multipart_uploads", fixed_dates)
         with pytest.raises(StorageError, match=r"refusing to abort uploads by age: the store reports upload start "
@@ -93,7 +94,7 @@ def test_abort_stale_refuses_a_store_whose_upload_times_are_fixed(
 
 def test_doctor_lists_and_aborts_stale_multipart_uploads(s3_config: S3Config) -> None:
     with tiercache.open({"s3": s3_config.model_dump()}) as cache:
-        tier = cache.repo.durable["s3"]
+        tier = core_of(cache).repo.durable["s3"]
         client, bucket, prefix = tier._client, s3_config.bucket, s3_config.prefix
         ids = [client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab{i:030d}")["UploadId"]
                for i in range(2)]
@@ -165,7 +166,7 @@ def test_remote_ref_commits_are_refused_on_such_a_store_unless_unsafe(s3_config:
     assert "s3.allow_unsafe_refs = true" in str(refused.value)
     with pytest.raises(ConfigError):
         cache.close()  # the background failure is reported once more on close
-    assert cache.repo.durable["s3"].list("refs/") == []
+    assert core_of(cache).repo.durable["s3"].list("refs/") == []
     with tiercache.open({"s3": {**s3_config.model_dump(), "allow_unsafe_refs": True}}) as unsafe:
         h2 = unsafe.save(state, step=2)
         assert h2.wait("remote") == h2.version

@@ -23,6 +23,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 
@@ -75,7 +76,7 @@ def test_a_filesystem_that_fills_gives_back_copies_s3_holds_and_keeps_taking_new
             handles[-1].future("local").exception()
         # Every version reached the disk: the oldest ones S3 holds were given back for them.
         assert [h.succeeded("local") for h in handles] == [True] * len(handles)
-        on_disk = sorted(v.id for v in cache.catalog.all() if cache.catalog.manifest_on("disk", v.id))
+        on_disk = sorted(v.id for v in core_of(cache).catalog.all() if core_of(cache).catalog.manifest_on("disk", v.id))
         assert 2 <= len(on_disk) <= 3 and on_disk[-1] == handles[-1].version
         assert on_disk == [h.version for h in handles[-len(on_disk):]]  # oldest first went
         disk = cache.stats()["tiers"]["disk"]

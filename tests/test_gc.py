@@ -15,7 +15,7 @@ import torch
 
 import tiercache
 from tiercache import failpoints
-from tiercache.cache import TierCache
+from tiercache.cache import TierCache, core_of
 from tiercache.config import S3Config
 from tiercache.errors import StorageError, VersionNotFoundError
 from tiercache.names import chunk_key, version_key
@@ -246,7 +246,7 @@ def test_gc_on_disk_and_s3(tmp_path: Path, s3_config: S3Config) -> None:
         report = cache.gc(grace=0)
         assert report.versions == (v2, v3)
         assert report.chunks == {"disk": 2, "s3": 2} and report.manifests == {"disk": 2, "s3": 2}
-        s3 = cache.repo.durable["s3"]
+        s3 = core_of(cache).repo.durable["s3"]
         assert s3.list("chunks/") == sorted(chunk_key(c) for c in _chunk_ids(cache, v1))
         assert s3.list("versions/") == [version_key(v1)]
         young = cache.gc(dry_run=True)  # S3 objects carry their age too: nothing is old enough

@@ -91,7 +91,7 @@ def test_flipped_bits_are_detected_restored_from_the_other_tier_and_repaired(
     h.wait("remote")
     chunks = [c.id for c in cache.manifest("main").chunks]
     assert len(chunks) == N_FLIPS + 40
-    tiers = cache.repo.durable
+    tiers = core_of(cache).repo.durable
     for cid in chunks:
         assert len(tiers["disk"].get(chunk_key(cid))) == HEADER_BYTES + 48 * 1024  # every flip hits checked bytes
 
@@ -144,7 +144,7 @@ def test_missing_copy_falls_back_and_is_reported_missing(cache: TierCache, caplo
     h.wait("local")
     h.wait("remote")
     cid = cache.manifest("main").chunks[3].id
-    cache.repo.durable["disk"].delete(chunk_key(cid))
+    core_of(cache).repo.durable["disk"].delete(chunk_key(cid))
     with caplog.at_level(logging.WARNING, logger="tiercache.restore"):
         _assert_equal(cache.restore("main"), state)
     assert any(f"chunk {cid} restored from s3 after disk: missing" in r.getMessage() for r in caplog.records)
@@ -152,7 +152,8 @@ def test_missing_copy_falls_back_and_is_reported_missing(cache: TierCache, caplo
     assert [(d.tier, d.key, d.problem) for d in report.damage] == [("disk", chunk_key(cid), "missing")]
     fixed = cache.verify("main", repair=True)
     assert [(d.tier, d.repaired_from) for d in fixed.damage] == [("disk", "s3")]
-    assert cache.repo.durable["disk"].get(chunk_key(cid)) == cache.repo.durable["s3"].get(chunk_key(cid))
+    durable = core_of(cache).repo.durable
+    assert durable["disk"].get(chunk_key(cid)) == durable["s3"].get(chunk_key(cid))
     assert cache.verify("main").ok
 
 
@@ -164,7 +165,7 @@ def test_no_good_copy_raises_integrity_error_naming_the_chunk(cache: TierCache) 
     cid = cache.manifest("main").chunks[2].id
     rng = random.Random(7)
     for name in ("disk", "s3"):
-        _flip(cache.repo.durable[name], cid, rng)
+        _flip(core_of(cache).repo.durable[name], cid, rng)
     with pytest.raises(IntegrityError, match=f"chunk {cid} has no good copy on any tier") as exc:
         cache.restore("main")
     assert "disk: damaged" in str(exc.value) and "s3: damaged" in str(exc.value)
@@ -180,11 +181,11 @@ def test_damaged_manifest_copy_is_reported_and_repaired(cache: TierCache) -> Non
     h.wait("local")
     h.wait("remote")
     vid = h.version
-    s3 = cache.repo.durable["s3"]
+    s3 = core_of(cache).repo.durable["s3"]
     key = f"versions/{vid}.json"
     s3.put(key, s3.get(key).replace(b'"step":4', b'"step":5'))
     report = cache.verify()
     assert [(d.tier, d.key, d.problem) for d in report.damage] == [("s3", key, "damaged")]
     assert cache.verify(repair=True).repaired == 1
-    assert s3.get(key) == cache.repo.durable["disk"].get(key)
+    assert s3.get(key) == core_of(cache).repo.durable["disk"].get(key)
     assert cache.verify().ok

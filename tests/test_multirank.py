@@ -20,6 +20,7 @@ import torch
 from _multirank_worker import ddp_state, forked, full_tensors, rank_err_path
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import GroupSaveError, IntegrityError
 from tiercache.group.owners import assign_owners
@@ -261,7 +262,7 @@ def test_node_local_disk_shared_by_four_processes(tmp_path: Path) -> None:
     assert not list(disk.rglob(".tmp-*"))
     # 4 processes x 10 compare-and-swap increments of one ref: none lost.
     with tiercache.open(config) as cache:
-        assert cache.repo.durable["disk"].read_ref("refs/branch/shared").data == b"40"
+        assert core_of(cache).repo.durable["disk"].read_ref("refs/branch/shared").data == b"40"
 
 
 # ----------------------------------------------------------------------------- pure functions

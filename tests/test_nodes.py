@@ -22,6 +22,7 @@ from _multirank_worker import node_state, replica_state
 from test_multirank import free_port, rank_out, run_ranks
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import ConfigError, IntegrityError
 from tiercache.group.peers import copy_moves
@@ -87,8 +88,8 @@ def test_two_nodes_each_hold_and_restore_their_own_part(tmp_path: Path) -> None:
             assert header.is_header and (header.id, header.ranks) == (v2, 2)
             assert header.nodes == (NodePart(name="a", ranks=(0,)), NodePart(name="b", ranks=(1,)))
             assert (disks[node] / "versions" / f"{v2}.json").read_bytes() == header.to_json()
-            parts[rank] = cache.catalog.part(header, rank)
-            assert cache.catalog.part(header, 1 - rank) is None
+            parts[rank] = core_of(cache).catalog.part(header, rank)
+            assert core_of(cache).catalog.part(header, 1 - rank) is None
             # One process on one node cannot restore the whole version: it says which parts it lacks.
             with pytest.raises(IntegrityError, match=f"parts of ranks {1 - rank} are on no tier"):
                 cache.restore("main")
@@ -218,7 +219,7 @@ def test_a_group_keeps_saving_locally_while_s3_refuses(tmp_path: Path, s3_config
             x = cache.save(node_state(0, 10), step=10, branch="x").wait("remote")
             deadline = time.monotonic() + 60
             # The catch-up runs on a thread of its own, started by the first save; the tag is its last ref.
-            while cache.repo.catalog.ref_on("s3", "tag", "best") is None and time.monotonic() < deadline:
+            while core_of(cache).repo.catalog.ref_on("s3", "tag", "best") is None and time.monotonic() < deadline:
                 time.sleep(0.05)
     with tiercache.open({"s3": s3_config.model_dump(mode="json")}) as bucket:
         assert bucket.refs() == {"branch/solo": solo, "tag/best": solo, "branch/x": x}

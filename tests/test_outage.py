@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 import tiercache
 from tiercache import failpoints
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, TierUnavailableError
@@ -309,7 +310,7 @@ def test_flush_and_close_during_an_s3_outage_name_what_waits_for_s3(
     try:
         hs = [cache.save(_state(s), step=s, branch=b) for s, b in ((2, "main"), (3, "dev"))]
         assert [h.wait("local") for h in hs] == [h.version for h in hs]
-        outage = cache.health.outage("s3")
+        outage = core_of(cache).repo.health.outage("s3")
         assert outage is not None
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="tiercache"):

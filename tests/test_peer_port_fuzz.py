@@ -51,7 +51,8 @@ def _copy_is_whole(a: Any, b: Any, vid: str, pa: PeerPort, pb: PeerPort, token: 
     """A real copy from port a to port b lands every chunk, bit-exact."""
     slots = _slots(a, vid)
     before = pb.bytes["received"]
-    errors = _both(pa, pb, PeerFiles(a, "disk", vid), PeerFiles(b, "disk", vid), slots, token=_token(token))
+    errors = _both(pa, pb, PeerFiles(core_of(a), "disk", vid), PeerFiles(core_of(b), "disk", vid), slots,
+                   token=_token(token))
     assert errors == [None, None]
     for s in slots:
         got, want = (torch.empty(s.move.nbytes, dtype=torch.uint8) for _ in range(2))
@@ -174,7 +175,7 @@ def test_an_authenticated_peer_with_absurd_frames_loses_its_connection_and_lands
         s.sendall(KEY.seal(Frame(CHUNK, t, big, 1, 0, 4, 0.0, 1)) + b"junk")
         s.sendall(KEY.seal(Frame(CHUNK, t, big, big, (1 << 64) - 1, 0, 0.0, 2)))
         assert _gone(s)  # then silent past IDLE_S: closed
-    assert all(b.repo.durable["disk"].get(chunk_key(s.move.chunk)) is None for s in _slots(a, vid))
+    assert all(core_of(b).repo.durable["disk"].get(chunk_key(s.move.chunk)) is None for s in _slots(a, vid))
     _copy_is_whole(a, b, vid, pa, pb, "after-absurd")
 
 

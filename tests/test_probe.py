@@ -16,6 +16,7 @@ import torch
 
 import tiercache
 from tiercache import codecs
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.names import chunk_key
 from tiercache.pipeline import probe
@@ -27,7 +28,7 @@ LINK_BPS = 2_000_000  # slow enough that compressing wins even with the encoder 
 
 def _stored_codecs(cache: tiercache.TierCache, tier: str, ref: str) -> dict[str, str]:
     """The codec of each chunk of ``ref`` as ``tier`` stores it (read from the chunk objects' headers)."""
-    t = cache.repo.durable[tier]
+    t = core_of(cache).repo.durable[tier]
     out = {}
     for c in cache.manifest(ref).chunks:
         data = t.get(chunk_key(c.id))
@@ -59,11 +60,11 @@ def test_a_fresh_cache_stores_its_first_version_raw_and_measures_the_codecs_on_a
         assert set(_stored_codecs(cache, "disk", "main").values()) == {codecs.RAW}
         # The policy's candidate for floats, measured on a sample: the start of the first chunks, at
         # most 1/512 of the version or 1 MiB; the other codec, which it would not choose, not at all.
-        stats = cache.meter.codec_stats(codecs.BGZSTD)
+        stats = core_of(cache).meter.codec_stats(codecs.BGZSTD)
         assert stats is not None and stats.encode_bps is not None
         assert 0 < stats.raw_bytes <= max(nbytes // probe.PROBE_SHARE, probe.PROBE_MIN) < nbytes
         assert stats.ratio is not None and stats.ratio < 1.5  # random floats barely shrink
-        assert cache.meter.codec_stats(codecs.ZSTD) is None
+        assert core_of(cache).meter.codec_stats(codecs.ZSTD) is None
     with tiercache.open(config) as cache:
         got = cache.restore("main")
     assert all(torch.equal(got[k], v) for k, v in state.items())
@@ -84,7 +85,7 @@ def test_on_a_slow_link_compressible_versions_are_compressed_once_the_link_is_me
     with tiercache.open(config) as cache:
         cache.save(first, step=1).wait("remote")
         assert set(_stored_codecs(cache, "s3", "main").values()) == {codecs.RAW}  # measured, not compressed
-        stats = cache.meter.codec_stats(codecs.BGZSTD)
+        stats = core_of(cache).meter.codec_stats(codecs.BGZSTD)
         assert stats is not None and stats.ratio is not None and stats.ratio > 4
         cache.save(second, step=2).wait("remote")
         # The link is measured now (a few MB/s): compressing wins there. (Whether it wins on the

@@ -82,7 +82,7 @@ def test_new_destinations_are_page_aligned_and_filled_without_bounce_copies(
         assert cache.manifest("main") == version
         monkeypatch.setattr(disk_module, "copy_bytes", counting_copy)
         out = core_of(cache).restore_version(version)
-        assert cache.repo.durable["disk"].o_direct_active
+        assert core_of(cache).repo.durable["disk"].o_direct_active
 
     _assert_same(out, state)
     # Only each chunk's header and sub-page tail pass through the bounce buffer: the payloads
@@ -220,7 +220,7 @@ def test_restore_from_ram_verifies_in_place_and_copies_each_byte_once(
     with tiercache.open(_config(tmp_path, chunk_bytes="1MiB", pack_below="64KiB", ram={"capacity": "64MiB"})) as cache:
         cache.save(state, step=1).wait("local")
         version = cache.manifest("main")
-        assert cache.catalog.residency(version)[0] == "ram"
+        assert core_of(cache).catalog.residency(version)[0] == "ram"
         monkeypatch.setattr(restore_module, "_memmove", counting_move)
         monkeypatch.setattr(RamTier, "read_into", no_chunk_reads)
         monkeypatch.setattr(RamTier, "get", no_chunk_reads)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import DeadlineExceededError, SkippedError, TierUnavailableError
 from tiercache.tiers.s3 import S3Tier
@@ -44,7 +45,7 @@ def _until_down(cache: tiercache.TierCache, timeout: float = 60.0) -> str:
     """Wait until S3 is marked down (a liveness bound); return why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        outage = cache.health.outage("s3")
+        outage = core_of(cache).repo.health.outage("s3")
         if outage is not None:
             return outage.reason
         time.sleep(0.05)

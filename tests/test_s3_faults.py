@@ -17,7 +17,7 @@ import torch
 from _s3faults import S3Faults
 
 import tiercache
-from tiercache.cache import TierCache
+from tiercache.cache import TierCache, core_of
 from tiercache.config import S3Config
 from tiercache.errors import (
     AccessDeniedError,
@@ -94,7 +94,7 @@ def _check_durable(s3_config: S3Config, run: Run) -> None:
             assert fresh.refs()["branch/main"] in listed
             last_ok = max(run.ok)
             assert fresh.resolve("main") >= last_ok
-        assert fresh.repo.durable["s3"].list_multipart_uploads() == []
+        assert core_of(fresh).repo.durable["s3"].list_multipart_uploads() == []
         assert fresh.verify().ok
 
 
@@ -113,7 +113,7 @@ def _close(cache: TierCache, run: Run) -> None:
 
 def _open_with_faults(s3_config: S3Config, run: Run, **kw: Any) -> Iterator[tuple[TierCache, S3Faults]]:
     cache = tiercache.open(_cfg(s3_config, **kw.pop("s3", {})))
-    faults = S3Faults(cache.repo.durable["s3"]._client, **kw)
+    faults = S3Faults(core_of(cache).repo.durable["s3"]._client, **kw)
     yield cache, faults
     faults.remove()
     _close(cache, run)
@@ -166,14 +166,14 @@ def test_a_part_that_keeps_failing_aborts_its_upload_and_fails_the_save(s3_confi
     # Two throttle retries (default 8) still take the slowed-down path, without its 15 s of waits.
     cache = tiercache.open(_cfg(s3_config, max_attempts=2, throttle_retries=2))
     good = _saves(cache, 1, big=True)
-    faults = S3Faults(cache.repo.durable["s3"]._client, seed=1, error_rate=1.0, only=frozenset({"UploadPart"}))
+    faults = S3Faults(core_of(cache).repo.durable["s3"]._client, seed=1, error_rate=1.0, only=frozenset({"UploadPart"}))
     bad = _saves(cache, 1, big=True, first_step=1)
     faults.remove()
     assert bad.ok == {} and len(bad.failed) == 1
     (err,) = bad.failed.values()
     assert isinstance(err, StorageError) and "SlowDown" in str(err)
     assert faults.requests["AbortMultipartUpload"] >= 1
-    assert cache.repo.durable["s3"].list_multipart_uploads() == []
+    assert core_of(cache).repo.durable["s3"].list_multipart_uploads() == []
     _close(cache, bad)
     _check_durable(s3_config, Run(ok=good.ok, failed=bad.failed))
 
@@ -186,7 +186,7 @@ def test_permanent_errors_fail_fast(
     s3_config: S3Config, status: int, code: str, expected: type[TierCacheError]
 ) -> None:
     cache = tiercache.open(_cfg(s3_config))
-    faults = S3Faults(cache.repo.durable["s3"]._client, seed=2, error_rate=1.0, error=(status, code),
+    faults = S3Faults(core_of(cache).repo.durable["s3"]._client, seed=2, error_rate=1.0, error=(status, code),
                       only=frozenset({"PutObject"}))
     run = _saves(cache, 1)
     faults.remove()

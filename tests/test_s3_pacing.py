@@ -12,6 +12,7 @@ import torch
 from _s3faults import SlowDownChunks
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import StorageError, TierUnavailableError
 from tiercache.tiers._s3pacing import Pacer
@@ -88,7 +89,7 @@ def test_a_throttling_store_slows_the_save_down_and_it_still_reaches_remote(
 ) -> None:
     state = {"w": torch.arange(4096, dtype=torch.float32)}  # one chunk: one PutObject, so the count is exact
     with tiercache.open(_config(tmp_path, s3_config)) as cache:
-        tier = cache.repo.durable["s3"]
+        tier = core_of(cache).repo.durable["s3"]
         throttle = SlowDownChunks(tier._client, 4)
         h = cache.save(state, step=1)
         assert h.wait("remote") == h.version
@@ -105,13 +106,13 @@ def test_a_store_that_keeps_throttling_fails_the_upload_only_after_the_retries(
     config = {**_config(tmp_path, s3_config, throttle_retries=2), "engine": {"probe_interval_s": 60}}
     cache = tiercache.open(config)
     try:
-        throttle = SlowDownChunks(cache.repo.durable["s3"]._client, 100)
+        throttle = SlowDownChunks(core_of(cache).repo.durable["s3"]._client, 100)
         h = cache.save({"w": torch.ones(16)}, step=1)
         assert h.wait("local") == h.version
         deadline = time.monotonic() + 60  # a liveness bound: the retries take well under a second
-        while cache.health.outage("s3") is None and time.monotonic() < deadline:
+        while core_of(cache).repo.health.outage("s3") is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        outage = cache.health.outage("s3")
+        outage = core_of(cache).repo.health.outage("s3")
         assert outage is not None and "SlowDown" in outage.reason
         assert throttle.answered == 3  # the first try and two retries, then the upload gave up
         # The version is on disk: its remote level waits for S3 to be caught up, not fails.

@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiercache
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.errors import ConfigError, SkippedError, TierUnavailableError
 from tiercache.handle import LEVELS, SaveHandle
@@ -210,8 +211,8 @@ def test_runtime_records_go_through_the_repo_and_only_under_stats(tmp_path: Path
 
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         with pytest.raises(InvalidArgumentError, match=r"runtime record 'refs/main' must be under stats/"):
-            cache.repo.put_record("refs/main", b"{}")
-        assert cache.repo.put_record("stats/note.json", b'{"a": 1}') is True
-        assert cache.repo.get_record("stats/note.json") == b'{"a": 1}'
+            core_of(cache).repo.put_record("refs/main", b"{}")
+        assert core_of(cache).repo.put_record("stats/note.json", b'{"a": 1}') is True
+        assert core_of(cache).repo.get_record("stats/note.json") == b'{"a": 1}'
     assert (tmp_path / "stats" / "note.json").read_bytes() == b'{"a": 1}'
     assert not (tmp_path / "refs" / "main").exists()

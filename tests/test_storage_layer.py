@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import tiercache
 from tiercache import failpoints
+from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import CacheClosedError
@@ -307,7 +308,7 @@ def test_a_blocked_s3_listing_never_delays_save(tmp_path: Path, s3_config: S3Con
     release = threading.Event()
     listed = threading.Event()
     with tiercache.open(_disk_s3(tmp_path, s3_config)) as cache:
-        s3 = cache.repo.tiers["s3"]
+        s3 = core_of(cache).repo.tiers["s3"]
         real_list = s3.list
 
         def slow_list(prefix: str = "") -> list[str]:

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -67,7 +67,6 @@ from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
-from tiercache.repo.catalog import Catalog
 from tiercache.runtime import AgentStats, CacheStats, ErrorStats, TierRoom, TierStats
 from tiercache.status import RECENT_SAMPLES, STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
@@ -175,17 +174,16 @@ class TierCache:
         self.config = config
         self._group_views = group_views
         self._make_arena = make_arena
-        self.policy = load_policy(config.policy)
-        self.meter = ThroughputMeter()
+        policy = load_policy(config.policy)  # a bad policy fails before any tier is opened
         self._tiers = _make_tiers(config)
-        self.health = TierHealth(self._tiers, interval=config.engine.probe_interval_s)
+        health = TierHealth(self._tiers, interval=config.engine.probe_interval_s)
         try:
-            _probe_at_open(self._tiers, self.health, has_ram=config.ram is not None)
+            _probe_at_open(self._tiers, health, has_ram=config.ram is not None)
         except BaseException:
             for t in self._tiers.values():
                 t.close()
             raise
-        self._core = CacheCore(config, Repo(config, self._tiers, self.health), self.meter,
+        self._core = CacheCore(config, Repo(config, self._tiers, health), ThroughputMeter(), policy,
                                saver=lambda: self.engine, made_saver=lambda: self._engine,
                                on_restored=self._restored)
         self._seed_meter()
@@ -227,24 +225,6 @@ class TierCache:
         return link if link is not None and link.lost is None else None
 
     @property
-    def repo(self) -> Repo:
-        """Internal: the storage layer; outside this module use :func:`core_of`.
-
-        Not part of the public API: the facade's own shorthand, kept while ``agent/requests.py``
-        and ``agent/server.py`` still reach it here.
-        """
-        return self._core.repo
-
-    @property
-    def catalog(self) -> Catalog:
-        """Internal: the catalog of versions and refs; outside this module use :func:`core_of`.
-
-        Not part of the public API: the facade's own shorthand, kept while ``agent/requests.py``
-        still reaches it here.
-        """
-        return self._core.catalog
-
-    @property
     def last_restore(self) -> RestoreReport | None:
         """What the last restore of this process read, from where (bytes per source), or ``None``."""
         return self._core.last_restore
@@ -269,7 +249,8 @@ class TierCache:
     def _local_engine(self) -> Engine:
         from tiercache.pipeline.engine import Engine
 
-        return Engine(self.config, self.repo, policy=self.policy, meter=self.meter, read_object=self._core.read_object,
+        core = self._core
+        return Engine(self.config, core.repo, policy=core.policy, meter=core.meter, read_object=core.read_object,
                       make_arena=self._make_arena)
 
     def _attach_agent(self, *, start: bool) -> AgentLink | None:
@@ -283,7 +264,7 @@ class TierCache:
         if self._agent_refusal is not None:
             return None
         try:
-            return attach(self.config, self.repo, start=start)
+            return attach(self.config, self._core.repo, start=start)
         except TierCacheError as e:
             self._agent_refusal = e
             log.warning("no node agent: %s; saving in this process", e)
@@ -298,7 +279,7 @@ class TierCache:
             return self._local_engine()
         from tiercache.agent.saver import AgentSaver
 
-        return AgentSaver(self.config, self.repo, link, make_local=self._local_engine)
+        return AgentSaver(self.config, self._core.repo, link, make_local=self._local_engine)
 
     @property
     def closed(self) -> bool:
@@ -502,7 +483,7 @@ class TierCache:
         node-local disk of another node), as its group manifest alone
         (:attr:`~tiercache.manifest.Version.is_header`).
         """
-        cat = self.catalog
+        cat = self._core.catalog
         return cat.materialize(cat.peek(self.resolve(ref)))
 
     # ------------------------------------------------------------------ versions and refs
@@ -516,7 +497,7 @@ class TierCache:
         """Resolve a ref string (``main``, ``best``, ``01J..``, ``main~2``, ``main@1000``) to a version id."""
         self.check_open()
         self._wait_published()
-        return self.catalog.resolve(ref)
+        return self._core.catalog.resolve(ref)
 
     def versions(self, branch: str | None = None) -> list[VersionInfo]:
         """Every known version (durable, or staged by this process), oldest first."""
@@ -525,13 +506,14 @@ class TierCache:
         if branch is not None:
             check_name(branch, "branch")
         out = []
-        for v in self.catalog.summaries():  # the index: no manifest is read to list versions
+        for v in self._core.catalog.summaries():  # the index: no manifest is read to list versions
             if branch is not None and v.branch != branch:
                 continue
             pending = (self._engine.pending_tiers(v.id) if self._engine is not None
                        else self._link.pending_tiers(v.id) if self._link is not None else ())
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
-                                   self.catalog.residency(v), self.repo.states(v, self.tier_names, pending)))
+                                   self._core.catalog.residency(v),
+                                   self._core.repo.states(v, self.tier_names, pending)))
         return self._node_ram(out)
 
     def _node_ram(self, versions: list[VersionInfo]) -> list[VersionInfo]:
@@ -574,7 +556,7 @@ class TierCache:
         """
         self.check_open()
         out = []
-        for rec in self.catalog.pruned():
+        for rec in self._core.catalog.pruned():
             states = {t: TierState("pruned", rec.why(), rec.at) for t in self.tier_names if t != "ram"}
             out.append(VersionInfo(rec.version, rec.step, rec.branch, rec.parent, rec.created_at, rec.nbytes, {},
                                    (), states))
@@ -592,13 +574,13 @@ class TierCache:
         self._wait_published()
         if branch is not None:
             check_name(branch, "branch")
-        recorded = self.catalog.reflog("branch", branch) if branch is not None else self.catalog.reflog()
+        recorded = self._core.catalog.reflog("branch", branch) if branch is not None else self._core.catalog.reflog()
         # A resume, or a save that started a branch, is that version's save move already.
         targets = {(m.version, m.name) for m in recorded if m.kind == "branch" and m.why in ("resume", "branch")}
         saves = [
             RefMove(id=v.id, kind="branch", name=v.branch, version=v.id, previous=v.parent, seq=0, at=v.created_at,
                     why="save")
-            for v in self.catalog.summaries()
+            for v in self._core.catalog.summaries()
             if (v.id, v.branch) not in targets and (branch is None or v.branch == branch)
         ]
         return sorted([*recorded, *saves], key=lambda m: (m.at, m.id))
@@ -606,12 +588,12 @@ class TierCache:
     def refs(self) -> dict[str, str]:
         """Every ref: ``{"branch/main": version_id, "tag/best": version_id, ...}``."""
         self.check_open()
-        return {k: r.version for k, r in self.catalog.refs().items()}
+        return {k: r.version for k, r in self._core.catalog.refs().items()}
 
     def _write_ref_everywhere(self, rec: RefRecord, base: RefRecord | None, why: MoveReason) -> None:
         if self._engine is not None:
             self._engine.wait_job(rec.version)  # its manifest must be on the tiers first
-        self.repo.move_ref(rec, base, why)
+        self._core.repo.move_ref(rec, base, why)
 
     def branch(self, name: str, from_ref: str) -> str:
         """Create branch ``name`` at the version ``from_ref`` resolves to; the next save on it has that parent.
@@ -621,7 +603,7 @@ class TierCache:
         """
         check_name(name, "branch")
         vid = self.resolve(from_ref)
-        cur = self.catalog.ref("branch", name)
+        cur = self._core.catalog.ref("branch", name)
         if cur is not None:
             raise RefExistsError(f"branch {name!r} already exists (at {cur.version}): use rollback to move it",
                                  kind="branch", name=name, version=cur.version)
@@ -636,7 +618,7 @@ class TierCache:
         """
         check_name(branch, "branch")
         vid = self.resolve(ref)
-        cur = self.catalog.ref("branch", branch)
+        cur = self._core.catalog.ref("branch", branch)
         if cur is None:
             raise BranchNotFoundError(f"branch {branch!r} does not exist: create it with branch()", branch=branch)
         self._core.follow_head(branch)  # the branch's head is where the next save continues
@@ -652,7 +634,7 @@ class TierCache:
         """
         check_name(name, "tag")
         vid = self.resolve(ref)
-        cur = self.catalog.ref("tag", name)
+        cur = self._core.catalog.ref("tag", name)
         if cur is not None:
             if cur.version == vid:
                 return vid
@@ -662,10 +644,6 @@ class TierCache:
         return vid
 
     # ------------------------------------------------------------------ tier moves
-
-    def keep_in_ram(self, chunks: Sequence[tuple[str, int]], hash_algo: str) -> int:
-        """Internal: :meth:`tiercache.core.CacheCore.keep_in_ram` (kept while ``agent/requests.py`` calls it here)."""
-        return self._core.keep_in_ram(chunks, hash_algo)
 
     def promote(self, ref: str, to: str = "disk", progress: Progress | None = None) -> int:
         """Copy a version's chunks into tier ``to`` ahead of a restore (e.g. S3 -> local NVMe).
@@ -677,14 +655,14 @@ class TierCache:
             TierUnavailableError: If tier ``to`` is down.
         """
         self.check_open()
-        version = self.catalog.get(self.resolve(ref))
+        version = self._core.catalog.get(self.resolve(ref))
         if to != "ram" and to not in self._tiers:
             raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
-        if (outage := self.health.outage(to)) is not None:
+        if (outage := self._core.repo.health.outage(to)) is not None:
             raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
         if to == "ram":
             return self.engine.promote_ram(version, self._core.read_object, progress)
-        return self.repo.copy_version(version, to, self._core.read_object, progress)
+        return self._core.repo.copy_version(version, to, self._core.read_object, progress)
 
     def evict(self, ref: str, tier: str) -> int:
         """Drop tier ``tier``'s copy of a version: its manifest, then the chunks no other version there needs.
@@ -703,15 +681,15 @@ class TierCache:
             raise ConfigError(f"unknown tier {tier!r}: this cache has {', '.join(self.tier_names)}")
         if tier == "ram":
             ids = {c.id for c in version.chunks}
-            for other in self.catalog.all():  # chunks shared with other versions in RAM stay
-                if other.id != version.id and "ram" in self.catalog.residency(other):
+            for other in self._core.catalog.all():  # chunks shared with other versions in RAM stay
+                if other.id != version.id and "ram" in self._core.catalog.residency(other):
                     ids -= {c.id for c in other.chunks}
             # Node RAM outlives this process: its agent evicts even where this process never saved.
             engine = self.engine if self._engine is not None or self.agent is not None else None
             return engine.evict_ram(ids) if engine is not None else 0
         if self._engine is not None:
             self._engine.wait_job(version.id)
-        freed = self.repo.evict(version.id, tier, by="user")
+        freed = self._core.repo.evict(version.id, tier, by="user")
         assert freed is not None  # only the policy's evictions are refused silently
         return freed
 
@@ -734,8 +712,8 @@ class TierCache:
         self.check_open()
         if self._engine is not None:
             self._engine.wait_settled()  # versions in flight are checked once committed
-        versions = [self.manifest(ref)] if ref is not None else self.catalog.all()
-        return repo_ops.verify(self.repo, versions, repair=repair, sample=sample, progress=progress)
+        versions = [self.manifest(ref)] if ref is not None else self._core.catalog.all()
+        return repo_ops.verify(self._core.repo, versions, repair=repair, sample=sample, progress=progress)
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> repo_ops.GcReport:
         """Delete versions no branch head or tag reaches (through parents) and chunks nothing names.
@@ -756,9 +734,9 @@ class TierCache:
             got = self._link.request("gc", dry_run=dry_run, grace=grace)["report"]
             report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"]),
                                           "kept_by_reflog": tuple(got.get("kept_by_reflog", ()))})
-            self.catalog.forget(report.versions if not dry_run else ())
+            self._core.catalog.forget(report.versions if not dry_run else ())
         else:
-            report = repo_ops.gc(self.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
+            report = repo_ops.gc(self._core.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
         if not dry_run and report.versions:
             # A collected version is never the parent of a later save (of a new branch, or a resume).
             self._core.forget(set(report.versions))
@@ -781,7 +759,7 @@ class TierCache:
             The report; ``report.ok`` says whether refs can be committed on this store.
         """
         self.check_open()
-        return repo_ops.doctor(self.repo, abort_stale=abort_stale, unsafe=unsafe, probe=probe)
+        return repo_ops.doctor(self._core.repo, abort_stale=abort_stale, unsafe=unsafe, probe=probe)
 
     def reindex(self) -> dict[str, tuple[int, int]]:
         """Rebuild each durable tier's index of versions and pruned records from its manifests (``doctor --reindex``).
@@ -794,7 +772,7 @@ class TierCache:
             Per tier, ``(versions, pruned records)`` indexed.
         """
         self.check_open()
-        return self.catalog.reindex()
+        return self._core.catalog.reindex()
 
     # ------------------------------------------------------------------ stats and lifetime
 
@@ -809,15 +787,15 @@ class TierCache:
             t = self._tiers.get(name)
             if t is None:
                 continue
-            outage = self.health.outage(name)
+            outage = self._core.repo.health.outage(name)
             tiers[name] = TierStats(
                 capacity=t.capacity, used_bytes=t.used_bytes() if outage is None else None,
                 available=outage is None, unavailable=outage.reason if outage else None,
-                room=self._room(name, outage is None) if name in self.repo.durable else None)
+                room=self._room(name, outage is None) if name in self._core.repo.durable else None)
         engine = self._engine
         errors = ErrorStats(lost_versions=engine.errors_total if engine else 0,
                             recent=list(engine.recent_errors) if engine else [])
-        out = CacheStats(meter=self.meter.snapshot(), tiers=tiers, errors=errors)
+        out = CacheStats(meter=self._core.meter.snapshot(), tiers=tiers, errors=errors)
         if self._link is not None and self._link.lost is None:
             with contextlib.suppress(TierCacheError):
                 out = out.with_agent(AgentStats.model_validate(self._link.request("stats")))
@@ -833,7 +811,7 @@ class TierCache:
         if not up:
             return TierRoom(state="unavailable")
         try:
-            room = TierRoom.model_validate(repo_ops.room(self.repo, name).to_json())
+            room = TierRoom.model_validate(repo_ops.room(self._core.repo, name).to_json())
         except TierCacheError:
             return TierRoom(state="unavailable")
         placement = getattr(self._engine, "placement", None)  # a node agent's is in the agent
@@ -851,7 +829,7 @@ class TierCache:
         if self._recorder is not None:
             return self._recorder.current().to_json()
         try:
-            stored = read_status(self.repo.get_record(STATUS_KEY))
+            stored = read_status(self._core.repo.get_record(STATUS_KEY))
         except TierCacheError as e:  # a viewer's aid: an unreadable status is no status
             log.debug("no usable status: %s", e)
             return None
@@ -946,14 +924,14 @@ class TierCache:
             restart_fig = Figure(cfg.restart, "given", "config advisor.restart")
         else:
             restart_fig = Figure(cfg.restart, "assumed", "default (advisor.restart, --restart)")
-        rate: Callable[[str, str], float | None] = self.meter.rate
+        rate: Callable[[str, str], float | None] = self._core.meter.rate
         nbytes = None
         if self._recorder is not None:
             status: Mapping[str, Any] | None = self._recorder.costs()
             newest = self._recorder.newest_version()
             if newest is not None:
                 with contextlib.suppress(VersionNotFoundError):  # not hashed yet: no estimates from sizes now
-                    nbytes = self.catalog.get(newest).nbytes
+                    nbytes = self._core.catalog.get(newest).nbytes
         else:
             status = self.status()
             if status is not None and isinstance(status.get("meter"), Mapping):
@@ -976,10 +954,10 @@ class TierCache:
         with self._recorder_lock:
             if self._recorder is None:
                 # With a node agent, the agent publishes the status (it sees every rank's saves).
-                own = self.config.agent is None and bool(self.repo.durable)
-                write = partial(self.repo.put_record, STATUS_KEY) if own else None
+                own = self.config.agent is None and bool(self._core.repo.durable)
+                write = partial(self._core.repo.put_record, STATUS_KEY) if own else None
                 self._recorder = StatusRecorder(write, interval=self.config.ui.status_interval,
-                                                meter=self.meter.snapshot)
+                                                meter=self._core.meter.snapshot)
                 for seconds, at in self._restored_times:
                     self._recorder.note_restore(seconds, at=at)
                 self._restored_times.clear()
@@ -1056,9 +1034,9 @@ class TierCache:
     def _seed_meter(self) -> None:
         """Start from the throughput the last process observed on these tiers (policy and ``stats``)."""
         try:
-            data = self.repo.get_record(METER_KEY)
+            data = self._core.repo.get_record(METER_KEY)
             if data is not None:
-                self.meter.seed(json.loads(data))
+                self._core.meter.seed(json.loads(data))
         except (TierCacheError, ValueError) as e:  # a hint only: never a reason not to open
             log.debug("no usable meter snapshot: %s", e)
 
@@ -1067,11 +1045,11 @@ class TierCache:
 
         Only a process that saved writes it: opening a cache to read never writes.
         """
-        snap = self.meter.snapshot()
+        snap = self._core.meter.snapshot()
         if not snap["tiers"] or self._engine is None or not self._engine.has_saved:
             return
         try:
-            self.repo.put_record(METER_KEY, json.dumps(snap).encode())
+            self._core.repo.put_record(METER_KEY, json.dumps(snap).encode())
         except TierCacheError as e:
             log.warning("could not store the throughput meter: %s", e)
 

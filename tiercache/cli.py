@@ -1122,6 +1122,7 @@ def plan(
 def _sizing(cache: "TierCache", advised: float) -> tuple[dict[str, Any] | None, list[str]]:
     """The sizing advice of docs/config.md from what the cache measured: its JSON and the lines ``plan`` prints."""
     from tiercache.advisor import snapshot_rate
+    from tiercache.cache import core_of
     from tiercache.sizing import Sizing
 
     def speed(bps: float | None) -> str:
@@ -1133,7 +1134,7 @@ def _sizing(cache: "TierCache", advised: float) -> tuple[dict[str, Any] | None, 
     newest = versions[-1]
     status = cache.status() or {}
     meter = status.get("meter")
-    rate = snapshot_rate(meter) if isinstance(meter, Mapping) else cache.meter.rate
+    rate = snapshot_rate(meter) if isinstance(meter, Mapping) else core_of(cache).meter.rate
     saved = sorted(v["created_at"] for v in (status.get("versions") or {}).values()
                    if isinstance(v, Mapping) and isinstance(v.get("created_at"), int | float))
     gaps = sorted(b - a for a, b in itertools.pairwise(saved))
@@ -1143,7 +1144,8 @@ def _sizing(cache: "TierCache", advised: float) -> tuple[dict[str, Any] | None, 
         interval, whence = advised, "the advised interval: no interval between saves measured"
     tiers = cache.tier_names
     first = next((t for t in ("disk", "s3") if t in tiers), None)
-    rule = getattr(cache.policy, "retention_rule", None)  # "retention latest = 5, ..." / "write-through keep = 5"
+    # "retention latest = 5, ..." / "write-through keep = 5"
+    rule = getattr(core_of(cache).policy, "retention_rule", None)
     latest = re.search(r"\b(?:latest|keep) = (\d+)", rule) if isinstance(rule, str) else None
     sz = Sizing(newest.nbytes, interval, rate(first, "write") if first else None,
                 rate("s3", "write") if "s3" in tiers else None, int(latest.group(1)) if latest else None,

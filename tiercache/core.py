@@ -4,8 +4,10 @@
 :class:`CacheCore` and delegates to it; the core holds what the layers above the storage need of
 an open cache and a user never calls (docs/design.md section 1, "The facade and the core"):
 
-* the storage layer (:attr:`CacheCore.repo`, :attr:`CacheCore.catalog`) and the read path
-  (:attr:`CacheCore.reader`, :meth:`CacheCore.read_object`);
+* the storage layer (:attr:`CacheCore.repo`, :attr:`CacheCore.catalog`, the tiers' health as
+  ``repo.health``) and the read path (:attr:`CacheCore.reader`, :meth:`CacheCore.read_object`);
+* what the save engine is made with: the placement policy (:attr:`CacheCore.policy`) and the
+  throughput meter (:attr:`CacheCore.meter`);
 * the save engine (:attr:`CacheCore.saver`), made by the facade on first use;
 * where the next version of a branch starts (:meth:`CacheCore.next_version`: the save lock, the
   parent of a resume) and :meth:`CacheCore.note_restored`;
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from tiercache.config import CacheConfig
+    from tiercache.policy.base import Policy
     from tiercache.policy.meter import ThroughputMeter
     from tiercache.repo import Repo
     from tiercache.repo.catalog import Catalog
@@ -68,18 +71,20 @@ class CacheCore:
     Args:
         config: The cache's configuration.
         repo: Its storage layer.
-        meter: The throughput meter the reader ranks tiers by.
+        meter: The throughput meter the reader ranks tiers by (and the save engine measures into).
+        policy: The placement policy the save engine asks (its ``retention_rule`` for the sizing advice).
         saver: The save engine, made on first use (the facade's; with a node agent, the agent's saver).
         made_saver: The save engine if one was made already, else ``None`` (never makes one).
         on_restored: Called with each restore's report and the wall-clock time its reads began.
     """
 
-    def __init__(self, config: CacheConfig, repo: Repo, meter: ThroughputMeter, *, saver: Callable[[], Saver],
-                 made_saver: Callable[[], Saver | None],
+    def __init__(self, config: CacheConfig, repo: Repo, meter: ThroughputMeter, policy: Policy, *,
+                 saver: Callable[[], Saver], made_saver: Callable[[], Saver | None],
                  on_restored: Callable[[RestoreReport, float], None]) -> None:
         self.config = config
         self.repo = repo
         self.meter = meter
+        self.policy = policy
         self._saver = saver
         self._made_saver = made_saver
         self._on_restored = on_restored

@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tiercache.cache import core_of
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def _families(agent: Requests) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
     st = agent.stats()
-    cache = agent.cache
+    cache, core = agent.cache, agent.core
     yield InfoMetricFamily("tiercache_agent", "The node agent", value={
         "pid": str(st.pid), "cache": st.cache, "socket": st.socket})
     yield GaugeMetricFamily("tiercache_agent_start_time_seconds", "When the agent started", value=st.started_at)
@@ -67,7 +66,7 @@ def _families(agent: Requests) -> Iterator[Any]:
     up = GaugeMetricFamily("tiercache_agent_tier_up", "Whether the tier answers", labels=["tier"])
     held: dict[str, dict[str, int]] = {t: {} for t in cache.tier_names}
     counts = dict.fromkeys(cache.tier_names, 0)
-    cat = core_of(cache).catalog
+    cat = core.catalog
     for v in cat.all():
         for tier in cat.residency(v):
             if tier in held:
@@ -77,7 +76,7 @@ def _families(agent: Requests) -> Iterator[Any]:
     for tier in cache.tier_names:
         tier_bytes.add_metric([tier], sum(held[tier].values()))
         tier_versions.add_metric([tier], counts[tier])
-        up.add_metric([tier], 1 if tier == "ram" or cache.health.available(tier) else 0)
+        up.add_metric([tier], 1 if tier == "ram" or core.repo.health.available(tier) else 0)
     yield from (tier_bytes, tier_versions, up)
     levels = CounterMetricFamily("tiercache_agent_versions", "Versions per level and outcome",
                                  labels=["level", "outcome"])
@@ -87,7 +86,7 @@ def _families(agent: Requests) -> Iterator[Any]:
     yield levels
     yield GaugeMetricFamily("tiercache_agent_versions_in_flight", "Versions being written", value=st.in_flight)
     queue = GaugeMetricFamily("tiercache_agent_queue_depth", "Versions still to write, per tier", labels=["tier"])
-    for tier in core_of(cache).repo.durable:
+    for tier in core.repo.durable:
         queue.add_metric([tier], st.queues.get(tier, 0))
     yield queue
     parts = GaugeMetricFamily("tiercache_agent_group_parts", "Ranks' parts of group versions", labels=["state"])

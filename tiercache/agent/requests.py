@@ -40,7 +40,7 @@ from tiercache.agent.protocol import (
     metas_from_wire,
     staged_from_wire,
 )
-from tiercache.cache import TierCache
+from tiercache.cache import TierCache, core_of
 from tiercache.config import MIN_CHUNK_BYTES, CacheConfig
 from tiercache.errors import (
     AgentUnavailableError,
@@ -154,6 +154,8 @@ class Requests:
     def __init__(self, cache: TierCache, place: AgentPlace, inner: CacheConfig, host: Host, *,
                  recorder: StatusRecorder | None, peers: PeerPort, started_at: float) -> None:
         self.cache = cache
+        #: What the handlers use of the cache past its public API (docs/design.md section 1).
+        self.core = core_of(cache)
         self.place = place
         self.inner = inner
         self.started_at = started_at
@@ -239,7 +241,7 @@ class Requests:
     @property
     def engine(self) -> Engine:
         """The engine of the agent's cache."""
-        engine = self.cache.engine
+        engine = self.core.saver
         assert isinstance(engine, Engine)
         return engine
 
@@ -374,7 +376,7 @@ class Requests:
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         if part is None:
             # Before the engine has it: its commit may then replace ``base`` and nothing else.
-            self.cache.catalog.note_move(record, base, msg.get("why") or "save")
+            self.core.catalog.note_move(record, base, msg.get("why") or "save")
             handle = self.engine.adopt(staged, layout, regions)
         else:  # the group moves the branch, through the trainers
             committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
@@ -401,7 +403,7 @@ class Requests:
             job.published.add_done_callback(lambda f: self._published(t, f))
         else:  # already through the pipeline
             try:
-                manifest = self.cache.catalog.get(t.version)
+                manifest = self.core.catalog.get(t.version)
             except TierCacheError:
                 manifest = None
             self._send_published(t, manifest)
@@ -446,7 +448,7 @@ class Requests:
         ok = err is None
         # A level this cache has no tier for is no level of its (no counter); a skip (the
         # policy's, or the group's on a part) is not a failure.
-        if level not in absent_levels(self.cache.repo.durable):
+        if level not in absent_levels(self.core.repo.durable):
             self._levels[f"{level}:{'ok' if ok else 'skipped' if isinstance(err, SkippedError) else 'failed'}"] += 1
         job = self.engine.jobs.get(t.version)
         done_tier = next((tier for tier, lvl in TIER_LEVEL.items() if lvl == level), None)
@@ -463,7 +465,7 @@ class Requests:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
             event["loss"] = not isinstance(err, ConflictError) and not (job is not None and job.dropped)
-            head = self.cache.catalog.ref("branch", t.branch)
+            head = self.core.catalog.ref("branch", t.branch)
             event["head"] = head.model_dump(mode="json") if head is not None else None
             event["record"] = t.record.model_dump(mode="json")
         if ok and level in TIER_LEVEL.values() and job is not None and job.final is not None \
@@ -539,7 +541,7 @@ class Requests:
     def _snapshot(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         engine = self.engine
         engine.wait_published()
-        cat = self.cache.catalog
+        cat = self.core.catalog
         with self._lock:
             tracked = [t for t in self._tracked.values() if t.part is None]
         in_flight = {t.version for t in tracked}
@@ -596,7 +598,7 @@ class Requests:
         return {"missing": True} if data is None else {"data": data.decode("latin-1")}
 
     def _holds(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        cat = self.cache.catalog
+        cat = self.core.catalog
         ram = self.engine.ram
         versions = {}
         for vid in msg.get("versions", ()):
@@ -609,7 +611,7 @@ class Requests:
 
     def _ram(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         ram = self.engine.ram
-        states, reasons = self._holdings.states((str(v) for v in msg.get("versions", ())), self.cache.catalog,
+        states, reasons = self._holdings.states((str(v) for v in msg.get("versions", ())), self.core.catalog,
                                                 lambda c: ram is not None and ram.size(chunk_key(c)) is not None)
         return {"states": states, "reasons": reasons}
 
@@ -636,15 +638,15 @@ class Requests:
         if any(n < 0 for _, n in chunks):
             raise InvalidArgumentError("a chunk's size cannot be negative")
         self._check_room("keeping these chunks", sum(n for _, n in chunks))
-        return {"nbytes": self.cache.keep_in_ram(chunks, str(msg["hash_algo"]))}
+        return {"nbytes": self.core.keep_in_ram(chunks, str(msg["hash_algo"]))}
 
     def _evict(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         return {"nbytes": self.engine.evict_ram(str(c) for c in msg.get("chunks", ()))}
 
     def _gc(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         # Trainers move refs themselves (rollback, branch, tag): read what the tiers hold now.
-        for name in self.cache.repo.durable:
-            self.cache.catalog.reload(name)
+        for name in self.core.repo.durable:
+            self.core.catalog.reload(name)
         grace = msg.get("grace")
         report = self.cache.gc(dry_run=bool(msg.get("dry_run")), grace=None if grace is None else float(grace))
         return {"report": dataclasses.asdict(report)}
@@ -659,7 +661,7 @@ class Requests:
     def _peer_copy(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         """One rank's moves of a version's peer copies, agent to agent (:mod:`tiercache.agent.peering`)."""
         args = copy_request(msg)  # every field checked first
-        files = PeerFiles(self.cache, str(msg["tier"]), str(msg["vid"]))
+        files = PeerFiles(self.core, str(msg["tier"]), str(msg["vid"]))
         self._peers.copy(**args, files=files, threads=self.cache.config.io_threads)
         return {}
 
@@ -721,7 +723,7 @@ class Requests:
             restore_bytes=dict(self._restore_bytes), served_bytes=dict(self._served),
             peer_bytes=PeerBytes(sent=self._peers.bytes["sent"], received=self._peers.bytes["received"]),
             request_errors=dict(self._errors), lag=lag, lost_versions=engine.errors_total,
-            meter=self.cache.meter.snapshot(),
+            meter=self.core.meter.snapshot(),
         )
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
@@ -734,7 +736,7 @@ class Requests:
 
     def _watch_ram(self) -> None:
         """Tell clients when node RAM drops chunks (evicted for room), so they stop counting on them."""
-        catalog = self.cache.catalog
+        catalog = self.core.catalog
         note = catalog.note_chunks
 
         def noted(tier: str, ids: Iterable[str], present: bool = True) -> None:

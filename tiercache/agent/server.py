@@ -48,7 +48,7 @@ from tiercache.agent.protocol import (
 )
 from tiercache.agent.requests import Client, Requests
 from tiercache.agent.rundir import open_private, private_dir
-from tiercache.cache import TierCache
+from tiercache.cache import TierCache, core_of
 from tiercache.config import CacheConfig, RamConfig
 from tiercache.errors import (
     AgentUnavailableError,
@@ -131,10 +131,11 @@ class AgentServer:
             if problems:
                 raise ConfigError("; ".join(problems))
             self.cache = TierCache(self.inner, make_arena=self._make_arena)
-            _ = self.cache.engine  # with an explicit capacity, the arena is made and pre-faulted now
-            write = partial(self.cache.repo.put_record, STATUS_KEY) if self.cache.repo.durable else None
+            core = core_of(self.cache)
+            _ = core.saver  # with an explicit capacity, the arena is made and pre-faulted now
+            write = partial(core.repo.put_record, STATUS_KEY) if core.repo.durable else None
             self._recorder = StatusRecorder(write,
-                                            interval=self.inner.ui.status_interval, meter=self.cache.meter.snapshot,
+                                            interval=self.inner.ui.status_interval, meter=core.meter.snapshot,
                                             writer="agent")
             self.requests = Requests(self.cache, self.place, self.inner, self, recorder=self._recorder,
                                      peers=self._peers, started_at=self.started_at)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercache import codecs
-from tiercache.cache import core_of
 from tiercache.errors import IntegrityError
 from tiercache.failpoints import failpoint
 from tiercache.group.transfer import Move
@@ -26,7 +25,7 @@ from tiercache.names import part_key
 from tiercache.restore import byte_view
 
 if TYPE_CHECKING:
-    from tiercache.cache import TierCache
+    from tiercache.core import CacheCore
 
 #: How a part manifest is named in a move (a chunk is named by its id).
 PART = "part:"
@@ -36,12 +35,12 @@ class PeerFiles:
     """This node's side of the peer copies of version ``vid`` to and from its disk ``tier``.
 
     :meth:`land` may be called from several threads at once; :meth:`finish` once, after the last.
-    It is handed the cache (a trainer's, or the node agent's) and works on its core
-    (:func:`tiercache.cache.core_of`).
+    It is handed the core of a cache (a trainer's, or the node agent's; see docs/design.md
+    section 1, "The facade and the core").
     """
 
-    def __init__(self, cache: TierCache, tier: str, vid: str) -> None:
-        self.core = core_of(cache)
+    def __init__(self, core: CacheCore, tier: str, vid: str) -> None:
+        self.core = core
         self.vid = vid
         self.tier = tier
         self.disk = self.core.repo.durable[tier]

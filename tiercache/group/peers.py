@@ -208,7 +208,7 @@ class Replicator:
     def _copy(self, rnd: Round, slots: list[Slot]) -> None:
         """This rank's moves over gloo, from and to its node's disk (:class:`PeerFiles`)."""
         cache = self.view.cache
-        files = PeerFiles(cache, self.tier, rnd.vid)
+        files = PeerFiles(self.view.core, self.tier, rnd.vid)
         disk = files.disk
         writes: list[Future[None]] = []
         failed: list[BaseException] = []
