@@ -299,12 +299,17 @@ class Catalog:
         """Read the manifests of versions a ref reaches (through parents) that no tier's index has.
 
         A version whose ``local`` or ``remote`` future resolved was a ref's head on that tier, so
-        it is on some ref's lineage until a rule the user set deletes it: this finds it though its
-        index line was lost (a failed index write, two writers racing on a segment). It costs a
-        dictionary look-up per version of the lineage, and a read per version found missing.
+        it is on some ref's lineage, or on that of a move the reflog recorded (a rollback's
+        previous head), until a rule the user set deletes it: this finds it though its index line
+        was lost (a failed index write, two writers racing on a segment). It costs a dictionary
+        look-up per version of those lineages, and a read per version found missing.
         """
         with self._lock:
             todo = [r.version for r in self._refs.values()]
+            for move in self._reflog.values():
+                todo.append(move.version)
+                if move.previous is not None:
+                    todo.append(move.previous)
         seen: set[str] = set()
         while todo:
             vid = todo.pop()
