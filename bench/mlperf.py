@@ -8,6 +8,14 @@ checkpoint's bytes over that duration (and the smallest per-rank throughput is s
 All ranks start a phase together (a barrier), and a rank's read lands in tensors it already holds
 (a resumed model), so the read is I/O, not page faults.
 
+Like with like: the raw read lands in page-aligned memory, so the tiercache ``read`` lands in
+page-aligned tensors too (allocated and touched before the clock starts), which it reads with
+``O_DIRECT`` straight into them. A model's own tensors come from torch's allocator, aligned to 64
+bytes only: ``O_DIRECT`` cannot read into them, and every byte passes through a bounce buffer in
+1 MiB requests and is copied out. That read (``read_torch``: the same version, the page cache
+dropped again, into tensors from ``torch.empty_like``) is timed after the aligned one and shown in
+its own column.
+
 Per rank count, side by side: the raw limit (each rank ``O_DIRECT``-writes its bytes to a file of
 its own and fsyncs it, then ``O_DIRECT``-reads it back), tiercache in each rank (``save()`` until
 ``local``; the read with a disk-only cache, so no RAM copy helps), and with ``--agent`` tiercache
@@ -67,7 +75,8 @@ def _rank(kind: str, rank: int, part: int, root: str, config: dict[str, Any] | N
         return
     assert config is not None
     state = make_state(part, seed=rank)
-    into = _prefaulted_like(state)
+    into_torch = _prefaulted_like(state)  # a model's own tensors: 64-byte aligned
+    into = _aligned_like(state)  # page-aligned, as the raw read's memory
     with tiercache.open(config) as cache:
         cache.prepare(state, wait=True)  # the arena exists before the clock starts, as in a running job
         barrier.wait()
@@ -77,12 +86,26 @@ def _rank(kind: str, rank: int, part: int, root: str, config: dict[str, Any] | N
         results.put((rank, "write", time.perf_counter() - t0))
         version = h.version
     disk_only = {k: v for k, v in config.items() if k in ("disk", "chunk_bytes", "pack_below")}
-    barrier.wait()
-    barrier.wait()
-    with tiercache.open(disk_only) as cache:
-        t0 = time.perf_counter()
-        cache.restore(version, into=into, resume=False)
-        results.put((rank, "read", time.perf_counter() - t0))
+    for phase, target in (("read", into), ("read_torch", into_torch)):
+        barrier.wait()  # the parent drops the page cache
+        barrier.wait()
+        with tiercache.open(disk_only) as cache:
+            t0 = time.perf_counter()
+            cache.restore(version, into=target, resume=False)
+            results.put((rank, phase, time.perf_counter() - t0))
+
+
+def _aligned_like(state: Any) -> Any:
+    """A tree shaped like ``state`` of new, touched tensors that start page-aligned (as ``restore()`` makes them)."""
+    import torch
+
+    from tiercache.restore import empty_aligned
+
+    if isinstance(state, torch.Tensor):
+        return empty_aligned(state.shape, state.dtype).fill_(1)
+    if isinstance(state, dict):
+        return {k: _aligned_like(v) for k, v in state.items()}
+    return state
 
 
 def _phase_run(kind: str, ranks: int, size: int, work: Path, config: dict[str, Any] | None) -> dict[str, Any]:
@@ -98,13 +121,16 @@ def _phase_run(kind: str, ranks: int, size: int, work: Path, config: dict[str, A
              for r in range(ranks)]
     for p in procs:
         p.start()
+    phases = ["write", "read"] if kind == "raw" else ["write", "read", "read_torch"]
+    got: dict[str, list[float]] = {phase: [0.0] * ranks for phase in phases}
     barrier.wait(600)  # every rank ready: write
-    barrier.wait(1800)  # every rank wrote
-    method = drop_page_cache(root)
-    settle_memory()
-    barrier.wait(600)  # read
-    got: dict[str, list[float]] = {"write": [0.0] * ranks, "read": [0.0] * ranks}
-    for _ in range(2 * ranks):
+    method = ""
+    for _ in phases[1:]:
+        barrier.wait(1800)  # every rank is done with the phase before
+        method = drop_page_cache(root)
+        settle_memory()
+        barrier.wait(600)  # read
+    for _ in range(len(phases) * ranks):
         rank, phase, seconds = results.get(timeout=1800)
         got[phase][rank] = seconds
     for p in procs:
@@ -155,9 +181,13 @@ def run(size: int, rank_counts: Sequence[int], work: Path, *, agent: bool, round
 
 
 def ratios(results: dict[str, Any], key: str, phase: str) -> list[float]:
-    """Each round's time of ``key`` (``"<kind>/<ranks>"``) over the same round's raw time, for ``phase``."""
+    """Each round's time of ``key`` (``"<kind>/<ranks>"``) over the same round's raw time, for ``phase``.
+
+    ``read_torch`` (a read into tensors from torch's allocator) is set against the raw read.
+    """
     raw = results[f"raw/{key.split('/')[1]}"]
-    return [r[phase]["seconds"] / b[phase]["seconds"] for r, b in zip(results[key], raw, strict=True)]
+    base = "read" if phase == "read_torch" else phase
+    return [r[phase]["seconds"] / b[base]["seconds"] for r, b in zip(results[key], raw, strict=True)]
 
 
 def _on_disk(config: dict[str, Any], work: Path, kind: str, ranks: int) -> dict[str, Any]:
@@ -171,14 +201,14 @@ def render(results: dict[str, Any], size: int, console: Console) -> None:
     table = Table(title=f"MLPerf-Storage-style checkpoint, {size / 1e9:.2f} GB per checkpoint, {rounds} round(s)",
                   box=None, header_style="bold")
     for name in ("ranks", "kind", "write s", "write GB/s", "read s", "read GB/s",
-                 "vs raw write (range)", "vs raw read (range)"):
+                 "vs raw write (range)", "vs raw read (range)", "read into torch tensors vs raw read (range)"):
         table.add_column(name, justify="left" if name == "kind" else "right")
     for key, runs in results.items():
         kind, ranks = key.split("/")
         w = statistics.median(r["write"]["seconds"] for r in runs)
         rd = statistics.median(r["read"]["seconds"] for r in runs)
         cells = []
-        for phase in ("write", "read"):
+        for phase in ("write", "read", "read_torch"):
             if kind == "raw":
                 cells.append("")
                 continue

@@ -20,7 +20,7 @@ from tiercache import failpoints
 from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
-from tiercache.errors import StorageError
+from tiercache.errors import StorageError, VersionNotFoundError
 from tiercache.manifest import ChunkRef, Piece, PrunedRecord, RefRecord, TensorEntry, Version, VersionStatus, utcnow
 from tiercache.names import CHUNKS
 from tiercache.parts import group_header, part_of
@@ -356,3 +356,135 @@ def test_a_group_version_lists_from_the_index_and_a_rank_parses_only_its_own_par
         got = core_of(cache).catalog.part(core_of(cache).catalog.peek(cache.resolve("main")), 1)
         assert got is not None and [c.id for c in got.chunks] == [f"{2:032x}"]
     assert parsed == [f"disk:versions/{vid}.json", f"disk:parts/{vid}/1.json"]  # never rank 0's part
+
+
+# S3: the index's lines are trusted and only the manifests named after its newest name are listed
+# (a listing of 1,000 names there is a page of XML to parse on every open).
+
+
+def _s3_only(s3_config: S3Config) -> dict[str, Any]:
+    return {"s3": s3_config.model_dump(), "policy": {"name": "write-through"}, "reflog_keep": 0}
+
+
+@pytest.fixture
+def s3_lists(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    """The S3 listings made while the test runs: ``(prefix, None)`` for a whole one, ``(prefix, after)``."""
+    seen: list[tuple[str, str | None]] = []
+    real_list, real_after = S3Tier.list, S3Tier.list_after
+    monkeypatch.setattr(S3Tier, "list", lambda self, prefix="": seen.append((prefix, None)) or real_list(self, prefix))
+    monkeypatch.setattr(S3Tier, "list_after",
+                        lambda self, prefix, after: seen.append((prefix, after)) or real_after(self, prefix, after))
+    return seen
+
+
+def _s3_lines(admin: Any, s3_config: S3Config) -> list[dict[str, Any]]:
+    body = admin.get_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/index/versions/00000000.jsonl")
+    return [json.loads(line) for line in body["Body"].read().splitlines()]
+
+
+def test_s3_a_manifest_named_after_the_index_newest_without_a_line_is_found_by_listing_only_after_it(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+    cfg = _s3_only(s3_config)
+    with tiercache.open(cfg) as cache:
+        acked = [cache.save(_state(i), step=i).wait("remote") for i in range(2)]
+        failpoints.configure("repo.after_manifest_write=raise")
+        try:
+            third = cache.save(_state(2), step=2)
+            with pytest.raises(StorageError, match=r"failpoint repo\.after_manifest_write"):
+                third.wait("remote")
+        finally:
+            failpoints.configure(None)
+        with pytest.raises(StorageError):
+            cache.close()
+    assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == acked
+    parsed.clear()
+    s3_lists.clear()
+    with tiercache.open(cfg) as cache:
+        assert [(v.id, v.parent, v.step) for v in cache.versions()] == [
+            (acked[0], None, 0), (acked[1], acked[0], 1), (third.version, acked[1], 2)]
+        assert parsed == [f"s3:versions/{third.version}.json"]
+        assert cache.resolve("main") == acked[1]
+        assert torch.equal(cache.restore(third.version)["w"], _state(2)["w"])
+    # No whole listing of the manifests: only the names after the newest one the index had.
+    assert ("versions/", None) not in s3_lists
+    assert ("versions/", f"versions/{acked[1]}.json") in s3_lists
+    assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == [*acked, third.version]
+
+
+def _drop_line(admin: Any, s3_config: S3Config, vid: str) -> None:
+    """Take ``vid``'s lines out of the S3 index (what a racing writer's rewrite of the segment does)."""
+    key = f"{s3_config.prefix}/index/versions/00000000.jsonl"
+    body = admin.get_object(Bucket=s3_config.bucket, Key=key)["Body"].read()
+    admin.put_object(Bucket=s3_config.bucket, Key=key,
+                     Body=b"".join(line for line in body.splitlines(keepends=True) if json.loads(line)["id"] != vid))
+
+
+def test_s3_a_line_lost_to_two_racing_writers_is_found_through_its_ref(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+    # Two writers appending to one segment: the later rewrite drops the other's line (on disk,
+    # test_two_writers_racing_on_one_index_segment_lose_no_version races them for real).
+    cfg = _s3_only(s3_config)
+    with tiercache.open(cfg) as cache:
+        va = cache.save(_state(0), step=0, branch="a").wait("remote")
+        vb = cache.save(_state(1), step=1, branch="b").wait("remote")
+    _drop_line(_s3_admin, s3_config, va)
+    assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == [vb]
+    parsed.clear()
+    s3_lists.clear()
+    with tiercache.open(cfg) as cache:  # va sorts before vb: no listing finds it, branch a's ref does
+        assert [(v.id, v.branch) for v in cache.versions()] == [(va, "a"), (vb, "b")]
+        assert parsed == [f"s3:versions/{va}.json"]
+        assert torch.equal(cache.restore("a")["w"], _state(0)["w"])
+    assert ("versions/", None) not in s3_lists
+    assert sorted(d["id"] for d in _s3_lines(_s3_admin, s3_config)) == [va, vb]
+
+
+def test_s3_an_older_named_manifest_no_ref_reaches_is_found_by_its_id_or_a_reindex(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str]) -> None:
+    # A version committed late under a name older than the index's newest, whose line was lost and
+    # that no ref reaches (a slow writer whose index write failed and whose branch was deleted): no
+    # open lists it, a restore by its id finds it, and so does `doctor --reindex`.
+    cfg = _s3_only(s3_config)
+    with tiercache.open(cfg) as cache:
+        side = cache.save(_state(7), step=7, branch="side").wait("remote")
+    with tiercache.open(cfg) as cache:
+        main = [cache.save(_state(i), step=i).wait("remote") for i in range(2)]
+        assert cache.manifest(main[0]).parent is None
+    _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/refs/branch/side")
+    for find in ("id", "reindex"):
+        _drop_line(_s3_admin, s3_config, side)
+        parsed.clear()
+        with tiercache.open(cfg) as cache:
+            assert [v.id for v in cache.versions()] == main  # the documented limit: not listed yet
+            if find == "id":
+                assert torch.equal(cache.restore(side)["w"], _state(7)["w"])
+            else:
+                assert cache.reindex() == {"s3": (3, 0)}
+        assert parsed == [f"s3:versions/{side}.json"] if find == "id" else len(parsed) == 3
+        parsed.clear()
+        assert [v[0] for v in _listing(cfg)] == [side, *main]  # its line is back
+        assert parsed == []
+
+
+def test_s3_deletions_leave_gone_lines_and_a_line_whose_manifest_vanished_is_dropped_when_read(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+    cfg = _s3_only(s3_config)
+    with tiercache.open(cfg) as cache:
+        ids = [cache.save(_state(i), step=i).wait("remote") for i in range(4)]
+        cache.rollback("main", ids[1])
+        assert sorted(cache.gc(grace=0).versions) == ids[2:]
+    assert [(d["id"], d.get("gone", False)) for d in _s3_lines(_s3_admin, s3_config)] == [
+        *((vid, False) for vid in ids), *((vid, True) for vid in ids[2:])]
+    parsed.clear()
+    s3_lists.clear()
+    assert [v[0] for v in _listing(cfg)] == ids[:2]
+    assert parsed == [] and ("versions/", None) not in s3_lists
+    # A manifest gone without its gone line (a deletion cut short, or removed by hand): its line is
+    # trusted until the manifest is read, which finds it gone and writes the gone line.
+    _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/versions/{ids[0]}.json")
+    with tiercache.open(cfg) as cache:
+        with pytest.raises(VersionNotFoundError, match=rf"version {ids[0]}: no tier .* holds a readable manifest"):
+            cache.restore(ids[0])
+        assert torch.equal(cache.restore("main")["w"], _state(1)["w"])
+    assert _s3_lines(_s3_admin, s3_config)[-1] == index.gone_line(ids[0])
+    assert [v[0] for v in _listing(cfg)] == [ids[1]]

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
+#: Characters of a version id (:func:`tiercache.manifest.new_version_id`).
+_ID_LENGTH = 26
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -191,6 +193,9 @@ class Catalog:
             with gc_paused():
                 for name, read in reads.items():
                     self._await_read(name, read)
+            # Versions a ref reaches that no index lists (a lost index line) are looked up on the
+            # tiers still up; one left out above is walked when reload() merges it in.
+            self._walk_refs()
             with self._lock:
                 self._loaded = True
 
@@ -247,8 +252,10 @@ class Catalog:
             self._residency.clear()
             loaded = self._loaded
         if loaded:
-            with gc_paused():  # one object per version and chunk id: a large object graph (tiercache.gcpause)
-                self._load_available(name)
+            # Unlike the first load, the collector is not held off: a reload runs beside training,
+            # and a tier that hangs while it is read would hold it off for its request timeouts.
+            self._load_available(name)
+            self._walk_refs()
 
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now (always, without a health monitor)."""
@@ -266,33 +273,7 @@ class Catalog:
 
     def _load_tier(self, name: str) -> None:
         tier = self._tiers[name]
-        keys = tier.list(VERSIONS)
-        ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
-        lines, seg, _ = index.read(tier, "versions")
-        with self._lock:
-            for vid in ids:
-                self._on_tier[name].add(vid)
-            good: set[str] = set()
-            for vid in ids:
-                d = lines.get(vid)
-                if d is None:
-                    continue
-                try:
-                    summary = Summary.from_line(d)
-                except ValueError as e:
-                    log.info("index of %s: damaged line of version %s, reading its manifest (%s)", name, vid, e)
-                    continue
-                good.add(vid)
-                if vid not in self._known:
-                    self._put_summary(summary)
-            # A manifest the index misses (a crash before its line, an index lost or older than it).
-            missing = [vid for vid in ids if vid not in self._known]
-        for v in self._read_manifests(name, missing):
-            with self._lock:
-                if v.id not in self._known:
-                    self._put_version(v)
-        self._repair_index(name, "versions", seg, [vid for vid in ids if vid not in good],
-                           dead=len(lines.keys() - set(ids)), live=ids)
+        self._load_versions(name)
         with self._lock:
             self._residency.clear()
         for key in tier.list(REFS):
@@ -334,6 +315,109 @@ class Catalog:
             with self._lock:
                 self._logged.add((name, move.id))
                 self._reflog[move.id] = move
+
+    def _load_versions(self, name: str) -> None:
+        """Know tier ``name``'s versions from its index, and the manifests it misses that are new since.
+
+        Where listing is cheap (a directory), every manifest's name is listed and a line is
+        trusted only for a name so listed, as the manifests are the truth. Elsewhere (S3, where
+        1,000 names are a page of XML to parse) the index's lines are trusted (a deletion adds a
+        gone line after the manifest goes) and only the names after the newest name the index has
+        are listed: a crash between a manifest and its line leaves the newest name there, and the
+        listing starts at that key, so an open costs what is new, not the history. The whole
+        listing is read there only when the index is missing or has a damaged line (the lines it
+        lost cannot be told). A line lost in another way (a failed index write, two writers racing
+        on a segment, a version committed late under an older name) is found by
+        :meth:`_walk_refs` if a ref reaches it, by :meth:`resolve` of its whole id, and by
+        ``doctor --reindex``; a line whose manifest is gone, when the manifest is read.
+        """
+        tier = self._tiers[name]
+        lines, seg, bad = index.read(tier, "versions")
+        whole = tier.list_is_cheap or bad > 0 or not lines
+        # A gone line's name counts too: the index has seen every name up to its newest.
+        keys = tier.list(VERSIONS) if whole else tier.list_after(VERSIONS, version_key(max(lines)))
+        listed = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
+        # With the whole listing, it is the truth: a line without its manifest is dead.
+        ids = listed if whole else [vid for vid, d in lines.items() if not index.is_gone(d)] + listed
+        with self._lock:
+            good: set[str] = set()
+            for vid in ids:
+                self._on_tier[name].add(vid)
+                d = lines.get(vid)
+                if d is None or index.is_gone(d):
+                    continue
+                try:
+                    summary = Summary.from_line(d)
+                except ValueError as e:
+                    log.info("index of %s: damaged line of version %s, reading its manifest (%s)", name, vid, e)
+                    continue
+                good.add(vid)
+                if vid not in self._known:
+                    self._put_summary(summary)
+            # A manifest the index misses (a crash before its line, an index lost or older than it).
+            missing = [vid for vid in ids if vid not in self._known]
+        found: set[str] = set()
+        for v in self._read_manifests(name, missing):
+            found.add(v.id)
+            with self._lock:
+                if v.id not in self._known:
+                    self._put_version(v)
+        with self._lock:
+            for vid in missing:
+                if vid not in found and vid not in self._known:
+                    self._on_tier[name].discard(vid)  # gone since it was listed, or unreadable
+        self._repair_index(name, "versions", seg, [vid for vid in ids if vid not in good and vid in found],
+                           dead=len(lines.keys() - set(ids)), live=[vid for vid in ids if vid in good or vid in found])
+
+    def _walk_refs(self) -> None:
+        """Read the manifests of versions a ref reaches (through parents) that no tier's index has.
+
+        A version whose ``local`` or ``remote`` future resolved was a ref's head on that tier, so
+        it is on some ref's lineage, or on that of a move the reflog recorded (a rollback's
+        previous head), until a rule the user set deletes it: this finds it though its index line
+        was lost (a failed index write, two writers racing on a segment). It costs a dictionary
+        look-up per version of those lineages, and a read per version found missing.
+        """
+        with self._lock:
+            todo = [r.version for r in self._refs.values()]
+            for move in self._reflog.values():
+                todo.append(move.version)
+                if move.previous is not None:
+                    todo.append(move.previous)
+        seen: set[str] = set()
+        while todo:
+            vid = todo.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            with self._lock:
+                s = self._known.get(vid) or self._pruned.get(vid)
+            if s is None:
+                s = self._find_manifest(vid)
+            if s is not None and s.parent is not None:
+                todo.append(s.parent)
+
+    def _find_manifest(self, vid: str) -> Version | None:
+        """Look for the manifest of a version no index has, on every available durable tier; add its line."""
+        out = None
+        for name in self._durable:
+            if not self.available(name):
+                continue
+            try:
+                got = self._read_manifests(name, [vid])
+            except StorageError as e:
+                log.info("cannot look for the manifest of %s on %s: %s", vid, name, e)
+                continue
+            if not got:
+                continue
+            with self._lock:
+                self._on_tier[name].add(vid)
+                if vid not in self._known:
+                    self._put_version(got[0])
+                out = self._versions.get(vid, got[0])
+            log.info("version %s is on %s but not in its index: adding its line", vid, name)
+            self.append_index(name, got[0])
+        return out
 
     def _read_manifests(self, name: str, ids: list[str]) -> list[Version]:
         """Read and parse manifests from tier ``name`` (a damaged or vanished one is logged and left out)."""
@@ -600,6 +684,28 @@ class Catalog:
             (self._on_tier[tier].add if present else self._on_tier[tier].discard)(version_id)
             self._residency.pop(version_id, None)
 
+    def note_gone(self, tier: str, version_ids: Collection[str]) -> None:
+        """Record that ``tier`` no longer holds the manifests of ``version_ids`` (deleted, or found missing).
+
+        On a durable tier their gone lines go to its index, after the manifests went (a reader
+        trusts the index's lines; a deletion cut short in between is found when the manifest is
+        read). A failed index write is logged: the manifests are the truth.
+        """
+        with self._lock:
+            for vid in version_ids:
+                self._on_tier[tier].discard(vid)
+                self._residency.pop(vid, None)
+        t = self._tiers[tier]
+        if not t.durable or not version_ids or tier not in self._index_locks:
+            return
+        with self._index_locks[tier]:
+            try:
+                seg = self._segments(tier, "versions")
+            except StorageError as e:
+                log.warning("could not read the index of %s (a later reader rebuilds it): %s", tier, e)
+                return
+            index.try_append(t, "versions", seg, [(vid, index.gone_line(vid)) for vid in version_ids])
+
     def users_of(self, chunk_id: str) -> frozenset[str]:
         """Ids of the known versions whose manifests name chunk ``chunk_id``."""
         with self._lock:
@@ -638,6 +744,9 @@ class Catalog:
         for name in holders:
             try:
                 got = self._read_manifests(name, [version_id])
+                if not got and not self._tiers[name].exists(version_key(version_id)):
+                    # Its index line outlived it (a deletion cut short before its gone line).
+                    self.note_gone(name, [version_id])
             except StorageError as e:
                 log.warning("cannot read the manifest of version %s on %s: %s", version_id, name, e)
                 continue
@@ -1254,6 +1363,8 @@ class Catalog:
     def _match_id(self, prefix: str, ref: str) -> str:
         if prefix in self._known:
             return prefix
+        if len(prefix) == _ID_LENGTH and prefix not in self._pruned and self._find_manifest(prefix) is not None:
+            return prefix  # a whole id the indexes lack (committed late under an older name, say)
         hits = [v for v in self._known if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
         if not hits and len(prefix) >= _MIN_PREFIX:
             # A pruned version resolves (for ~N) to itself; resolve() then says why it is gone.

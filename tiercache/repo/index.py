@@ -8,13 +8,17 @@ A commit appends its version's line after the manifest is durable and before the
 (docs/design.md section 2), rewriting only the last segment, so a save's cost does not grow with
 the history.
 
-The manifests stay the truth; the index is a cache of them. A reader lists the manifests' names
-(cheap, nothing parsed) and trusts a line only for a name so listed: a manifest with no line (a
-crash between the manifest and the index write, an index lost or damaged, a cache older than the
-index, two writers racing on one segment) is parsed and its line written again; a line whose
-manifest is gone (evicted, collected) is ignored and dropped at the next rewrite. A status line is
-written after its record: a crash in between leaves the line before it, which a reader shows until
-the record changes again or ``doctor --reindex``.
+The manifests stay the truth; the index is a cache of them. Where listing is cheap (a directory)
+a reader lists the manifests' names and trusts a line only for a name so listed. A manifest
+deleted from a tier gets a "gone" line there after it (:func:`gone_line`), so that on S3 a reader
+trusts the index's lines without listing every manifest, and looks for the manifests the index
+misses in ways that cost what is new (the rules are the catalog's, ``Catalog._load_versions``):
+the names sorting after the newest name the index has (a crash between a manifest and its line),
+the whole listing when a segment is damaged or the index missing, the lineage of every ref (a
+line lost to a failed write or to two writers racing on one segment), a whole version id asked
+for, and ``doctor --reindex``. A line whose manifest turns out to be gone is dropped when the
+manifest is read. A status line is written after its record: a crash in between leaves the line
+before it, which a reader shows until the record changes again or ``doctor --reindex``.
 """
 
 from __future__ import annotations
@@ -134,6 +138,16 @@ class Segments:
     ids: set[str] = field(default_factory=set)
 
 
+def gone_line(vid: str) -> dict[str, Any]:
+    """The line that says the manifest of ``vid`` left the tier (evicted, collected, pruned)."""
+    return {"f": FORMAT, "id": vid, "gone": True}
+
+
+def is_gone(d: Mapping[str, Any]) -> bool:
+    """Whether an index line is a :func:`gone_line`."""
+    return d.get("gone") is True
+
+
 def _loads(line: bytes) -> Any:
     try:
         return json.loads(line)
@@ -148,11 +162,11 @@ def _key(kind: str, n: int) -> str:
 def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, int]:
     """Read tier ``tier``'s index of ``kind`` (``versions``, ``pruned`` or ``status``).
 
-    Of an id with several lines (a status record rewritten), the last one counts.
+    Of an id with several lines (a status record rewritten, a version gone), the last one counts.
 
     Returns:
-        The lines by id (damaged lines left out), where the index ends (to append to it), and
-        how many lines were damaged.
+        The lines by id (damaged lines left out; gone lines in), where the index ends (to append
+        to it), and how many lines were damaged.
 
     Raises:
         StorageError: If the tier fails.
@@ -188,7 +202,7 @@ def read(tier: Tier, kind: str) -> tuple[dict[str, dict[str, Any]], Segments, in
             out[vid] = d
             good.append(line)
         seg.last, seg.lines = n, good
-    seg.ids = set(out)
+    seg.ids = {vid for vid, d in out.items() if not is_gone(d)}
     return out, seg, bad
 
 
@@ -197,23 +211,25 @@ def append(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict
     """Add lines to the end of the index (rewriting only its last segment, or starting new ones).
 
     ``seg`` is updated to what the tier holds now. A line of an id the index has is left out,
-    unless ``again`` (a record that changed: the last line of an id is the one read).
+    unless ``again`` (a record that changed: the last line of an id is the one read) or it is a
+    :func:`gone_line`.
 
     Raises:
         StorageError: If the tier fails (the lines not written are not in ``seg``).
     """
-    todo = [(vid, json.dumps(d, separators=(",", ":")).encode() + b"\n") for vid, d in lines
-            if again or vid not in seg.ids]
+    todo = [(vid, json.dumps(d, separators=(",", ":")).encode() + b"\n", is_gone(d)) for vid, d in lines
+            if again or is_gone(d) or vid not in seg.ids]
     while todo:
         if len(seg.lines) >= SEGMENT:
             seg.last, seg.lines = seg.last + 1, []
         room = SEGMENT - len(seg.lines)
         batch, todo = todo[:room], todo[room:]
-        body = seg.lines + [line for _, line in batch]
+        body = seg.lines + [line for _, line, _ in batch]
         # A cache of the manifests: the name need not be durable now (a reader repairs a lost line).
         tier.put(_key(kind, seg.last), b"".join(body), sync_name=False)
         seg.lines = body
-        seg.ids.update(vid for vid, _ in batch)
+        for vid, _, dead in batch:
+            (seg.ids.discard if dead else seg.ids.add)(vid)
 
 
 def rewrite(tier: Tier, kind: str, seg: Segments, lines: Iterable[tuple[str, dict[str, Any]]]) -> None:

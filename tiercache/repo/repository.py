@@ -471,13 +471,15 @@ class Repo:
     def drop_manifests(self, tier: str, version_ids: Iterable[str]) -> None:
         """Delete manifests (and their status records) from ``tier``; the first step of any deletion."""
         t = self._all[tier]
-        for vid in version_ids:
+        vids = list(version_ids)
+        for vid in vids:
             t.delete(status_key(vid))
             t.delete(version_key(vid))
             self.catalog.mark_on(tier, vid, present=False)
             if t.durable:  # a multi-rank version's parts go after its group manifest
                 for key in t.list(f"{PARTS}{vid}/"):
                     t.delete(key)
+        self.catalog.note_gone(tier, vids)  # the index's gone lines, after the manifests
 
     def drop_chunks(self, tier: str, ids: Iterable[str], sizes: Mapping[str, int] | None = None) -> dict[str, int]:
         """Delete the chunks among ``ids`` that no pending version leases on ``tier``.
