@@ -156,7 +156,7 @@ class Requests:
     def engine(self) -> Engine:
         """The engine of the agent's cache."""
         assert self.cache is not None
-        engine = self.cache.engine
+        engine = self.cache.engine.local  # the agent's cache saves in process: its engine is made with it
         assert isinstance(engine, Engine)
         return engine
 
@@ -547,7 +547,7 @@ class Requests:
                     with contextlib.suppress(Exception):
                         t.handle.future(lvl).exception(left)
             return {}
-        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), report=False)
+        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return {}
 
     def _promote(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
@@ -648,13 +648,13 @@ class Requests:
             "restore_bytes": dict(self._restore_bytes), "served_bytes": dict(self._served),
             "peer_bytes": {"sent": self._peers.bytes["sent"], "received": self._peers.bytes["received"]},
             "request_errors": dict(self._errors), "lag": (status or {}).get("lag", {}),
-            "lost_versions": engine.errors_total, "meter": self.cache.meter.snapshot(),
+            "lost_versions": self.cache.engine.errors_total, "meter": self.cache.meter.snapshot(),
         }
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
         with contextlib.suppress(TimeoutError):
-            self.engine.flush(None if timeout is None else float(timeout), report=False)
+            self.engine.flush(None if timeout is None else float(timeout))
         return {}
 
     # ------------------------------------------------------------------ node RAM changes
