@@ -291,7 +291,7 @@ class TierCache:
 
         agent = link
         return SaveFront(self.config, make_local=self._local_engine,
-                         make_remote=lambda front: AgentBackend(self.config, self.repo, agent, front))
+                         make_remote=lambda front: AgentBackend(self.config, agent, front))
 
     @property
     def reader(self) -> Reader:

@@ -62,7 +62,6 @@ if TYPE_CHECKING:
     from tiercache.format import Flat
     from tiercache.pipeline.front import Save, SaveFront
     from tiercache.pipeline.job import Committer, HashSplit
-    from tiercache.repo import Repo
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.agent.saver")
@@ -129,8 +128,7 @@ class AgentBackend:
 
     Args:
         config: The cache config (its ``[agent]`` table set).
-        repo: This process's storage layer (its catalog follows the agent through ``link``).
-        link: The connection to the agent.
+        link: The connection to the agent (this process's catalog follows the agent through it).
         front: The save front: its in-process engine takes over if the agent is lost, and its
             ledger counts the versions lost.
 
@@ -139,9 +137,8 @@ class AgentBackend:
     :mod:`tiercache.agent.committer`).
     """
 
-    def __init__(self, config: CacheConfig, repo: Repo, link: AgentLink, front: SaveFront) -> None:
+    def __init__(self, config: CacheConfig, link: AgentLink, front: SaveFront) -> None:
         self.config = config
-        self.repo = repo
         self.link = link
         self._front = front
         self._pin = (config.ram or RamConfig()).pin_memory
