@@ -118,7 +118,7 @@ class Trace:
             self.phase[h.version] = phase
             self.saved_at[h.version] = now
             h.future("remote").add_done_callback(lambda f, v=h.version: self._landed(v, f))
-            arena = cache.engine.ramcache.arena
+            arena = cache.engine.local.ramcache.arena
             self.arena_peak = max(self.arena_peak, arena.used_bytes if arena else 0)
             time.sleep(max(0.0, interval - (time.perf_counter() - t0)))
         return time.perf_counter() - start

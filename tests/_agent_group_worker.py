@@ -52,7 +52,7 @@ def scenario_restore(cache: tiercache.TierCache, rank: int, world: int, out: dic
 def _through_agent(cache: tiercache.TierCache) -> bool:
     """Whether this trainer saved only through its node's agent (it never made an engine of its own)."""
     engine = cache.engine
-    return type(engine).__name__ == "AgentSaver" and engine.local is None  # type: ignore[attr-defined]
+    return type(engine.backend).__name__ == "AgentBackend" and engine.local is None  # type: ignore[attr-defined]
 
 
 def scenario_through_agents(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],

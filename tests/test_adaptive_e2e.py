@@ -113,7 +113,7 @@ class Run:
             self.saved_at[h.version] = t
             h.future("remote").add_done_callback(lambda f, v=h.version: self._landed(v, f))
             self.handles.append(h)
-            arena = cache.engine.ramcache.arena
+            arena = cache.engine.local.ramcache.arena
             assert arena is not None
             self.arena_used.append((arena.used_bytes, arena.capacity))
             time.sleep(interval)

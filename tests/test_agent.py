@@ -232,7 +232,7 @@ def test_a_process_with_other_chunk_settings_saves_in_process(
     with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(other) as cache:
         h = cache.save(state_for(1), step=1)
         h.wait("local")
-        assert type(cache.engine).__name__ == "Engine"
+        assert type(cache.engine.backend).__name__ == "Engine"
     assert "chunk_bytes = 67108864 (here 131072)" in caplog.text
     with tiercache.open(without_agent(cfg)) as cache:
         _assert_state(cache.restore("main"), 1)
@@ -248,7 +248,7 @@ def test_a_second_job_with_other_settings_is_told_which_and_saves_in_process(
              "agent": {**cfg["agent"], "request_timeout": 60}}  # a setting of its own process: no matter
     with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(other) as cache:
         cache.save(state_for(1), step=1).wait("local")
-        assert type(cache.engine).__name__ == "Engine"
+        assert type(cache.engine.backend).__name__ == "Engine"
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [
         f"no node agent: the node agent at {sock_dir / 'a.sock'} runs this cache with other settings: "
@@ -263,7 +263,7 @@ def test_no_agent_and_start_never_saves_in_process(tmp_path: Path, sock_dir: Pat
     cfg = agent_config(tmp_path, sock_dir)
     with tiercache.open(cfg) as cache:
         cache.save(state_for(2), step=2).wait("local")
-        assert type(cache.engine).__name__ == "Engine"
+        assert type(cache.engine.backend).__name__ == "Engine"
         _assert_state(cache.restore("main"), 2)
     assert not (sock_dir / "a.sock").exists()
 
@@ -312,7 +312,7 @@ def test_the_agent_killed_mid_write_training_goes_on_and_nothing_is_lost(
         for _, h in handles:
             assert h.wait("staged") == h.version
             assert h.wait("local") == h.version  # every version reached disk, by the agent or here
-        assert type(cache.engine).__name__ == "AgentSaver"
+        assert type(cache.engine.backend).__name__ == "AgentBackend"
     assert "lost the node agent" in caplog.text
     with tiercache.open(without_agent(cfg)) as cache:
         for step, h in handles:
@@ -417,7 +417,7 @@ def test_a_deferred_copy_the_agent_never_got_goes_to_the_trainer_before_the_next
             first = {**state_for(1), "w": w.detach()}  # "w" is the optimizer's: its copy is deferred
             saved.append((1, cache.save(first, step=1, optimizer=opt)))
             assert killed.wait(30)
-            _wait_for(lambda: cache.engine.link.lost is not None, 30, "the trainer to see the agent lost")
+            _wait_for(lambda: cache.engine.backend.link.lost is not None, 30, "the trainer to see the agent lost")
             with failpoints.hooked("engine.after_chunk_write", _parent_taken(cache, saved[0][1])):
                 saved.append((2, cache.save(state_for(2), step=2)))
                 _assert_handed_over(cfg, cache, agent, saved)
@@ -442,7 +442,7 @@ def test_an_engine_that_takes_a_parent_after_its_child_never_waits_for_it(tmp_pa
     ids = [new_version_id(), new_version_id()]
     stager = Stager(1)
     with tiercache.open(cfg) as cache:
-        eng = cache.engine
+        eng = cache.engine.local
         plans = PlanCache(cache.config.pack_below)
 
         def adopt(step: int) -> Any:  # what the trainer's hand-over does with a version of the agent's arena

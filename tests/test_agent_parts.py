@@ -324,7 +324,7 @@ def test_engine_adopt_finishes_a_version_copied_by_someone_else(tmp_path: Path) 
     state = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.tensor([1, 2, 3]), "step": 4}
     with tiercache.open({"ram": {"capacity": "8MiB"}, "disk": {"path": str(tmp_path)},
                          "pack_below": "4KiB"}) as cache:
-        engine = cache.engine
+        engine = cache.engine.local
         assert isinstance(engine, Engine)
         flat = flatten(state)
         layout = plan_layout([m.nbytes for m in flat.metas], [4, 1], chunk_bytes=cache.config.chunk_bytes,
@@ -363,7 +363,7 @@ def test_kept_parts_pin_their_chunks_until_released_or_taken(tmp_path: Path) -> 
                          "chunk_bytes": "128KiB"}) as cache:
         vid = cache.save({"x": torch.randn(1 << 16)}, step=3).wait("durable")
         manifest = cache.manifest(vid)
-        ram = cache.engine.ramcache  # type: ignore[attr-defined]
+        ram = cache.engine.local.ramcache  # type: ignore[attr-defined]
         keys = [chunk_key(c.id) for c in manifest.chunks]
         kept = KeptParts()
 

@@ -29,7 +29,7 @@ def test_a_state_that_grows_is_saved_with_the_default_config(tmp_path: Path) -> 
     states = [_state(2 * MB, 0), _state(80 * MB, 1), _state(90 * MB, 2)]
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         ids = [cache.save(s, step=i).wait("local") for i, s in enumerate(states)]
-        arena = cache.engine.ramcache.capacity
+        arena = cache.engine.local.ramcache.capacity
     # Two versions of the first state that did not fit (80 MB); the 90 MB one fitted in that.
     assert 2 * 80 * MB <= arena < 2 * 81 * MB
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
@@ -71,5 +71,5 @@ def test_an_automatic_arena_is_bounded_by_half_the_nodes_memory(tmp_path: Path,
                "set ram.capacity, or save a smaller state" in str(info.value)
         state = _state(30 * MB, 7)  # fits within the bound: grows to the bound, not to two versions
         vid = cache.save(state, step=2).wait("local")
-        assert cache.engine.ramcache.capacity == 49999872
+        assert cache.engine.local.ramcache.capacity == 49999872
         assert _equal(cache.restore(vid), state)

@@ -90,7 +90,7 @@ def test_full_arena_makes_save_wait_for_a_writer(tmp_path: Path, monkeypatch: py
         t.start()
         t.join(0.5)
         assert t.is_alive(), "save() must wait while the arena holds two unwritten versions"
-        arena = cache.engine.ramcache.arena
+        arena = cache.engine.local.ramcache.arena
         assert arena is not None and arena.used_bytes <= arena.capacity
         gated.gate.set()
         t.join(30)
@@ -258,7 +258,7 @@ def test_a_failed_copy_raises_once_and_frees_its_staging(tmp_path: Path, monkeyp
             cache.save(_state(2, 1 << 20), step=1)
         monkeypatch.undo()
         cache.flush()
-        assert cache.engine.ramcache.arena is not None and cache.engine.ramcache.arena.used_bytes == 0
+        assert cache.engine.local.ramcache.arena is not None and cache.engine.local.ramcache.arena.used_bytes == 0
         state = _state(2, 1 << 20, seed=7)
         h = cache.save(state, step=2)  # the copy error is not raised a second time
         assert h.wait("local") == h.version
@@ -306,13 +306,13 @@ def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path:
             state["w0"][0] = step
             cache.save(state, step=step)
         cache.flush()
-        first = cache.engine.placement.context().versions
-        again = cache.engine.placement.context().versions
+        first = cache.engine.local.placement.context().versions
+        again = cache.engine.local.placement.context().versions
         # Nothing moved: every view is the same object (a decision costs no rebuild per version).
         assert len(first) == 6 and all(a is b for a, b in zip(first, again, strict=True))
         oldest = first[0]
         cache.evict(oldest.id, "ram")
-        after = cache.engine.placement.context().versions
+        after = cache.engine.local.placement.context().versions
         assert after[0] is not oldest and after[0].tiers == frozenset({"disk"})
         assert oldest.tiers == frozenset({"ram", "disk"})
         assert all(a is b for a, b in zip(first[1:], after[1:], strict=True))
@@ -321,16 +321,16 @@ def test_policy_views_of_settled_versions_are_reused_until_they_change(tmp_path:
 def test_prepare_faults_the_arena_in_before_the_first_save(tmp_path: Path) -> None:
     state = _state(2, 1 << 18)
     with tiercache.open({"ram": {"capacity": "32MiB"}, "disk": {"path": str(tmp_path)}}) as cache:
-        arena = cache.engine.ramcache.arena
+        arena = cache.engine.local.ramcache.arena
         assert arena is None or not arena.is_allocated  # opening allocates nothing
         cache.prepare(wait=True)
-        arena = cache.engine.ramcache.arena
+        arena = cache.engine.local.ramcache.arena
         assert arena is not None and arena.is_allocated and arena.capacity == 32 << 20
         h = cache.save(state, step=1)
-        assert cache.engine.ramcache.arena is arena and h.wait("local") == h.version
+        assert cache.engine.local.ramcache.arena is arena and h.wait("local") == h.version
         assert torch.equal(cache.restore(h.version)["w1"], state["w1"])
         cache.prepare()  # again: nothing to do
-        assert cache.engine.ramcache.arena is arena
+        assert cache.engine.local.ramcache.arena is arena
 
 
 def test_prepare_in_the_background_races_the_first_save_safely(tmp_path: Path) -> None:
@@ -349,9 +349,9 @@ def test_prepare_with_auto_capacity_needs_a_state(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path)}}) as cache:
         with pytest.raises(tiercache.InvalidArgumentError, match=r"ram\.capacity is 'auto'"):
             cache.prepare()
-        assert cache.engine.ramcache.arena is None or not cache.engine.ramcache.arena.is_allocated
+        assert cache.engine.local.ramcache.arena is None or not cache.engine.local.ramcache.arena.is_allocated
         cache.prepare(_state(2, 1 << 20), wait=True)  # two versions of 8 MiB, at least 64 MiB
-        assert cache.engine.ramcache.arena is not None and cache.engine.ramcache.arena.capacity == 64 << 20
+        assert cache.engine.local.ramcache.arena is not None and cache.engine.local.ramcache.arena.capacity == 64 << 20
     with pytest.raises(tiercache.CacheClosedError):
         cache.prepare()
 
@@ -423,7 +423,7 @@ def test_early_disk_writes_of_stored_chunks_are_dropped_and_free_their_staging(
         assert len(begun) == 20  # every chunk, the twin's too, was written before it was hashed
         files = _chunk_files(tmp_path)
         assert len(files) == 16  # ... and the twin's four were dropped as w0's
-        arena = cache.engine.ramcache.arena
+        arena = cache.engine.local.ramcache.arena
         held = arena.capacity - arena.free_bytes
         # Identical: every chunk is in RAM already, so the hasher hands each staged copy to the
         # early write still reading it, which frees it.
@@ -448,7 +448,7 @@ def test_only_chunks_that_changed_last_time_are_written_before_their_hash(
 
     state = {"frozen": torch.randn(3 << 18), "trained": torch.randn(2 << 18)}  # 3 and 2 chunks of 1 MiB
     with tiercache.open({"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB"}) as cache:
-        engine = cache.engine
+        engine = cache.engine.local
         for step in (1, 2, 3):
             state["trained"].add_(1)
             cache.save(state, step=step).wait("local")
@@ -536,7 +536,7 @@ def test_a_version_syncs_each_chunk_directory_once_after_its_chunks_and_before_i
     begun = _hash_after_begun(monkeypatch) if early else []  # every chunk goes the early way
     cfg = {"disk": {"path": str(tmp_path)}, "chunk_bytes": "1MiB", "policy": {"name": "write-through"}}
     with tiercache.open(cfg) as cache:
-        cache.engine.early_writes = early
+        cache.engine.local.early_writes = early
         v = cache.save(_state(4, 1 << 20), step=1)
         v.wait("local")
         assert len(begun) == (16 if early else 0)
@@ -642,7 +642,7 @@ def test_a_version_whose_placement_fails_settles_its_manifest_future(tmp_path: P
 
     cache = tiercache.open({"ram": {"capacity": "8MiB"}, "disk": {"path": str(tmp_path / "d")},
                             "policy": {"name": "write-through"}})
-    engine = cache.engine
+    engine = cache.engine.local
     monkeypatch.setattr(engine.placement.policy, "place", broken)
     h = cache.save(_state(), step=1)
     assert asked.wait(10)
@@ -672,7 +672,7 @@ def test_a_version_whose_copy_fails_after_its_first_chunk_was_hashed_leaves_noth
     cfg = {"ram": {"capacity": "64MiB", "copy_threads": 1}, "disk": {"path": str(tmp_path / "disk")},
            "chunk_bytes": "256KiB", "policy": {"name": "write-through"}}
     with tiercache.open(cfg) as cache:
-        ram = cache.engine.ramcache
+        ram = cache.engine.local.ramcache
         real = staging._memmove
 
         def failing(dst: int, src: int, nbytes: int) -> object:

@@ -62,13 +62,13 @@ def test_a_slow_s3_does_not_keep_save_waiting_for_room_in_the_default_arena(
             handles[-1].wait("local")
             # Once the disk has it, no version in flight needs its chunks in RAM: they are only
             # read cache now, which a save that needs the room drops.
-            ram = cache.engine.ramcache
+            ram = cache.engine.local.ramcache
             published = cache.engine.published(handles[-1].version)
             assert published is not None  # still in flight: S3 has not got it
             keys = [chunk_key(c.id) for c in published.result().chunks]
             ram.evict(keys)
             assert ram.ram is not None and [ram.ram.size(k) for k in keys] == [None] * len(keys)
-        assert cache.engine.ramcache.capacity == 64 * MIB  # the default arena, never grown
+        assert cache.engine.local.ramcache.capacity == 64 * MIB  # the default arena, never grown
         # Every save returned while S3 was still uploading the first version (from the disk).
         assert not handles[0].future("remote").done()
         proxy.limit_bps = None
@@ -187,7 +187,7 @@ def test_a_save_that_needs_the_room_drops_chunks_s3_has_not_read_and_s3_reads_th
            "chunk_bytes": "1MiB", "io_threads": 1}
     first, second = _state(8, 4 * MIB), _state(9, 10 * MIB)
     with tiercache.open(cfg) as cache:
-        ram = cache.engine.ramcache
+        ram = cache.engine.local.ramcache
         try:
             h1 = cache.save(first, step=0)
             h1.wait("local")

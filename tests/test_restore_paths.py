@@ -242,7 +242,7 @@ def test_a_damaged_ram_copy_is_skipped_for_the_disk_copy(tmp_path: Path, caplog:
         cache.save(state, step=1).wait("local")
         version = cache.manifest("main")
         cid = max(version.chunks, key=lambda c: c.nbytes).id
-        ram = cache.engine.ram
+        ram = cache.engine.local.ram
         region = ram._entries[chunk_key(cid)].region  # flip a bit of the RAM copy only
         assert region is not None
         ram.arena.buffer(region)[HEADER_BYTES + at] ^= 0x10

@@ -216,7 +216,7 @@ def _saves_in_process_with_one_warning(cfg: dict[str, Any], caplog: pytest.LogCa
     state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(3)), "i": torch.arange(7), "n": 5}
     with caplog.at_level(logging.WARNING, "tiercache"), tiercache.open(cfg) as cache:
         cache.save(state, step=1).wait("local")
-        assert type(cache.engine).__name__ == "Engine"
+        assert type(cache.engine.backend).__name__ == "Engine"
     with tiercache.open({k: v for k, v in cfg.items() if k != "agent"}) as cache:
         got = cache.restore("main")
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["i"], state["i"]) and got["n"] == 5
@@ -349,7 +349,7 @@ def test_sizes_from_a_client_are_checked_against_the_arena_first_and_the_agent_s
                 state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(5))}
                 with tiercache.open(cfg) as cache:
                     cache.save(state, step=1).wait("local")
-                    assert type(cache.engine).__name__ == "AgentSaver"
+                    assert type(cache.engine.backend).__name__ == "AgentBackend"
                 with tiercache.open(cfg) as cache:
                     assert torch.equal(cache.restore("main")["w"], state["w"])
             finally:

@@ -141,7 +141,7 @@ def _open(tmp_path: Path, s3_config: S3Config) -> tiercache.TierCache:
     cfg = {"disk": {"path": str(tmp_path / "disk")}, "s3": s3_config.model_dump(),
            "policy": {"name": f"{__name__}:Scripted"}}
     cache = tiercache.open(cfg)
-    cache.engine.early_writes = False  # every claim on the writer's own thread, where the holds look
+    cache.engine.local.early_writes = False  # every claim on the writer's own thread, where the holds look
     return cache
 
 
@@ -219,7 +219,7 @@ def test_a_version_sent_to_a_tier_after_all_is_written_there_once(
             # It passes X and takes Y, which it reads back from the disk once the disk has it (Y's
             # disk commit waits for its parent X's outcome, so for the held fallback: its claim
             # comes after).
-            y_job = cache.engine.jobs.get(y.version)
+            y_job = cache.engine.local.jobs.get(y.version)
             assert y_job is not None
             _until(lambda: "s3" in y_job.writing)
             x_fallback.go()

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from tiercache.agent.client import AgentLink
     from tiercache.pipeline.deferred import StepGuards
     from tiercache.pipeline.engine import Engine
+    from tiercache.pipeline.front import LossLedger
     from tiercache.restore import Progress, RestoreReport
     from tiercache.saver import Saver
     from tiercache.tiers.ram import Arena
@@ -233,25 +234,26 @@ class TierCache:
     def engine(self) -> Saver:
         """The save engine (see :mod:`tiercache.saver`), made on first use (torch imported then).
 
-        In process, the :class:`~tiercache.pipeline.engine.Engine` with its RAM arena; with an
-        ``[agent]`` table, the :class:`~tiercache.agent.saver.AgentSaver` that hands saves to
-        the node agent (starting one if none runs and ``start = "auto"``).
+        The :class:`~tiercache.pipeline.front.SaveFront`, with one back end: the in-process
+        :class:`~tiercache.pipeline.engine.Engine` and its RAM arena, or with an ``[agent]``
+        table the :class:`~tiercache.agent.saver.AgentBackend` that hands saves to the node agent
+        (starting one if none runs and ``start = "auto"``).
         """
         with self._lazy_lock:
             if self._engine is None:
                 from tiercache.pipeline.deferred import StepGuards
 
                 self.check_open()
-                self._engine = self._agent_saver() if self.config.agent is not None else self._local_engine()
+                self._engine = self._save_front()
                 self._step_guards = StepGuards(self._engine.wait_deferred)
             return self._engine
 
-    def _local_engine(self) -> Engine:
+    def _local_engine(self, losses: LossLedger) -> Engine:
         from tiercache.pipeline.engine import Engine
 
         core = self._core
         return Engine(self.config, core.repo, policy=core.policy, meter=core.meter, read_object=core.read_object,
-                      make_arena=self._make_arena)
+                      losses=losses, make_arena=self._make_arena)
 
     def _attach_agent(self, *, start: bool) -> AgentLink | None:
         """Connect to the node agent (start one if ``start``); ``None``, with a warning, if that fails.
@@ -270,16 +272,22 @@ class TierCache:
             log.warning("no node agent: %s; saving in this process", e)
             return None
 
-    def _agent_saver(self) -> Saver:
-        assert self.config.agent is not None
-        link = self._link
-        if link is None or link.lost is not None:
-            link = self._link = self._attach_agent(start=self.config.agent.start == "auto")
-        if link is None:
-            return self._local_engine()
-        from tiercache.agent.saver import AgentSaver
+    def _save_front(self) -> Saver:
+        """The save front, with the node agent's back end if one is configured and answers, else in process."""
+        from tiercache.pipeline.front import SaveFront
 
-        return AgentSaver(self.config, self._core.repo, link, make_local=self._local_engine)
+        link = None
+        if self.config.agent is not None:
+            link = self._link
+            if link is None or link.lost is not None:
+                link = self._link = self._attach_agent(start=self.config.agent.start == "auto")
+        if link is None:
+            return SaveFront(self.config, make_local=self._local_engine)
+        from tiercache.agent.saver import AgentBackend
+
+        agent = link
+        return SaveFront(self.config, make_local=self._local_engine,
+                         make_remote=lambda front: AgentBackend(self.config, agent, front))
 
     @property
     def closed(self) -> bool:
@@ -375,7 +383,7 @@ class TierCache:
             self._step_guards.add(optimizer)
         with self._core.next_version(branch) as nxt:
             handle = engine.stage(state, step=step, branch=branch, meta=meta, parent=nxt.parent, seq=nxt.seq,
-                                  defer=owned)
+                                  defer=owned, base=nxt.base, why=nxt.why)
             staged = handle.future("staged")
             # Only a skipped version is already failed here; a deferred copy is still running.
             if not (staged.done() and staged.exception() is not None):
@@ -814,8 +822,7 @@ class TierCache:
             room = TierRoom.model_validate(repo_ops.room(self._core.repo, name).to_json())
         except TierCacheError:
             return TierRoom(state="unavailable")
-        placement = getattr(self._engine, "placement", None)  # a node agent's is in the agent
-        full = bool(room.full) or (placement is not None and name in placement.full)
+        full = bool(room.full) or (self._engine is not None and name in self._engine.full_tiers())
         return room.model_copy(update={"full": full, "state": "full" if full else "available"})
 
     def status(self) -> dict[str, Any] | None:

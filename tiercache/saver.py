@@ -1,17 +1,18 @@
-"""The seam between the facade and whatever runs the save pipeline for it.
+"""The seam between the facade and the save pipeline: what :class:`~tiercache.cache.TierCache` asks of it.
 
-:class:`~tiercache.cache.TierCache` calls its saver through the small interface :class:`Saver`
-and nothing else. Two implementations exist:
+The facade calls its saver through the small interface :class:`Saver` and nothing else (it
+never imports the pipeline before the first save: that imports torch). The one implementation is
+the save front, :class:`tiercache.pipeline.front.SaveFront`: it flattens, plans, names, reserves
+and copies every version, and hands it to one of two back ends (docs/design.md section 5):
 
 * :class:`tiercache.pipeline.engine.Engine`: the pipeline in this process (no ``[agent]`` table);
-* :class:`tiercache.agent.saver.AgentSaver`: the trainer side of the node agent (docs/design.md section
-  7b): ``stage`` copies into the agent's shared arena and hands the version over; the agent runs
-  the same :class:`Engine` for every process of the node. If the agent is lost, it saves through an
-  :class:`Engine` of its own from then on.
+* :class:`tiercache.agent.saver.AgentBackend`: the trainer side of the node agent (docs/design.md
+  section 7b): the front copies into the agent's shared arena and the back end hands the version
+  over; the agent runs the same :class:`Engine` for every process of the node. If the agent is
+  lost, the front saves through an :class:`Engine` of its own from then on.
 
-A call that only one of them can serve is not part of the seam: multi-rank saves
-(:mod:`tiercache.group`) stage with a ``committer`` through :meth:`Saver.stage` like any save,
-and the agent saver hands those to its in-process engine.
+Multi-rank saves (:mod:`tiercache.group`) stage with a ``committer`` through :meth:`Saver.stage`
+like any save.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
     from tiercache.format import Flat
     from tiercache.handle import SaveHandle
     from tiercache.layout import Layout
-    from tiercache.manifest import Version
+    from tiercache.manifest import MoveReason, RefRecord, Version
     from tiercache.pipeline.deferred import Owned
+    from tiercache.pipeline.engine import Engine
     from tiercache.pipeline.job import Committer
     from tiercache.restore import Progress
 
@@ -48,14 +50,20 @@ class Saver(Protocol):
     recent_errors: Collection[str]
 
     @property
+    def local(self) -> Engine | None:
+        """The in-process engine once made: at once without an agent, else once the agent was lost."""
+        ...
+
+    @property
     def has_saved(self) -> bool:
         """Whether this process has saved anything (a process that only reads writes no meter)."""
         ...
 
     def stage(self, state: object, *, step: int, branch: str, meta: dict, parent: str | None, seq: int,
               version_id: str | None = None, chunk_bytes: int | None = None, committer: Committer | None = None,
-              defer: Owned | None = None, flat: Flat | None = None) -> SaveHandle:
-        """Copy ``state`` into the RAM arena, start writing it, return its handle (see :meth:`Engine.stage`)."""
+              defer: Owned | None = None, flat: Flat | None = None, base: RefRecord | None = None,
+              why: MoveReason = "save") -> SaveHandle:
+        """Copy ``state`` into the RAM arena, start writing it, return its handle (see :meth:`SaveFront.stage`)."""
         ...
 
     def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
@@ -76,6 +84,10 @@ class Saver(Protocol):
 
     def wait_published(self) -> None:
         """Block until every staged version's manifest is in this process's catalog."""
+        ...
+
+    def wait_settled(self, timeout: float | None = None) -> None:
+        """Block until every version staged so far has settled (nothing is reported)."""
         ...
 
     def wait_job(self, version_id: str, timeout: float | None = None) -> bool:
@@ -100,6 +112,10 @@ class Saver(Protocol):
 
     def evict_ram(self, chunk_ids: Iterable[str]) -> int:
         """Drop the RAM copies of chunks no version in flight needs; return bytes freed."""
+        ...
+
+    def full_tiers(self) -> frozenset[str]:
+        """Durable tiers this process's versions skip for lack of room (``stats()``)."""
         ...
 
     def record_loss(self, version_id: str, step: int, err: BaseException) -> None:

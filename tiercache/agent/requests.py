@@ -241,7 +241,7 @@ class Requests:
     @property
     def engine(self) -> Engine:
         """The engine of the agent's cache."""
-        engine = self.core.saver
+        engine = self.core.saver.local  # the agent's cache saves in process: its engine is made with it
         assert isinstance(engine, Engine)
         return engine
 
@@ -627,7 +627,7 @@ class Requests:
                     with contextlib.suppress(Exception):
                         t.handle.future(lvl).exception(left)
             return {}
-        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), report=False)
+        self.engine.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return {}
 
     def _promote(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
@@ -722,14 +722,14 @@ class Requests:
             queues=dict(queues), levels=dict(self._levels), restores=dict(self._restores),
             restore_bytes=dict(self._restore_bytes), served_bytes=dict(self._served),
             peer_bytes=PeerBytes(sent=self._peers.bytes["sent"], received=self._peers.bytes["received"]),
-            request_errors=dict(self._errors), lag=lag, lost_versions=engine.errors_total,
+            request_errors=dict(self._errors), lag=lag, lost_versions=self.core.saver.errors_total,
             meter=self.core.meter.snapshot(),
         )
 
     def _stop_request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         timeout = msg.get("within")
         with contextlib.suppress(TimeoutError):
-            self.engine.flush(None if timeout is None else float(timeout), report=False)
+            self.engine.flush(None if timeout is None else float(timeout))
         return {}
 
     # ------------------------------------------------------------------ node RAM changes

@@ -1,25 +1,24 @@
-"""The trainer's saver with a node agent: copy into the shared arena, publish, follow the levels.
+"""The trainer's back end with a node agent: regions of the shared arena, publish, follow the levels.
 
-:class:`AgentSaver` is the :class:`~tiercache.saver.Saver` the facade uses with an ``[agent]``
-table. ``stage()`` does what the in-process engine's does up to the copy, and nothing after it:
+:class:`AgentBackend` is the :class:`~tiercache.pipeline.front.Backend` of the save front
+(:class:`~tiercache.pipeline.front.SaveFront`) with an ``[agent]`` table. The front flattens,
+plans and copies as in process; this back end:
 
-1. flatten the state and plan its chunks (cached per structure, as in process);
-2. ask the agent for regions of its arena for that layout (it waits for room, or the policy
-   skips, exactly as in process);
-3. copy every tensor into the regions through this process's mapping, with the same staging code
-   (:class:`~tiercache.pipeline.staging.Stager`: all cores, memcpy, GPU copies on a side stream
-   into the page-locked mapping);
-4. publish the version (its id, step, branch, parent, seq, meta, object tree; the tensor table
-   goes once per structure) in one message, and return once the agent has it.
+1. asks the agent for regions of its arena for the version's layout (it waits for room, or the
+   policy skips, exactly as in process; the tensor table goes once per structure), and gives
+   the front views of them through this process's mapping (page-locked for GPU copies);
+2. once the copy is whole, publishes the version (its id, step, branch, parent, seq, meta,
+   object tree, and how the branch moves, as the facade worked it out) in one message, and
+   returns once the agent has it.
 
 Hashing, encoding, writing and committing run in the agent; its events resolve the handle's
 futures here. A copy interrupted by a crash is never published: its regions go back when the
 connection drops, and the previous version is untouched.
 
 **The agent lost** (it died, or stopped answering): training goes on. Versions it had not
-finished are handed over to an :class:`~tiercache.pipeline.engine.Engine` in this process, their
-bytes copied out of the mapping (which outlives the agent); every later save is staged in
-process. Nothing acknowledged ``local`` was lost (it is on disk), and nothing half-written is
+finished are handed over to the front's in-process :class:`~tiercache.pipeline.engine.Engine`,
+their bytes copied out of the mapping (which outlives the agent); the front stages every later
+save in process. Nothing acknowledged ``local`` was lost (it is on disk), and nothing half-written is
 served (restores verify every chunk, and a version is only published once copied whole). The
 versions go over in save order: the engine's writer of a version waits for its parent's outcome
 and takes versions in the order it got them (:meth:`Engine.final_manifest`), so a child taken
@@ -34,8 +33,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -52,20 +50,18 @@ from tiercache.errors import (
     TierCacheError,
 )
 from tiercache.failpoints import failpoint
-from tiercache.format import Flat, flatten
-from tiercache.handle import LEVELS, SaveHandle, level_futures
+from tiercache.format import Flat
+from tiercache.handle import LEVELS
 from tiercache.layout import Layout
-from tiercache.manifest import Version, new_version_id
-from tiercache.pipeline.deferred import deferrable
+from tiercache.manifest import Version
 from tiercache.pipeline.job import StagedVersion
-from tiercache.pipeline.staging import CopyPlan, PlanCache, Stager, item_sizes
-from tiercache.saver import ObjectReader, Saver, absent_levels
+from tiercache.pipeline.staging import CopyPlan, item_sizes
+from tiercache.saver import ObjectReader, absent_levels
 
 if TYPE_CHECKING:
     from tiercache.format import Flat
-    from tiercache.pipeline.deferred import Owned
+    from tiercache.pipeline.front import Save, SaveFront
     from tiercache.pipeline.job import Committer, HashSplit
-    from tiercache.repo import Repo
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.agent.saver")
@@ -92,6 +88,9 @@ class _Job:
     committer: Committer | None = None
     manifest: Future[Version] | None = None
     split: HashSplit | None = None
+    #: What the publish message carries besides the version: its structure, its regions, how
+    #: the branch moves, and for a part its rank and the group's size.
+    publish: dict[str, Any] = field(default_factory=dict)
 
     @property
     def version(self) -> str:
@@ -124,156 +123,110 @@ def pin_mapping(address: int, nbytes: int, cudart: Any) -> bool:
     return True
 
 
-class AgentSaver:
-    """Saves through the node agent (see the module docstring); the facade's :class:`~tiercache.saver.Saver`.
+class AgentBackend:
+    """Saves through the node agent (see the module docstring); a back end of the save front.
 
     Args:
         config: The cache config (its ``[agent]`` table set).
-        repo: This process's storage layer (its catalog follows the agent through ``link``).
-        link: The connection to the agent.
-        make_local: Makes the in-process saver that takes over if the agent is lost.
+        link: The connection to the agent (this process's catalog follows the agent through it).
+        front: The save front: its in-process engine takes over if the agent is lost, and its
+            ledger counts the versions lost.
 
     A rank's part of a multi-rank version goes to the agent as any version; the group's
-    committer stays here, and this saver answers the agent's questions to it (see
+    committer stays here, and this back end answers the agent's questions to it (see
     :mod:`tiercache.agent.committer`).
     """
 
-    def __init__(self, config: CacheConfig, repo: Repo, link: AgentLink, *, make_local: Callable[[], Saver]) -> None:
+    def __init__(self, config: CacheConfig, link: AgentLink, front: SaveFront) -> None:
         self.config = config
-        self.repo = repo
         self.link = link
-        self._make_local = make_local
-        self._local: Saver | None = None
-        self._local_lock = threading.Lock()
-        ram = config.ram or RamConfig()
-        self._pin = ram.pin_memory
-        self._plans = PlanCache(config.pack_below)
-        self._stager = Stager(ram.resolved_copy_threads())
+        self._front = front
+        self._pin = (config.ram or RamConfig()).pin_memory
         self._sids: dict[object, str] = {}
         self._jobs: dict[str, _Job] = {}
         self._cv = threading.Condition()
-        self._deferred: set[Future[None]] = set()
         self._handover = threading.Lock()
-        self._losses: deque[BaseException] = deque(maxlen=64)
-        self.errors_total = 0
-        self.recent_errors: deque[str] = deque(maxlen=16)
         self._closed = False
         self._arena: torch.Tensor | None = None
         link.on_event(self._on_event)
         link.on_lost(self._on_lost)
 
     @property
-    def has_saved(self) -> bool:
-        """Whether this process wrote anything itself (after losing the agent): its meter then saw writes."""
-        return self._local is not None and self._local.has_saved
+    def lost(self) -> bool:
+        """Whether the agent is gone: the front then saves in process."""
+        return self.link.lost is not None
 
     @property
-    def local(self) -> Saver | None:
-        """The in-process saver, once made (the agent was lost)."""
-        return self._local
-
-    def _local_saver(self) -> Saver:
-        with self._local_lock:
-            if self._local is None:
-                self._local = self._make_local()
-            return self._local
+    def has_saved(self) -> bool:
+        """Never: the agent wrote this process's versions (its meter is the agent's)."""
+        return False
 
     # ------------------------------------------------------------------ staging
 
-    def stage(self, state: object, *, step: int, branch: str, meta: dict, parent: str | None, seq: int,
-              version_id: str | None = None, chunk_bytes: int | None = None, committer: Committer | None = None,
-              defer: Owned | None = None, flat: Flat | None = None) -> SaveHandle:
-        """Copy ``state`` into the agent's arena and hand it over (see the module docstring).
+    def absent_levels(self) -> dict[str, Exception]:
+        """The levels no version of this cache can reach with its configured tiers, and why."""
+        return absent_levels(self.config.tier_names())
 
-        A rank's part of a multi-rank version (``committer``: the group commits it, through this
-        process) goes to the agent as any version. Every save after the agent was lost is staged
-        by the in-process engine instead.
+    def regions(self, save: Save) -> list[torch.Tensor] | str:
+        """Have the agent reserve regions of its arena for ``save``; views of them, or why its policy skips it.
 
         Raises:
-            CacheClosedError: If the cache is closed.
-            UnsupportedStateError: If a leaf of ``state`` cannot be stored.
-            TierFullError: If the version can never fit in the arena.
-            TierCacheError: Only with ``engine.on_error = "raise"``: an earlier lost version.
+            AgentUnavailableError: If the agent is lost (the front saves the version in process).
         """
-        if self._closed:
-            raise CacheClosedError("the cache is closed: open a new one to save")
-        kw: dict[str, Any] = {"step": step, "branch": branch, "meta": meta, "parent": parent, "seq": seq,
-                              "version_id": version_id, "chunk_bytes": chunk_bytes, "committer": committer,
-                              "defer": defer, "flat": flat}
-        if self.link.lost is not None:
-            return self._in_process(state, kw)
-        t0 = time.perf_counter()
-        if flat is None:
-            flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        cb = chunk_bytes or self.config.chunk_bytes
-        plan = self._plans.get(flat, cb)
-        vid = version_id or new_version_id()
+        sid = self._structure(save.flat, save.plan, save.chunk_bytes)
+        got = self.link.request("reserve", sid=sid)
+        views = self._views(got)
+        if "skip" in got:
+            return str(got["skip"])
+        vid, committer = save.version_id, save.committer
         key = vid if committer is None else f"{vid}.{committer.rank}"  # each rank's part is a job of the agent
-        staged = StagedVersion(key, branch, step, seq, parent, dict(meta), time.time(),
-                               flat.tree, tuple(flat.metas), flat.pickled)
-        job = _Job(staged, plan.layout, level_futures(vid))
+        staged = StagedVersion(key, save.branch, save.step, save.seq, save.parent, save.meta, save.created_at,
+                               save.flat.tree, tuple(save.flat.metas), save.flat.pickled)
+        job = _Job(staged, save.layout, save.futures)
+        job.regions = [(int(o), int(n)) for o, n in got["regions"]]
+        # The agent records the branch's move as the facade worked it out (a part: the group's).
+        base, why = (save.base, save.why) if committer is None else (None, "save")
+        job.publish = {"op_sid": sid, "rid": int(got["rid"]), "base": base.model_dump(mode="json") if base else None,
+                       "why": why}
         if committer is not None:
             job.vid, job.committer, job.manifest = vid, committer, Future()
-        for lvl, err in absent_levels(self.config.tier_names()).items():
-            job.futures[lvl].set_exception(err)
-        handle = SaveHandle(vid, job.futures)
-        try:
-            sid = self._structure(flat, plan, cb)
-            got = self.link.request("reserve", sid=sid)
-            views = self._views(got)
-        except AgentUnavailableError:
-            return self._in_process(state, kw)  # this version never reached the agent
-        if "skip" in got:
-            err = SkippedError(f"version at step {step} skipped: {got['skip']}")
-            for f in job.futures.values():
-                if not f.done():
-                    f.set_exception(err)
-            return self._report_earlier(handle)
-        rid = int(got["rid"])
-        job.regions = [(int(o), int(n)) for o, n in got["regions"]]
-        if committer is not None:
-            committer.follow(job.manifest)  # type: ignore[arg-type]  # (set above for a committer)
-        with self._cv:
-            self._jobs[key] = job
-        later = deferrable(flat.tensors, defer) if defer else frozenset()
-        copied = [threading.Event() for _ in views]
-        base, why = self._move_of(branch, parent) if committer is None else (None, "save")
-        try:
-            pending = self._stager.copy_in(flat, plan, views, copied, later=later)
-        except BaseException:
-            self._forget(job)
-            self.link.notify("cancel", rid=rid)
-            raise
-        publish = {"op_sid": sid, "rid": rid, "base": base, "why": why}
-        if committer is not None:
-            publish["part"], publish["world"] = committer.rank, committer.world
-        if pending is None:
-            self._publish(job, publish, time.perf_counter() - t0)
-        else:
-            with self._cv:
-                self._deferred.add(pending)
-            pending.add_done_callback(lambda f: self._copied_later(job, publish, f))
-        return self._report_earlier(handle)
+            job.publish["part"], job.publish["world"] = committer.rank, committer.world
+        save.ticket = job
+        return views
 
-    def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
-        """The chunk layout a save of ``flat`` gets (the agent's is the same: it plans the same way)."""
-        return self._plans.get(flat, chunk_bytes or self.config.chunk_bytes).layout
+    def launch(self, save: Save) -> list[threading.Event]:
+        """Track ``save`` until the agent settled it (the agent starts on it once published)."""
+        job: _Job = save.ticket
+        if job.committer is not None:
+            job.committer.follow(job.manifest)  # type: ignore[arg-type]  # (set for a committer)
+        with self._cv:
+            self._jobs[job.key] = job
+        return [threading.Event() for _ in job.regions]
+
+    def publish(self, save: Save, wait_s: float) -> None:
+        """Hand the copied version over to the agent (see the module docstring)."""
+        self._publish(save.ticket, wait_s)
+
+    def cancel(self, save: Save, err: BaseException, *, seen: bool) -> None:
+        """Give the regions back; a version whose deferred copy failed fails every level (the front counted it)."""
+        job: _Job = save.ticket
+        if seen:
+            self._forget(job)
+            self.link.notify("cancel", rid=job.publish["rid"])
+            return
+        self.link.notify("cancel", rid=job.publish["rid"])
+        self._fail(job, err)
+        if self.link.lost is not None:
+            self._handed_over()  # the versions after it waited for it
 
     def published(self, version_id: str) -> Future[Version] | None:
         """The manifest future of this rank's part of a multi-rank version in flight, or ``None``."""
         job = self._job(version_id)
-        if job is not None and job.manifest is not None:
-            return job.manifest
-        return self._local.published(version_id) if self._local is not None else None
+        return job.manifest if job is not None else None
 
     def _job(self, version_id: str) -> _Job | None:
         with self._cv:
             return self._jobs.get(version_id) or next((j for j in self._jobs.values() if j.vid == version_id), None)
-
-    def _in_process(self, state: object, kw: dict[str, Any]) -> SaveHandle:
-        # After every version staged before it: its parent may be one whose copy is still running.
-        self._handed_over(wait=True)
-        return self._local_saver().stage(state, **kw)
 
     def _structure(self, flat: Flat, plan: CopyPlan, chunk_bytes: int) -> str:
         """The id the agent knows this state's structure by (sent once per structure)."""
@@ -310,20 +263,12 @@ class AgentSaver:
             self._arena = arena
         return self._arena
 
-    def _move_of(self, branch: str, parent: str | None) -> tuple[dict[str, Any] | None, str]:
-        """The head the branch moves from (this process's view) and why, as the facade records it."""
-        cur = self.repo.catalog.ref("branch", branch)
-        if cur is None:
-            why = "branch" if parent is not None else "save"
-        else:
-            why = "resume" if parent != cur.version else "save"
-        return (cur.model_dump(mode="json") if cur is not None else None), why
-
-    def _publish(self, job: _Job, publish: dict[str, Any], wait_s: float) -> None:
+    def _publish(self, job: _Job, wait_s: float) -> None:
         failpoint("agent.publish", job.version)
         with self._cv:
             job.copied = True
             self._cv.notify_all()
+        publish = job.publish
         extra = {k: publish[k] for k in ("part", "world") if k in publish}
         try:
             self.link.request("publish", sid=publish["op_sid"], rid=publish["rid"],
@@ -341,21 +286,8 @@ class AgentSaver:
         if not job.futures["staged"].done():
             job.futures["staged"].set_result(job.version)
 
-    def _copied_later(self, job: _Job, publish: dict[str, Any], done: Future[None]) -> None:
-        with self._cv:
-            self._deferred.discard(done)
-        err = done.exception()
-        if err is None:
-            self._publish(job, publish, 0.0)
-            return
-        self.link.notify("cancel", rid=publish["rid"])
-        self._fail(job, err)
-        if self.link.lost is not None:
-            self._handed_over()  # the versions after it waited for it
-
     def _fail(self, job: _Job, err: BaseException) -> None:
-        """A version that cannot be saved: counted as lost, every level failed with ``err``."""
-        self._record_loss(job, err)
+        """A version that cannot be saved (counted as lost by the caller): every level failed with ``err``."""
         for f in job.futures.values():
             if not f.done():
                 f.set_exception(err)
@@ -368,27 +300,6 @@ class AgentSaver:
         with self._cv:
             self._jobs.pop(job.key, None)
             self._cv.notify_all()
-
-    def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
-        """``engine.on_error = "raise"``: raise an earlier lost version, now that this one is staged."""
-        if self.config.engine.on_error == "raise":
-            with self._cv:
-                err = self._losses.popleft() if self._losses else None
-            if err is not None:
-                err.handle = handle  # type: ignore[attr-defined]
-                raise err
-        return handle
-
-    def _record_loss(self, job: _Job, err: BaseException) -> None:
-        self.record_loss(job.version, job.staged.step, err)
-
-    def record_loss(self, version_id: str, step: int, err: BaseException) -> None:
-        """See :meth:`tiercache.saver.Saver.record_loss`."""
-        with self._cv:
-            self._losses.append(err)
-            self.errors_total += 1
-            self.recent_errors.append(f"{version_id}: reached no durable tier: {type(err).__name__}: {err}")
-        log.error("version %s (step %d) reached no durable tier: %s", version_id, step, err)
 
     # ------------------------------------------------------------------ the agent's word
 
@@ -423,7 +334,7 @@ class AgentSaver:
                         job.manifest.set_exception(err)
                     job.published.set()
                     if msg.get("loss"):
-                        self._record_loss(job, err)
+                        self._front.losses.record(job.version, job.staged.step, err)
                 f.set_exception(err)
 
     def _answer(self, job: _Job, msg: dict[str, Any]) -> None:
@@ -452,6 +363,10 @@ class AgentSaver:
             self.link.notify("answer", n=msg.get("n"), error=error_to_wire(e))
             return
         self.link.notify("answer", n=msg.get("n"), result=result)
+
+    def hand_over(self, *, wait: bool) -> None:
+        """Hand what the lost agent had not finished to the front's in-process engine (see :meth:`_handed_over`)."""
+        self._handed_over(wait=wait)
 
     def _on_lost(self, err: BaseException) -> None:
         """The agent is gone: finish what it had not, in this process, off the link's thread."""
@@ -494,6 +409,7 @@ class AgentSaver:
         try:
             self._restage(job)
         except BaseException as e:  # the version cannot be saved here either (the engine never took it)
+            self._front.losses.record(job.version, job.staged.step, e)
             self._fail(job, e)
 
     def _restage(self, job: _Job) -> None:
@@ -508,11 +424,7 @@ class AgentSaver:
             TierFullError: If it can never fit in the in-process arena.
             CacheClosedError: If the in-process engine is closed.
         """
-        local = self._local_saver()
-        from tiercache.pipeline.engine import Engine  # the in-process saver is an Engine
-
-        if not isinstance(local, Engine):
-            raise TypeError(f"version {job.version}: the in-process saver is a {type(local).__name__}, not an Engine")
+        local = self._front.in_process()
         regions = local.reserve(job.layout)
         if regions is None:
             raise SkippedError(f"version {job.version} skipped: the RAM arena is full and the policy said skip")
@@ -544,35 +456,19 @@ class AgentSaver:
 
     # ------------------------------------------------------------------ the rest of the seam
 
-    def prepare_arena(self, state: object | None, *, wait: bool) -> None:
-        """Have the agent's arena made (sized for ``state`` when ``auto``) and mapped here.
+    def prepare_arena(self, flat: Flat | None, plan: CopyPlan | None, *, wait: bool) -> None:
+        """Have the agent's arena made (sized for a version of ``plan`` when ``auto``) and mapped here.
 
         Raises:
-            CacheClosedError: If the cache is closed.
+            AgentUnavailableError: If the agent is lost (the front prepares the in-process arena).
         """
-        if self._closed:
-            raise CacheClosedError("the cache is closed: open a new one")
-        try:
-            if self.link.arena is None and state is not None:
-                flat = flatten(state, allow_pickle=self.config.allow_pickle)
-                plan = self._plans.get(flat, self.config.chunk_bytes)
-                got = self.link.request("reserve", sid=self._structure(flat, plan, self.config.chunk_bytes))
-                if "rid" in got:
-                    self.link.request("cancel", rid=got["rid"])
-                self.link.note_arena(got.get("arena"))
-            if self.link.mapping() is not None and wait:
-                self.link.wait_populated()
-        except AgentUnavailableError:
-            self._local_saver().prepare_arena(state, wait=wait)
-
-    def wait_deferred(self) -> None:
-        """Block until every deferred copy started so far is done."""
-        with self._cv:
-            pending = list(self._deferred)
-        for f in pending:
-            f.exception()
-        if self._local is not None:
-            self._local.wait_deferred()
+        if self.link.arena is None and flat is not None and plan is not None:
+            got = self.link.request("reserve", sid=self._structure(flat, plan, self.config.chunk_bytes))
+            if "rid" in got:
+                self.link.request("cancel", rid=got["rid"])
+            self.link.note_arena(got.get("arena"))
+        if self.link.mapping() is not None and wait:
+            self.link.wait_populated()
 
     def wait_published(self) -> None:
         """Block until the manifests of this process's versions are in its catalog."""
@@ -581,8 +477,6 @@ class AgentSaver:
         for job in jobs:
             if job.copied:
                 job.published.wait()
-        if self._local is not None:
-            self._local.wait_published()
 
     def wait_job(self, version_id: str, timeout: float | None = None) -> bool:
         """Block until ``version_id`` is settled (this process's, or one the agent is still writing)."""
@@ -599,26 +493,19 @@ class AgentSaver:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
-        if self._local is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._local.wait_job(version_id, left)
         return True
 
     def pending_jobs(self) -> list[str]:
-        """This process's versions not settled yet, oldest first."""
+        """This process's versions the agent has not settled yet, oldest first."""
         with self._cv:
-            mine = [j.version for j in self._jobs.values()]
-        return mine + (self._local.pending_jobs() if self._local is not None else [])
+            return [j.version for j in self._jobs.values()]
 
     def pending_tiers(self, version_id: str) -> frozenset[str]:
-        """Tiers ``version_id`` is still being written to (by the agent or here)."""
-        here = self._local.pending_tiers(version_id) if self._local is not None else frozenset()
-        return here | self.link.pending_tiers(version_id)
+        """Tiers the agent is still writing ``version_id`` to."""
+        return self.link.pending_tiers(version_id)
 
     def promote_ram(self, version: Version, read: ObjectReader, progress: Progress | None) -> int:
         """Have the agent copy a version into node RAM; return bytes copied."""
-        if self.link.lost is not None:
-            return self._local_saver().promote_ram(version, read, progress)
         got = self.link.request("promote", version=version.id)
         if progress is not None:
             progress(int(got.get("nbytes", 0)))
@@ -636,25 +523,15 @@ class AgentSaver:
 
     def evict_ram(self, chunk_ids: Iterable[str]) -> int:
         """Have the agent drop node RAM's copies of chunks no version in flight needs."""
-        ids = list(chunk_ids)
-        freed = self._local.evict_ram(ids) if self._local is not None else 0
-        if self.link.lost is None:
-            freed += int(self.link.request("evict", chunks=ids).get("nbytes", 0))
-        return freed
+        if self.link.lost is not None:
+            return 0
+        return int(self.link.request("evict", chunks=list(chunk_ids)).get("nbytes", 0))
 
-    def take_losses(self) -> list[BaseException]:
-        """Versions lost that were not reported yet, oldest first (they are reported now)."""
-        with self._cv:
-            out = list(self._losses)
-            self._losses.clear()
-        return out
-
-    def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
-        """Wait until every version this process staged has settled (see :meth:`Engine.flush`).
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every version this process handed to the agent has settled (see :meth:`Engine.flush`).
 
         Raises:
             TimeoutError: If versions are still pending after ``timeout``; the message names them.
-            TierCacheError: With ``report``, the first version lost since the last report.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -665,29 +542,20 @@ class AgentSaver:
                     raise TimeoutError(f"flush: {len(self._jobs)} version(s) still pending after {timeout:g}s: "
                                        f"{shown}")
                 self._cv.wait(left if left is not None else 1.0)
-        if self._local is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._local.flush(left, report=report)
-        if report:
-            lost = self.take_losses()
-            if lost:
-                raise lost[0]
+
+    def wait_settled(self, timeout: float | None = None) -> None:
+        """As :meth:`flush` (the agent warns about its tiers itself)."""
+        self.flush(timeout)
 
     def close(self) -> None:
-        """Wait for this process's versions, close the link (the agent goes on), stop the threads."""
+        """Wait for this process's versions and close the link (the agent goes on)."""
         if self._closed:
             return
         try:
-            self.flush(report=False)
+            self.flush()
         finally:
             self._closed = True
-            self._stager.close()
             self.link.close()
-        if self._local is not None:
-            self._local.close()
-        lost = self.take_losses()
-        if lost:
-            raise lost[0]
 
 
 def _copy_outcome(src: Future[Any], dst: Future[Any]) -> None:
@@ -704,4 +572,4 @@ def _copy_outcome(src: Future[Any], dst: Future[Any]) -> None:
         pass
 
 
-__all__ = ["AgentSaver", "pin_mapping"]
+__all__ = ["AgentBackend", "pin_mapping"]

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING
 from tiercache.errors import SkippedError, TierCacheError, TierUnavailableError, VersionNotFoundError
 from tiercache.handle import TIER_LEVEL, LevelFuture
 from tiercache.manifest import RefRecord, TierOutcome
-from tiercache.pipeline.job import Job
+from tiercache.pipeline.job import Job, JobTable
 from tiercache.repo.health import is_outage
 
 if TYPE_CHECKING:
-    from tiercache.pipeline.engine import Engine
+    from tiercache.repo import Repo
+    from tiercache.saver import ObjectReader
 
 log = logging.getLogger("tiercache.pipeline.catchup")
 
@@ -72,15 +73,21 @@ class CatchUp:
     """The remote tiers' catch-up and the levels waiting for it (see the module docstring).
 
     Args:
-        engine: The engine whose versions wait.
+        repo: The storage layer (its tiers' health, the catalog, the copies).
+        jobs: The versions in flight (catch-up leaves each alone until the pipeline is done with it).
+        read_object: Reads a verified chunk object from the best tier holding it.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, repo: Repo, jobs: JobTable, read_object: ObjectReader) -> None:
+        self._repo = repo
+        self._health = repo.health
+        #: The versions in flight: one is never copied while the pipeline writes it.
+        self._jobs = jobs
+        self._read_object = read_object
         self._cv = threading.Condition()
         #: Per remote tier: the versions waiting for it, by id.
         self._waiting: dict[str, dict[str, Waiting]] = {
-            n: {} for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote"
+            n: {} for n in repo.durable if TIER_LEVEL.get(n) == "remote"
         }
         self._wanted: set[str] = set()
         self._running: set[str] = set()
@@ -108,7 +115,7 @@ class CatchUp:
         """
         if not durable or job.committer is not None:
             return {}
-        health = self._engine.health
+        health = self._health
         out: dict[str, BaseException | None] = {}
         for name in self._waiting:
             if name in job.committed:
@@ -155,8 +162,7 @@ class CatchUp:
                 went through that is still not on the tier fails; one it did not see (made a
                 head or tagged since) asks for another run.
         """
-        eng = self._engine
-        cat = eng.repo.catalog
+        cat = self._repo.catalog
         with self._cv:
             waiting = list(self._waiting[name].values())
         if not waiting:
@@ -177,10 +183,10 @@ class CatchUp:
                     decided.append((w, SkippedError(f"version {w.version} was not uploaded to {name}: "
                                                     f"catching {name} up did not copy it")))
                 else:
-                    rerun = rerun or seen is not None or eng.health.available(name)
+                    rerun = rerun or seen is not None or self._health.available(name)
             elif head is None:
                 decided.append((w, self._skipped(w, name, f"its branch {w.branch} was deleted")))
-            elif eng.jobs.get(head.version) is None:
+            elif self._jobs.get(head.version) is None:
                 # The head has settled: it stays the head unless moved, and catch-up copies it, not this one.
                 why = (f"newer version {head.version} of branch {w.branch} superseded it" if head.version > w.version
                        else f"branch {w.branch} was moved to version {head.version}")
@@ -208,7 +214,7 @@ class CatchUp:
     def _note(self, version_id: str, name: str, outcome: TierOutcome) -> None:
         """Record why ``name`` lacks the version, for ``ls`` and the UI (a note: never a reason to fail)."""
         try:
-            self._engine.repo.catalog.record_outcomes(version_id, {name: outcome})
+            self._repo.catalog.record_outcomes(version_id, {name: outcome})
         except TierCacheError as e:
             log.info("could not record why version %s is not on %s: %s", version_id, name, e)
 
@@ -228,26 +234,25 @@ class CatchUp:
 
     def _drain_into(self, name: str) -> None:
         """Copy onto ``name`` the oldest sole copies of each local tier asked to drain (see :meth:`drain`)."""
-        eng = self._engine
         with self._cv:
             wanted, self._drain = self._drain, {}
         for local, nbytes in wanted.items():
-            pinned = {r.version for r in eng.repo.catalog.refs().values()}
+            pinned = {r.version for r in self._repo.catalog.refs().values()}
             copied, ids = 0, []
-            for v in eng.repo.sole_copies(local):
-                if copied >= nbytes or self._closed or not eng.health.available(name):
+            for v in self._repo.sole_copies(local):
+                if copied >= nbytes or self._closed or not self._health.available(name):
                     break
-                if v.id in pinned or eng.jobs.get(v.id) is not None:
+                if v.id in pinned or self._jobs.get(v.id) is not None:
                     continue  # a head or tag is never evicted (catch-up copies it); a pending one is busy
                 try:
-                    eng.repo.copy_version(v, name, eng.read_object)
+                    self._repo.copy_version(v, name, self._read_object)
                 except TierCacheError as e:
                     if is_outage(e):
-                        eng.health.mark_down(name, e)
+                        self._health.mark_down(name, e)
                         return
                     log.warning("copying version %s from %s to %s to make room failed: %s", v.id, local, name, e)
                     continue
-                eng.repo.catalog.clear_outcome(v.id, name)
+                self._repo.catalog.clear_outcome(v.id, name)
                 copied += v.nbytes
                 ids.append(v.id)
             if ids:
@@ -294,17 +299,16 @@ class CatchUp:
 
     def _run(self, name: str) -> None:
         """Copy onto ``name`` the newest version of each branch and every tagged one it lacks; then review."""
-        eng = self._engine
-        cat = eng.repo.catalog
+        cat = self._repo.catalog
         errors: dict[str, BaseException] = {}
         seen: set[str] = set()
         try:
             cat.reload(name)
             # Branch heads first (newest first), then tags: a tag on a head is copied with it.
             for rec in sorted(cat.refs().values(), key=lambda r: (r.kind != "tag", r.version), reverse=True):
-                if self._closed or not eng.health.available(name):
+                if self._closed or not self._health.available(name):
                     return
-                eng.wait_job(rec.version)
+                self._jobs.wait(rec.version)
                 if cat.ref(rec.kind, rec.name) != rec:
                     continue  # moved (or taken back: its version failed) meanwhile
                 seen.add(rec.version)
@@ -320,7 +324,7 @@ class CatchUp:
                                 rec.name, e)
         except TierCacheError as e:
             if is_outage(e):
-                eng.health.mark_down(name, e)
+                self._health.mark_down(name, e)
                 return
             log.warning("catching %s up failed: %s", name, e)
             self._fail_all(name, e)
@@ -339,8 +343,7 @@ class CatchUp:
         Returns:
             Why it was left out, if no tier of this process holds it whole (else ``None``).
         """
-        eng = self._engine
-        cat = eng.repo.catalog
+        cat = self._repo.catalog
         try:
             version = cat.peek(rec.version)
             # A version saved by a group: its parts merged if this process can read them all, but
@@ -352,7 +355,7 @@ class CatchUp:
         except VersionNotFoundError:
             return None  # a ref this process moved to a version it did not get to commit
         if cat.manifest_on(name, version.id) and name in cat.residency(version):
-            eng.repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
+            self._repo.ensure_ref(name, rec)  # e.g. a tag on a version copied under its branch
             return None
         if version.is_header or not [t for t in cat.residency(version) if t != name]:
             # A version saved by ranks on several nodes, each node's disk holding its own part:
@@ -361,7 +364,7 @@ class CatchUp:
                      name, version.id, rec.kind, rec.name)
             return SkippedError(f"version {version.id} was not uploaded to {name}: this node holds only its part "
                                 "of it (the group's next save reaches the tier)")
-        copied = eng.repo.copy_version(version, name, eng.read_object, ref=rec)
+        copied = self._repo.copy_version(version, name, self._read_object, ref=rec)
         log.info("caught %s up with version %s (%s/%s, %d bytes copied)", name, version.id, rec.kind, rec.name,
                  copied)
         cat.clear_outcome(version.id, name)
@@ -377,7 +380,7 @@ class CatchUp:
         Returns:
             Those still waiting for a tier that is up (only if ``deadline`` passed first).
         """
-        health = self._engine.health
+        health = self._health
         with self._cv:
             while True:
                 left = [w for n, ws in self._waiting.items() if health.available(n) for w in ws.values()]
@@ -390,7 +393,7 @@ class CatchUp:
 
     def waiting_for_down_tiers(self) -> dict[str, list[Waiting]]:
         """Per tier that is down now, the versions waiting for it, oldest first."""
-        health = self._engine.health
+        health = self._health
         with self._cv:
             out = {n: sorted(ws.values(), key=lambda w: w.version) for n, ws in self._waiting.items()
                    if ws and not health.available(n)}
@@ -398,7 +401,7 @@ class CatchUp:
 
     def close(self) -> None:
         """Stop catching up; fail every level still waiting, with the reason, and log which."""
-        health = self._engine.health
+        health = self._health
         with self._cv:
             self._closed = True
             left = {n: sorted(ws.values(), key=lambda w: w.version) for n, ws in self._waiting.items() if ws}

@@ -1,10 +1,10 @@
-"""The background save pipeline: staging, hashing, per-tier writers, settling, back-pressure.
+"""The background save pipeline: reserving, hashing, per-tier writers, settling, back-pressure.
 
-``stage()`` runs on the training thread and is the only part training waits for: it reserves
-page-aligned regions of the RAM arena (asking the policy when the arena is full), copies every
-tensor into them (:mod:`tiercache.pipeline.staging`) and returns a
-:class:`~tiercache.handle.SaveHandle`. Everything else runs on engine threads, chunk by chunk as
-soon as each is copied:
+The engine is the in-process back end of the save front (:mod:`tiercache.pipeline.front`,
+docs/design.md section 3). On the training thread, the front has it reserve page-aligned regions
+of the RAM arena (:meth:`Engine.regions`, asking the policy when the arena is full) and take the
+version (:meth:`Engine.launch`) before copying every tensor in. Everything else runs on engine
+threads, chunk by chunk as soon as each is copied:
 
 1. the hasher (:mod:`tiercache.pipeline.hasher`) names each staged chunk by the hash of its
    bytes, writes its header in place, hands the region to the RAM tier and publishes the manifest;
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -42,21 +42,20 @@ from tiercache.errors import (
     SkippedError,
     TierCacheError,
 )
-from tiercache.format import Flat, flatten
+from tiercache.format import Flat
 from tiercache.handle import LEVELS, TIER_LEVEL, LevelFuture, SaveHandle, level_futures
 from tiercache.layout import Layout
-from tiercache.manifest import RefRecord, TierOutcome, Version, new_version_id
+from tiercache.manifest import RefRecord, TierOutcome, Version
 from tiercache.names import chunk_key, version_key
 from tiercache.pipeline import probe
 from tiercache.pipeline.catchup import CatchUp
-from tiercache.pipeline.deferred import Owned, deferrable
 from tiercache.pipeline.hasher import Hasher
 from tiercache.pipeline.job import Committer, Job, JobTable, StagedVersion
 from tiercache.pipeline.placement import Placement, skip_level
 from tiercache.pipeline.ramcache import RamCache
 from tiercache.pipeline.skips import SkipLog
-from tiercache.pipeline.staging import PlanCache, Stager
-from tiercache.pipeline.writer import TierWriter, lower_thread_priority
+from tiercache.pipeline.staging import CopyPlan, copy_saturates
+from tiercache.pipeline.writer import TierWriter, WriterParts, lower_thread_priority
 from tiercache.policy.base import Policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo
@@ -66,6 +65,7 @@ from tiercache.tiers.base import Tier, early_writer
 from tiercache.tiers.ram import Arena, RamTier, Region
 
 if TYPE_CHECKING:
+    from tiercache.pipeline.front import LossLedger, Save
     from tiercache.restore import Progress
 
 log = logging.getLogger("tiercache.pipeline.engine")
@@ -89,12 +89,16 @@ class Engine:
         meter: Where every transfer's bytes and seconds are recorded.
         read_object: Reads a verified chunk object from the best tier holding it (catch-up copies
             chunks with it).
+        losses: The front's ledger, where versions that reached no durable tier are counted.
         make_arena: Makes the RAM arena of a given capacity (the node agent's shared memory, see
             :mod:`tiercache.agent.server`); ``None``: private memory of this process.
+
+    It is one back end of the save front (:class:`~tiercache.pipeline.front.Backend`): the front
+    copies each version into regions this engine reserved, and the engine does the rest.
     """
 
     def __init__(self, config: CacheConfig, repo: Repo, *, policy: Policy, meter: ThroughputMeter,
-                 read_object: Callable[[str, int, str], tuple[bytes, str]],
+                 read_object: Callable[[str, int, str], tuple[bytes, str]], losses: LossLedger,
                  make_arena: Callable[[int], Arena] | None = None) -> None:
         self.config = config
         self.repo = repo
@@ -107,30 +111,26 @@ class Engine:
             pin=lambda: (ram.pin_memory if ram else True) and torch.cuda.is_available(),
             serve_reads=ram.serve_reads if ram else False, keep_all=not repo.durable, make_arena=make_arena,
         )
-        self.placement = Placement(self, policy)
         #: Logs the policy's skips (and the group's) at INFO, summarised when they repeat.
         self.skips = SkipLog()
+        self.catchup = CatchUp(repo, self.jobs, read_object)
+        self.placement = Placement(repo, self.jobs, self.ramcache, meter, self.skips, policy, settle=self.settle,
+                                   drain=self.catchup.drain)
         #: Reads a verified chunk object from the best tier holding it (catch-up copies with it).
         self.read_object = read_object
-        self._plans = PlanCache(config.pack_below)
-        #: Copies that save() deferred (see tiercache.pipeline.deferred), until each is done.
-        self._deferred: set[Future[None]] = set()
         #: Versions that reached no durable tier -> the parent their children name instead.
         self._effective: OrderedDict[str, str | None] = OrderedDict()
-        #: Versions lost (no durable tier) that neither save() nor flush()/close() reported yet.
-        self._losses: deque[BaseException] = deque(maxlen=64)
-        self.errors_total = 0
-        self.recent_errors: deque[str] = deque(maxlen=16)
+        #: Where lost versions and tier failures are recorded (the front reports them).
+        self.losses = losses
         self._saved = False
         self._closed = False
         self._said_waiting = float("-inf")  # when save() last said it waits for room (see _say_waiting)
         #: Whether tiers that can write chunk payloads before their hash do so (off only in A/Bs).
         self.early_writes = True
-        self.catchup = CatchUp(self)
         self.health.set_on_up(self.catchup.request)
-        self._stager = Stager((config.ram or RamConfig()).resolved_copy_threads())
         #: Names each staged chunk and publishes the manifest (on a ``tiercache-hash`` thread).
-        self.hasher = Hasher(config, repo, self.ramcache, self.jobs, wait_for_copy=self._stager.saturates)
+        self.hasher = Hasher(config, repo, self.ramcache, self.jobs,
+                             wait_for_copy=copy_saturates((config.ram or RamConfig()).resolved_copy_threads()))
         nice = config.background_nice
         # One lane per rank whose versions this engine writes: a hashing thread and a writer per
         # tier. A process's own versions (and its part of each multi-rank version) go through
@@ -145,6 +145,8 @@ class Engine:
         self.finisher = ThreadPoolExecutor(
             2, thread_name_prefix="tiercache-name", initializer=lower_thread_priority, initargs=(nice,)
         )
+        self._writer_parts = WriterParts(repo, self.jobs, self.ramcache, meter, self.placement, self.finisher,
+                                         read_object)
         #: Each tier's writer of each lane (lane 0's made now, the others on first use).
         self._writers: dict[tuple[str, int], TierWriter] = {}
         for name in repo.durable:
@@ -162,73 +164,60 @@ class Engine:
         """Whether this process has saved anything (a process that only reads never writes)."""
         return self._saved
 
-    # ------------------------------------------------------------------ training thread
+    # ------------------------------------------------------------------ the front's back end
 
-    def stage(
-        self,
-        state: object,
-        *,
-        step: int,
-        branch: str,
-        meta: dict,
-        parent: str | None,
-        seq: int,
-        version_id: str | None = None,
-        chunk_bytes: int | None = None,
-        committer: Committer | None = None,
-        defer: Owned | None = None,
-        flat: Flat | None = None,
-    ) -> SaveHandle:
-        """Copy ``state`` into the arena and start writing it; return the handle.
+    @property
+    def lost(self) -> bool:
+        """Never: the engine runs in this process (see :class:`~tiercache.pipeline.front.Backend`)."""
+        return False
 
-        ``version_id``, ``chunk_bytes``, ``committer`` and ``flat`` serve multi-rank saves
-        (:mod:`tiercache.group`): the group's agreed version id, a chunk size that splits
-        replicated tensors among the ranks, the committer that has the group commit the version
-        in place of this engine, and the state already flattened (``state`` is then ignored: a
-        state is flattened once per save). ``defer``: the address ranges of an
-        optimizer's tensors, whose copy may finish after this returns (see
-        :mod:`tiercache.pipeline.deferred`); the ``staged`` future completes when it has.
+    def absent_levels(self) -> dict[str, Exception]:
+        """The levels no version written by this engine can reach, and why."""
+        return absent_levels(self.repo.durable)
+
+    def regions(self, save: Save) -> list[torch.Tensor] | str:
+        """Reserve regions of the arena for ``save``; views of them, or why the policy skips it (training thread).
 
         Raises:
             CacheClosedError: If the cache is closed.
-            TierCacheError: Only with ``engine.on_error = "raise"``: an earlier version that
-                reached no durable tier (after this one is staged; its handle is on the error).
-            UnsupportedStateError: If a leaf of ``state`` cannot be stored.
             TierFullError: If the version can never fit in the RAM arena.
         """
         if self._closed:
             raise CacheClosedError("the cache is closed: open a new one to save")
-        if flat is None:
-            flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        plan = self._plans.get(flat, chunk_bytes or self.config.chunk_bytes)
-        job = self._new_job(version_id or new_version_id(), branch, step, seq, parent, meta, time.time(), flat,
-                            plan.layout, committer)
-        vid, futures = job.version_id, job.futures
         self._start_catch_up()
-        regions = self._reserve(plan.layout)
+        regions = self._reserve(save.layout)
         if regions is None:
-            return self._report_earlier(self._skipped(job))
-        # The hasher and the writers start on each chunk as soon as it is copied, so the disk is
-        # busy while the training thread is still copying the rest (unless the copy uses every
-        # core: see Stager.saturates).
-        self._launch(job, regions)
-        later = deferrable(flat.tensors, defer) if defer else frozenset()
+            return "the RAM arena is full and the policy said skip"
+        save.ticket = regions
         arena = self.ramcache.arena
         assert arena is not None
-        try:
-            pending = self._stager.copy_in(flat, plan, [arena.tensor(r) for r in regions], job.copied, later=later)
-        except BaseException as e:
-            job.copy_error = e
-            for ev in job.copied:
-                ev.set()
-            raise
-        if pending is None:
-            futures["staged"].set_result(vid)
-        else:
-            with self.jobs.lock:
-                self._deferred.add(pending)
-            pending.add_done_callback(lambda f: self._copied_later(job, f))
-        return self._report_earlier(SaveHandle(vid, futures))
+        return [arena.tensor(r) for r in regions]
+
+    def launch(self, save: Save) -> list[threading.Event]:
+        """Hand ``save`` to the hasher before it is copied: it and the writers start on each chunk once copied.
+
+        So the disk is busy while the training thread is still copying the rest (unless the copy
+        uses every core: see :attr:`Stager.saturates`).
+        """
+        job = self._new_job(save.version_id, save.branch, save.step, save.seq, save.parent, save.meta,
+                            save.created_at, save.flat, save.layout, save.committer, save.futures)
+        copied = self._launch(job, save.ticket)
+        save.ticket = job
+        return copied
+
+    def publish(self, save: Save, wait_s: float) -> None:
+        """``save`` is whole in the arena: it is ``staged``."""
+        save.futures["staged"].set_result(save.version_id)
+
+    def cancel(self, save: Save, err: BaseException, *, seen: bool) -> None:
+        """Copying ``save`` failed: the hasher fails the version (a copy error ``save()`` raised is no loss)."""
+        job: Job = save.ticket
+        job.copy_error = err  # before the events: the hasher checks it when one is set
+        for ev in job.copied:
+            ev.set()
+
+    def hand_over(self, *, wait: bool) -> None:
+        """Nothing to hand over: the engine is never lost."""
 
     def adopt(self, staged: StagedVersion, layout: Layout, regions: list[Region],
               committer: Committer | None = None, *,
@@ -236,10 +225,10 @@ class Engine:
         """Start writing a version another process already copied into regions of this engine's arena.
 
         The entry point of the node agent (:mod:`tiercache.agent.server`): a trainer reserved
-        ``regions`` (:meth:`reserve`), copied its state into them as :meth:`stage` would, and
+        ``regions`` (:meth:`reserve`), copied its state into them as the save front does, and
         handed over ``staged``; from here on the version goes through the same pipeline as one
         staged in process. The regions belong to the version from now on. ``committer``: one
-        rank's part of a multi-rank version, which the group commits (see :meth:`stage`).
+        rank's part of a multi-rank version, which the group commits (see :meth:`SaveFront.stage`).
         ``follow`` is called with the version's manifest future before any thread can settle it
         (as :meth:`Committer.follow`; :meth:`published` forgets a version once it settled).
 
@@ -253,7 +242,9 @@ class Engine:
             raise CacheClosedError("the cache is closed: open a new one to save")
         flat = Flat(staged.tree, [], list(staged.metas), staged.pickled, structure_key=None)
         job = self._new_job(staged.version_id, staged.branch, staged.step, staged.seq, staged.parent, staged.meta,
-                            staged.created_at, flat, layout, committer)
+                            staged.created_at, flat, layout, committer, level_futures(staged.version_id))
+        for lvl, err in absent_levels(self.repo.durable).items():
+            job.futures[lvl].set_exception(err)
         if follow is not None:
             follow(job.published)
         self._start_catch_up()
@@ -265,7 +256,7 @@ class Engine:
     def reserve(self, layout: Layout) -> list[Region] | None:
         """Regions of the arena for one version of ``layout`` (see :meth:`adopt`), or ``None`` if the policy skips it.
 
-        Blocks while the arena is full and the policy says wait, as :meth:`stage` does.
+        Blocks while the arena is full and the policy says wait, as :meth:`regions` does.
 
         Raises:
             TierFullError: If a version of ``layout`` can never fit in the arena.
@@ -273,24 +264,16 @@ class Engine:
         return self._reserve(layout)
 
     def _new_job(self, vid: str, branch: str, step: int, seq: int, parent: str | None, meta: dict,
-                 created_at: float, flat: Flat, layout: Layout, committer: Committer | None) -> Job:
-        futures = level_futures(vid)
+                 created_at: float, flat: Flat, layout: Layout, committer: Committer | None,
+                 futures: dict[str, Future[str]]) -> Job:
         return Job(vid, branch, step, seq, parent, dict(meta), created_at, flat, layout, [], futures,
                    nbytes=sum(m.nbytes for m in flat.metas), committer=committer)
-
-    def _skipped(self, job: Job) -> SaveHandle:
-        err = SkippedError(f"version at step {job.step} skipped: the RAM arena is full and the policy said skip")
-        for f in job.futures.values():
-            f.set_exception(err)
-        return SaveHandle(job.version_id, job.futures)
 
     def _launch(self, job: Job, regions: list[Region]) -> list[threading.Event]:
         """Give ``job`` its regions and hand it to the hasher; return its per-chunk ``copied`` events."""
         job.regions = list(regions)
         job.ready = [Future() for _ in regions]
         job.copied = [threading.Event() for _ in regions]
-        for lvl, err in absent_levels(self.repo.durable).items():
-            job.futures[lvl].set_exception(err)
         self.repo.leases.open(job.version_id, job.parent)
         if job.committer is not None:
             job.committer.follow(job.published)
@@ -305,7 +288,7 @@ class Engine:
             if writer is None:
                 tier = self.repo.durable[name]
                 writer = self._writers[(name, lane)] = TierWriter(
-                    self, name, tier, threads=tier.write_threads or self.config.io_threads,
+                    self._writer_parts, self, name, tier, threads=tier.write_threads or self.config.io_threads,
                     nice=self.config.background_nice)
             return writer
 
@@ -318,44 +301,6 @@ class Engine:
                     1, thread_name_prefix="tiercache-hash", initializer=lower_thread_priority,
                     initargs=(self.config.background_nice,))
             return lane
-
-    def _report_earlier(self, handle: SaveHandle) -> SaveHandle:
-        """Apply ``engine.on_error`` to versions lost earlier, now that ``handle``'s version is staged.
-
-        ``"warn"`` leaves them to ``flush()``/``close()`` (they were logged when lost);
-        ``"raise"`` raises the first with ``handle`` on it, so the new version is not lost too.
-        """
-        if self.config.engine.on_error == "raise":
-            with self.jobs.lock:
-                err = self._losses.popleft() if self._losses else None
-            if err is not None:
-                err.handle = handle  # type: ignore[attr-defined]
-                raise err
-        return handle
-
-    def _copied_later(self, job: Job, done: Future[None]) -> None:
-        with self.jobs.lock:
-            self._deferred.discard(done)
-        err = done.exception()
-        if err is None:
-            job.futures["staged"].set_result(job.version_id)
-            return
-        # Unlike a copy in save(), nobody has seen this one fail: it counts as a lost version.
-        self._record_loss(job, err)
-        job.copy_error = err  # before the events: the hasher checks it when one is set
-        for ev in job.copied:
-            ev.set()
-
-    def wait_deferred(self) -> None:
-        """Block until every deferred copy started so far is done (its outcome is on its handle)."""
-        with self.jobs.lock:
-            pending = list(self._deferred)
-        for f in pending:
-            f.exception()
-
-    def layout_of(self, flat: Flat, chunk_bytes: int | None = None) -> Layout:
-        """The chunk layout a save of ``flat`` gets (planned once per structure and chunk size)."""
-        return self._plans.get(flat, chunk_bytes or self.config.chunk_bytes).layout
 
     def published(self, version_id: str) -> Future[Version] | None:
         """The future of a staged version's manifest (resolved once hashed), or ``None`` if it is not in flight."""
@@ -405,20 +350,18 @@ class Engine:
         """Create the arena and RAM tier on first use (memory itself is allocated lazily)."""
         return self.ramcache.ensure(staged_bytes)
 
-    def prepare_arena(self, state: object | None, *, wait: bool) -> None:
-        """Create the arena and fault its memory in now (see :meth:`TierCache.prepare`).
+    def prepare_arena(self, flat: Flat | None, plan: CopyPlan | None, *, wait: bool) -> None:
+        """Create the arena, sized for a version of ``plan``, and fault its memory in (see :meth:`TierCache.prepare`).
 
         Raises:
             CacheClosedError: If the cache is closed.
-            InvalidArgumentError: If the capacity is ``"auto"`` and ``state`` is ``None``.
-            UnsupportedStateError: If ``state`` cannot be stored.
+            InvalidArgumentError: If the capacity is ``"auto"`` and no ``plan`` sizes it.
         """
         if self._closed:
             raise CacheClosedError("the cache is closed: open a new one")
         staged = 0
-        if state is not None:
-            flat = flatten(state, allow_pickle=self.config.allow_pickle)
-            staged = self._plans.get(flat, self.config.chunk_bytes).layout.staged_bytes
+        if plan is not None:
+            staged = plan.layout.staged_bytes
         elif self.ramcache.capacity is None:
             raise InvalidArgumentError(
                 "ram.capacity is 'auto': pass a state to prepare() so the arena can be sized, or set ram.capacity"
@@ -664,7 +607,7 @@ class Engine:
             return
         with self.jobs.lock:
             job.failed[name] = err
-            self.recent_errors.append(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
+        self.losses.note(f"{job.version_id} on {name}: {type(err).__name__}: {err}")
         lvl = TIER_LEVEL.get(name)
         # A remote tier's outage may leave the level waiting for its catch-up: settle decides.
         if lvl and not self.catchup.defers(name, job, err):
@@ -776,15 +719,8 @@ class Engine:
         return SkippedError(f"version {job.version_id} reached no durable tier")
 
     def _record_loss(self, job: Job, err: BaseException) -> None:
-        self.record_loss(job.version_id, job.step, err)
-
-    def record_loss(self, version_id: str, step: int, err: BaseException) -> None:
-        """Count a version that reached no durable tier; ``flush()``/``close()`` (or ``save()``) report it."""
-        with self.jobs.lock:
-            self._losses.append(err)
-            self.errors_total += 1
-            self.recent_errors.append(f"{version_id}: reached no durable tier: {type(err).__name__}: {err}")
-        log.error("version %s (step %d) reached no durable tier: %s", version_id, step, err)
+        """Count a version that reached no durable tier; the front reports it (``save()``, ``flush()``, ``close()``)."""
+        self.losses.record(job.version_id, job.step, err)
 
     def _lost(self, job: Job) -> None:
         """Make a version that reached no durable tier invisible as a parent and as a branch head."""
@@ -913,8 +849,7 @@ class Engine:
         Returns:
             Whether it is done (``False`` only if ``timeout`` passed first).
         """
-        job = self.jobs.get(version_id)
-        return job is None or job.released.wait(timeout)
+        return self.jobs.wait(version_id, timeout)
 
     # ------------------------------------------------------------------ tiers coming back
 
@@ -935,14 +870,7 @@ class Engine:
 
     # ------------------------------------------------------------------ errors and shutdown
 
-    def take_losses(self) -> list[BaseException]:
-        """Versions lost (no durable tier) that were not reported yet, oldest first; they are reported now."""
-        with self.jobs.lock:
-            out = list(self._losses)
-            self._losses.clear()
-        return out
-
-    def flush(self, timeout: float | None = None, *, report: bool = True) -> None:
+    def flush(self, timeout: float | None = None) -> None:
         """Wait until every submitted version has finished on every tier that answers.
 
         A version waiting for a remote tier that is down (see :mod:`tiercache.pipeline.catchup`)
@@ -950,15 +878,14 @@ class Engine:
         resolves when the tier is caught up, and a warning names it. One waiting for a tier that
         is up again (its catch-up under way) is waited for.
 
+        Versions lost meanwhile are in the ledger: the front reports them.
+
         Args:
             timeout: Seconds to wait at most, or ``None`` to wait as long as it takes.
-            report: Raise the first version lost since the last report.
 
         Raises:
             TimeoutError: If versions are still pending after ``timeout`` (the message names them
                 and the tiers they wait for).
-            TierCacheError: With ``report``, the error of the first version that reached no
-                durable tier since the last report (its message names the version).
         """
         self.wait_settled(timeout)
         for name, versions in self.catchup.waiting_for_down_tiers().items():
@@ -967,10 +894,6 @@ class Engine:
             log.warning("flush: %d version(s) wait for %s%s: %s; they are on the other tiers, and their %r level "
                         "resolves when %s answers again", len(versions), name, since,
                         ", ".join(f"{w.version} (step {w.step})" for w in versions), TIER_LEVEL[name], name)
-        if report:
-            lost = self.take_losses()
-            if lost:
-                raise lost[0]
 
     def wait_settled(self, timeout: float | None = None) -> None:
         """Wait for every version in flight and for catch-up on tiers that are up (see :meth:`flush`)."""
@@ -1001,7 +924,7 @@ class Engine:
                                f"{', '.join(shown[:4])}{more}")
 
     def close(self) -> None:
-        """Finish pending writes, stop the threads; raise the first lost version not yet reported.
+        """Finish pending writes and stop the threads (the front reports the versions lost).
 
         The caller makes sure no ``stage()`` runs concurrently (the facade holds its save lock):
         every version staged before is written or settled before the writers stop. Versions
@@ -1022,9 +945,5 @@ class Engine:
             lanes = list(self._hash_lanes.values())
         for lane in lanes:
             lane.shutdown()
-        self._stager.close()
         self.ramcache.close()
         self.skips.flush()
-        lost = self.take_losses()
-        if lost:
-            raise lost[0]

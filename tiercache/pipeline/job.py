@@ -219,6 +219,11 @@ class JobTable:
         with self.lock:
             return self._jobs.get(version_id) if version_id is not None else None
 
+    def wait(self, version_id: str, timeout: float | None = None) -> bool:
+        """Block until ``version_id`` is out of the pipeline (any outcome); ``False`` if ``timeout`` passed first."""
+        job = self.get(version_id)
+        return job is None or job.released.wait(timeout)
+
     def taken_before(self, first: Job, then: Job) -> bool:
         """Whether ``first`` was added before ``then`` (both in flight): the order writers take them in."""
         with self.lock:

@@ -20,12 +20,17 @@ from tiercache import codecs
 from tiercache.dtypes import float_share
 from tiercache.errors import SkippedError, TierCacheError
 from tiercache.handle import TIER_LEVEL
-from tiercache.pipeline.job import Job
+from tiercache.pipeline.job import Job, JobTable
 from tiercache.policy.base import CodecView, Policy, PolicyContext, TierPlan, TierStats, VersionView
 from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiercache.pipeline.engine import Engine
+    from collections.abc import Callable
+
+    from tiercache.pipeline.ramcache import RamCache
+    from tiercache.pipeline.skips import SkipLog
+    from tiercache.policy.meter import ThroughputMeter
+    from tiercache.repo import Repo
 
 log = logging.getLogger("tiercache.pipeline.placement")
 
@@ -38,19 +43,33 @@ class Placement:
     """The policy-facing part of the engine (see the module docstring).
 
     Args:
-        engine: The engine whose versions it places.
+        repo: The storage layer (the tiers, their health, the catalog, evictions).
+        jobs: The versions in flight.
+        ramcache: The RAM tier (its stats for the policy).
+        meter: The throughput meter (rates and codec figures for the policy).
+        skips: Where the policy's skips are logged.
         policy: The policy.
+        settle: Settles a version nothing is pending for any more (the engine's).
+        drain: Has catch-up copy about this many bytes of a full local tier's sole copies onward.
     """
 
-    def __init__(self, engine: Engine, policy: Policy) -> None:
-        self.engine = engine
+    def __init__(self, repo: Repo, jobs: JobTable, ramcache: RamCache, meter: ThroughputMeter, skips: SkipLog,
+                 policy: Policy, *, settle: Callable[[Job], None], drain: Callable[[str, int], None]) -> None:
+        self._repo = repo
+        self._health = repo.health
+        self._jobs = jobs
+        self._ramcache = ramcache
+        self._meter = meter
+        self._skips = skips
+        self._settle = settle
+        self._drain = drain
         self.policy = policy
         self._views_cache: dict[str, tuple[tuple[str, ...], VersionView]] = {}
         self.last_remote: float | None = None
         # Remote tiers count for residency only once listed: a decision never waits on a bucket.
-        self._remote = frozenset(n for n in engine.repo.durable if TIER_LEVEL.get(n) == "remote")
+        self._remote = frozenset(n for n in repo.durable if TIER_LEVEL.get(n) == "remote")
         # A multi-rank version is never skipped on the first durable tier (see :meth:`must_write`).
-        self._anchor = next(iter(engine.repo.durable), None)
+        self._anchor = next(iter(repo.durable), None)
         # Tiers full of versions no other durable tier holds (warned about once, see tier_full).
         self._full: set[str] = set()
 
@@ -58,33 +77,32 @@ class Placement:
 
     def context(self) -> PolicyContext:
         """A snapshot of what the policy may look at."""
-        eng = self.engine
-        tiers = eng.repo.durable
-        with eng.jobs.lock:
+        tiers = self._repo.durable
+        with self._jobs.lock:
             pending: dict[str, list[str]] = {n: [] for n in tiers}
             backlog: dict[str, int] = {n: 0 for n in tiers}
-            jobs = eng.jobs.snapshot()
+            jobs = self._jobs.snapshot()
             job_pending = {j.version_id: frozenset(j.pending) for j in jobs}
             for job in jobs:
                 for n in job.pending:
                     pending[n].append(job.version_id)
                     backlog[n] += job.nbytes
-        ram = eng.ramcache
+        ram = self._ramcache
         stats = {"ram": TierStats("ram", False, ram.capacity, ram.arena.used_bytes if ram.arena else 0,
-                                  eng.meter.rate("ram", "read"), eng.meter.rate("ram", "write"))}
+                                  self._meter.rate("ram", "read"), self._meter.rate("ram", "write"))}
         for n, t in tiers.items():
             # Only a tier with a budget is asked for its usage: no decision needs it otherwise, and
             # counting a bucket that has no budget could mean listing it.
             budget, used = self._usage(t)
-            model = eng.meter.model(n, "write")
-            outage = eng.health.outage(n)
+            model = self._meter.model(n, "write")
+            outage = self._health.outage(n)
             stats[n] = TierStats(
-                n, True, budget, used, eng.meter.rate(n, "read"), model.bps if model else None,
+                n, True, budget, used, self._meter.rate(n, "read"), model.bps if model else None,
                 len(pending[n]), backlog[n], remote=TIER_LEVEL.get(n) == "remote",
                 write_latency_s=model.latency_s if model else None,
                 available=outage is None, unavailable=outage.reason if outage else "",
             )
-        seen = {name: eng.meter.codec_stats(name) for name in codecs.codec_names()}
+        seen = {name: self._meter.codec_stats(name) for name in codecs.codec_names()}
         codec_views = {name: CodecView(name, c.encode_bps, c.decode_bps, c.ratio)
                        for name, c in seen.items() if c is not None}
         since = time.time() - self.last_remote if self.last_remote is not None else None
@@ -107,7 +125,7 @@ class Placement:
 
     def _version_views(self, jobs: list[Job], job_pending: dict[str, frozenset[str]]) -> tuple[VersionView, ...]:
         """Every known version as the policy sees it, oldest first, staged ones included."""
-        cat = self.engine.repo.catalog
+        cat = self._repo.catalog
         pinned = {r.version for r in cat.refs().values()}
         by_job = {j.version_id: j for j in jobs}
         views: dict[str, VersionView] = {}
@@ -146,10 +164,10 @@ class Placement:
 
     def view(self, job: Job) -> VersionView:
         """The policy's view of one job: where it lives now, what it waits for, whether it is pinned."""
-        cat = self.engine.repo.catalog
+        cat = self._repo.catalog
         tiers = frozenset(cat.residency(job.manifest, self._remote)) if job.manifest is not None else frozenset()
         pinned = job.version_id in {r.version for r in cat.refs().values()}
-        with self.engine.jobs.lock:
+        with self._jobs.lock:
             return dataclasses.replace(job.view(tiers), pinned=pinned)
 
     # ------------------------------------------------------------------ decisions
@@ -167,24 +185,24 @@ class Placement:
 
     def place(self, job: Job) -> list[str]:
         """Ask where a just-staged version goes; record the skips; return the tiers it is queued for."""
-        tiers = self.engine.repo.durable
+        tiers = self._repo.durable
         placement = self.policy.place(self.view(job), self.context())
         named = [p.tier for p in placement.plans if p.tier in tiers]
         targets = [n for n in [*named, *(n for n in tiers if n not in named)]
                    if not placement.plan_for(n).skip or self.must_write(job, n)]
-        with self.engine.jobs.lock:
+        with self._jobs.lock:
             job.order = tuple(named + [n for n in tiers if n not in named])
             for name in tiers:
                 if name not in targets:
                     job.skipped[name] = placement.plan_for(name).reason or "policy decision"
-                    if not self.engine.health.available(name):
+                    if not self._health.available(name):
                         job.skipped_down.add(name)
                     if job.committer is not None:  # the group waits for this level now (no fallback)
                         skip_level(job, name, job.skipped[name])
             job.pending = set(targets)  # before coalescing, so this job counts as the newest pending one
             skipped = [(n, job.skipped[n]) for n in tiers if n not in targets]
         for name, why in skipped:
-            self.engine.skips.skipped(name, job.version_id, why)
+            self._skips.skipped(name, job.version_id, why)
         for name in tiers:
             # A tier the policy bypassed for being full: its versions have no other copy (or
             # eviction would have made room), so catch-up drains the oldest of them onward.
@@ -210,9 +228,9 @@ class Placement:
         ``newest``, whose queue entries are not made yet.
         """
         ctx = self.context()
-        for name in self.engine.repo.durable:
-            with self.engine.jobs.lock:
-                queued = [j for j in self.engine.jobs.snapshot() if name in j.pending and j is not newest][1:]
+        for name in self._repo.durable:
+            with self._jobs.lock:
+                queued = [j for j in self._jobs.snapshot() if name in j.pending and j is not newest][1:]
             for job in queued:
                 if self.must_write(job, name):
                     continue
@@ -236,7 +254,7 @@ class Placement:
                 its writer takes next (the oldest pending version of a tier is always written).
             writing: The tier's writer skips the version it took.
         """
-        jobs = self.engine.jobs
+        jobs = self._jobs
         with jobs.lock:
             # Check and claim in one critical section: the tier's writer checks the same set. A
             # fallback (forced) is never skipped again: it is where the version goes after all.
@@ -247,16 +265,16 @@ class Placement:
             job.pending.discard(name)
             job.writing.discard(name)
             job.skipped[name] = reason
-            if not self.engine.health.available(name):
+            if not self._health.available(name):
                 job.skipped_down.add(name)
             finished = not job.pending
-        self.engine.skips.skipped(name, job.version_id, reason)
+        self._skips.skipped(name, job.version_id, reason)
         if job.committer is not None:
             # The group settles a multi-rank version tier by tier, and waits for each rank's level
             # of this tier now; there is no fallback for it anyway.
             skip_level(job, name, reason)
         if finished:
-            self.engine.settle(job)
+            self._settle(job)
 
     def make_room(self, name: str, job: Job) -> bool:
         """Evict what the policy names from tier ``name`` until ``job`` fits; False if it cannot.
@@ -267,8 +285,7 @@ class Placement:
         skips it, catch-up copies the oldest of them onward, and one WARNING says so (see
         :meth:`tier_full`).
         """
-        eng = self.engine
-        tier = eng.repo.durable[name]
+        tier = self._repo.durable[name]
         budget = tier.budget()
         if budget is None:  # no capacity, and not on a filesystem that may fill
             return True
@@ -281,7 +298,7 @@ class Placement:
             return True
         # Only chunks the tier lacks need room (dedup), so wait for the ids; hashing is quick.
         manifest = job.published.result()
-        have = eng.repo.catalog.chunks_on(name)
+        have = self._repo.catalog.chunks_on(name)
         new = {c.id: c.nbytes for c in manifest.chunks if c.id not in have}
         # Raw size plus header: an upper bound, as encoding only ever stores a chunk smaller.
         need = sum(n + codecs.HEADER_BYTES for n in new.values()) + len(manifest.to_json())
@@ -291,8 +308,8 @@ class Placement:
             # The budget is asked again each round: a full filesystem gains what eviction frees.
             while tier.used_bytes() + need > (budget := tier.budget() or 0):
                 dropped = [vid for vid in self.policy.evict(name, self.context())
-                           if eng.repo.evict(vid, name, by="policy", rule=rule) is not None]
-                pruned += [vid for vid in dropped if not eng.repo.committed_on(vid)]
+                           if self._repo.evict(vid, name, by="policy", rule=rule) is not None]
+                pruned += [vid for vid in dropped if not self._repo.committed_on(vid)]
                 if not dropped:
                     self.tier_full(name, tier.used_bytes() + need - budget)
                     return False
@@ -315,25 +332,24 @@ class Placement:
         ``short`` bytes of them have another copy (capacity eviction may then drop them). One
         WARNING per episode, until :meth:`room_back`.
         """
-        eng = self.engine
-        with eng.jobs.lock:
+        with self._jobs.lock:
             first = name not in self._full
             self._full.add(name)
         if first:
-            remotes = [n for n in eng.repo.durable if n in self._remote]
+            remotes = [n for n in self._repo.durable if n in self._remote]
             onward = (f"new versions skip it until catch-up has copied the oldest of them to {'/'.join(remotes)}"
                       if remotes else "new versions skip it (no other durable tier to copy them to): free room, "
                       "raise its capacity, or set a retention")
-            tier = eng.repo.durable[name]
+            tier = self._repo.durable[name]
             budget, _used = self._usage(tier)
             limit = (f"capacity {tier.capacity} bytes" if tier.capacity is not None and tier.capacity == budget
                      else f"its filesystem has room for {budget or 0} bytes of it")
             log.warning("%s is full of versions no other durable tier holds (%s): %s", name, limit, onward)
-        eng.catchup.drain(name, short)
+        self._drain(name, short)
 
     def room_back(self, name: str) -> None:
         """Tier ``name`` took a version again after :meth:`tier_full` (said once, at INFO)."""
-        with self.engine.jobs.lock:
+        with self._jobs.lock:
             if name not in self._full:
                 return
             self._full.discard(name)
@@ -345,10 +361,10 @@ class Placement:
         Its durability levels fail with :class:`SkippedError` and its arena regions are freed.
         A version some writer already holds is never dropped half-way, so this may find nothing.
         """
-        jobs = self.engine.jobs
+        jobs = self._jobs
         with jobs.lock:
             snapshot = jobs.snapshot()
-            heads = {n: next((j for j in snapshot if n in j.pending), None) for n in self.engine.repo.durable}
+            heads = {n: next((j for j in snapshot if n in j.pending), None) for n in self._repo.durable}
             victim = next(
                 (j for j in snapshot if j.published.done() and j.pending
                  and j.committer is None and all(heads[n] is not j for n in j.pending)),

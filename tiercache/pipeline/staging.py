@@ -62,7 +62,7 @@ class Stager:
         if threads < 1:
             raise ValueError(f"staging needs at least 1 thread, got {threads}: set ram.copy_threads")
         self.threads = threads
-        self.saturates = threads >= usable_cores()
+        self.saturates = copy_saturates(threads)
         self._pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="tiercache-copy")
         # Runs deferred copies one at a time; it only hands out work to the pool and waits.
         self._later = ThreadPoolExecutor(1, thread_name_prefix="tiercache-defer")
@@ -187,6 +187,11 @@ class Stager:
             keep.clear()  # contiguous temporaries of strided sources, needed until every copy ran
         if failed:
             raise failed[0]
+
+
+def copy_saturates(threads: int) -> bool:
+    """Whether a copy on ``threads`` threads keeps every usable core busy (see :class:`Stager`)."""
+    return threads >= usable_cores()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from tiercache import codecs
 from tiercache.errors import (
@@ -35,13 +36,18 @@ from tiercache.failpoints import failpoint
 from tiercache.handle import TIER_LEVEL
 from tiercache.manifest import RefRecord
 from tiercache.names import CHUNKS, chunk_key
-from tiercache.pipeline.job import Job
+from tiercache.pipeline.job import Job, JobTable
 from tiercache.policy.base import COMMIT_REQUESTS, TierPlan
 from tiercache.tiers.base import PendingWrite, Tier, early_writer
 from tiercache.tiers.ram import Region
 
 if TYPE_CHECKING:
-    from tiercache.pipeline.engine import Engine
+    from tiercache.manifest import Version
+    from tiercache.pipeline.placement import Placement
+    from tiercache.pipeline.ramcache import RamCache
+    from tiercache.policy.meter import ThroughputMeter
+    from tiercache.repo import Repo
+    from tiercache.saver import ObjectReader
 
 log = logging.getLogger("tiercache.pipeline.writer")
 
@@ -50,19 +56,60 @@ log = logging.getLogger("tiercache.pipeline.writer")
 EARLY_AHEAD = 64
 
 
+class WriterOutcomes(Protocol):
+    """What a tier's writer reports to the engine it writes for, and asks of it."""
+
+    def final_manifest(self, job: Job) -> Version:
+        """The manifest to commit (waits for the parent's outcome; see :meth:`Engine.final_manifest`)."""
+        ...
+
+    def early_hint(self, job: Job, tier: Tier, codec: str) -> list[bool]:
+        """Per chunk: whether to write its payload before its hash is known."""
+        ...
+
+    def chunk_read(self, job: Job, tier: str, key: str) -> None:
+        """Tier ``tier`` is done reading chunk ``key`` of ``job``: RAM may let it go."""
+        ...
+
+    def tier_done(self, name: str, job: Job) -> None:
+        """``job`` is committed on tier ``name``."""
+        ...
+
+    def fail_tier(self, name: str, job: Job, err: BaseException, *, quiet: bool = False, group: bool = False) -> None:
+        """Writing ``job`` to tier ``name`` failed with ``err``."""
+        ...
+
+
+@dataclass(frozen=True)
+class WriterParts:
+    """What the tier writers of one engine share (the engine makes it once)."""
+
+    repo: Repo
+    jobs: JobTable
+    ramcache: RamCache
+    meter: ThroughputMeter
+    placement: Placement
+    #: Names chunks written before their hash (these tasks wait for hashes: threads of their own).
+    finisher: ThreadPoolExecutor
+    read_object: ObjectReader
+
+
 class TierWriter:
     """The writer thread of one durable tier, with its I/O threads.
 
     Args:
-        engine: The engine it writes for.
+        parts: What it shares with the other writers of its engine.
+        outcomes: Where it reports each version's outcome on its tier (the engine).
         name: The tier's name.
         tier: The tier.
         threads: I/O threads for chunk puts.
         nice: How much lower than training its threads run (see :func:`lower_thread_priority`).
     """
 
-    def __init__(self, engine: Engine, name: str, tier: Tier, *, threads: int, nice: int) -> None:
-        self.engine = engine
+    def __init__(self, parts: WriterParts, outcomes: WriterOutcomes, name: str, tier: Tier, *, threads: int,
+                 nice: int) -> None:
+        self._parts = parts
+        self._outcomes = outcomes
         self.name = name
         self.tier = tier
         self._early = early_writer(tier)  # once: the protocol check costs ~10 us, more than the flag
@@ -92,13 +139,13 @@ class TierWriter:
         try:
             self._write(job)
         except BaseException as e:
-            self.engine.repo.release(job.version_id, self.name)
-            self.engine.fail_tier(self.name, job, e)
+            self._parts.repo.release(job.version_id, self.name)
+            self._outcomes.fail_tier(self.name, job, e)
 
     # ------------------------------------------------------------------ one version
 
     def _write(self, job: Job) -> None:
-        eng, name = self.engine, self.name
+        eng, name = self._parts, self.name
         with eng.jobs.lock:
             # One write per version and tier: the writer's queue and a fallback thread may both
             # hold it (a version taken off this tier while queued, then sent here after all).
@@ -106,7 +153,7 @@ class TierWriter:
                 return  # coalesced away while queued, settled here already, or being written
             job.writing.add(name)  # from here on the policy cannot take it off this tier
             forced = name in job.forced
-        outage = eng.health.outage(name)
+        outage = eng.repo.health.outage(name)
         if outage is not None and not forced:
             if job.committer is None:
                 # Nothing was tried: as the policy's skip of a tier that is down (the version's
@@ -132,7 +179,7 @@ class TierWriter:
                 mine = job.committer.owned(name)
             except BaseException as e:  # the group failed the version: nothing was tried here
                 eng.repo.release(job.version_id, name)
-                eng.fail_tier(name, job, e, group=True)
+                self._outcomes.fail_tier(name, job, e, group=True)
                 return
         written: set[str] = set()
         spans = self._put_chunks(job, plan.codec, mine, written)
@@ -149,7 +196,7 @@ class TierWriter:
             # this one, which the group's verdict waits for).
             verdict.add_done_callback(lambda f: self._group_verdict(job, f))
             return
-        manifest = eng.final_manifest(job)
+        manifest = self._outcomes.final_manifest(job)
         rec = RefRecord(kind="branch", name=job.branch, version=job.version_id, seq=job.seq)
         try:
             eng.repo.commit(name, manifest, rec, written=written, owner=job.version_id)
@@ -157,23 +204,23 @@ class TierWriter:
             # Another writer moved the branch: the version stays stored but off the branch. Only
             # this level fails (the handle reports it, and the next save builds on the new head).
             log.warning("version %s not committed on %s: %s", job.version_id, name, e)
-            eng.fail_tier(name, job, e, quiet=True)
+            self._outcomes.fail_tier(name, job, e, quiet=True)
             return
         # The commit is latency-bound (a manifest and a ref, each durable before the next): with
         # the bulk write above it lets the meter tell per-request latency from bandwidth.
         eng.meter.record(name, "write", len(manifest.to_json()), time.perf_counter() - t_commit,
                          requests=COMMIT_REQUESTS)
-        eng.tier_done(name, job)
+        self._outcomes.tier_done(name, job)
 
     def _group_verdict(self, job: Job, verdict: Future[None]) -> None:
         """The group committed (or failed) a multi-rank version on this tier: complete its level."""
-        eng = self.engine
+        eng = self._parts
         eng.repo.release(job.version_id, self.name)
         err = verdict.exception()
         if err is None:
-            eng.tier_done(self.name, job)
+            self._outcomes.tier_done(self.name, job)
         else:
-            eng.fail_tier(self.name, job, err, group=True)
+            self._outcomes.fail_tier(self.name, job, err, group=True)
 
     def _put_chunks(
         self, job: Job, codec: str, mine: Collection[str] | None, written: set[str]
@@ -183,9 +230,9 @@ class TierWriter:
         Every tier starts at once, from the RAM arena: a slower tier does not wait for a faster
         one to commit the version (see :meth:`_put_chunk`).
         """
-        eng = self.engine
+        eng = self._parts
         futs: list[Future[tuple[int, float, float]]] = []
-        hint = eng.early_hint(job, self.tier, codec)
+        hint = self._outcomes.early_hint(job, self.tier, codec)
         # Chunks written before they are hashed and not yet named: each holds an open tmp file.
         early: deque[Future[tuple[int, float, float]]] = deque()
         try:
@@ -201,7 +248,7 @@ class TierWriter:
                     continue
                 cid = ready.result()  # raises the hashing error, failing this level
                 if (mine is not None and cid not in mine) or not self._claim(job, cid, written):
-                    eng.chunk_read(job, self.name, chunk_key(cid))  # nothing to read: RAM may let it go
+                    self._outcomes.chunk_read(job, self.name, chunk_key(cid))  # nothing to read: RAM may let it go
                     continue
                 futs.append(self._io.submit(self._put_chunk, job, cid, codec))
         except BaseException:
@@ -215,8 +262,8 @@ class TierWriter:
         The version's chunk writes run in parallel, so the check and the claim are one step; the
         lease keeps a chunk found here from being deleted before the version is committed.
         """
-        missing = self.engine.repo.claim(job.version_id, self.name, [cid])
-        with self.engine.jobs.lock:
+        missing = self._parts.repo.claim(job.version_id, self.name, [cid])
+        with self._parts.jobs.lock:
             if cid not in missing or cid in written:
                 return False
             written.add(cid)
@@ -262,10 +309,10 @@ class TierWriter:
         The caller frees it once done reading: whoever else frees it meanwhile (the hasher for a
         duplicate, the RAM tier on release, a failed save) leaves the bytes in place until then.
         """
-        arena = self.engine.ramcache.arena
+        arena = self._parts.ramcache.arena
         assert arena is not None
         job.copied[i].wait()
-        with self.engine.jobs.lock:  # the hasher adopts the region (and clears job.regions[i]) under it
+        with self._parts.jobs.lock:  # the hasher adopts the region (and clears job.regions[i]) under it
             region = job.regions[i]  # None once the hasher has adopted it (or the save failed)
             if region is None or job.copy_error is not None:
                 return None
@@ -277,7 +324,7 @@ class TierWriter:
 
         Returns the pending object and the write's start and duration.
         """
-        arena = self.engine.ramcache.arena
+        arena = self._parts.ramcache.arena
         assert arena is not None
         early = self._early
         assert early is not None, "Engine.early_hint writes early only to a tier that can"
@@ -302,7 +349,7 @@ class TierWriter:
         payload and the hash left out). A chunk that proves to be stored already is dropped: its
         tmp file is removed.
         """
-        ram = self.engine.ramcache
+        ram = self._parts.ramcache
         assert ram.arena is not None
         hdr = codecs.HEADER_BYTES
         try:
@@ -330,7 +377,7 @@ class TierWriter:
         version, then kept until a save needs the room, see :meth:`Engine.release_ram`), else
         read back from a durable tier that holds it. Either way the arena may let it go after.
         """
-        eng = self.engine
+        eng = self._parts
         key = chunk_key(cid)
         ram = eng.ramcache.ram
         assert ram is not None
@@ -345,7 +392,7 @@ class TierWriter:
                     return self._put_object(key, view, codec)
             return self._put_object(key, self._read_back(job, cid), codec)
         finally:
-            eng.chunk_read(job, self.name, key)
+            self._outcomes.chunk_read(job, self.name, key)
             if borrowed:  # a region dropped while borrowed went back only as the borrow ended
                 eng.ramcache.notify()
 
@@ -355,7 +402,7 @@ class TierWriter:
         The version is open until it settles, so no eviction drops it from that tier meanwhile
         (see :meth:`Repo.evict`); a damaged copy there is read from another tier instead.
         """
-        eng = self.engine
+        eng = self._parts
         manifest = job.published.result()
         nbytes = next(c.nbytes for c in manifest.chunks if c.id == cid)
         with eng.jobs.lock:
@@ -383,7 +430,7 @@ class TierWriter:
         hdr = codecs.read_header(view[: codecs.HEADER_BYTES])
         t0 = time.perf_counter()
         payload = codecs.encode(codec, view[codecs.HEADER_BYTES :], itemsize=hdr.itemsize)
-        self.engine.meter.record_codec(codec, hdr.raw_len, len(payload), time.perf_counter() - t0)
+        self._parts.meter.record_codec(codec, hdr.raw_len, len(payload), time.perf_counter() - t0)
         if len(payload) >= hdr.raw_len:
             return bytes(view)  # incompressible: storing it raw is smaller and faster to read
         return bytes(codecs.chunk_object(payload, hdr.chunk_id, hdr.hash_algo, codec=codec, raw_len=hdr.raw_len,
