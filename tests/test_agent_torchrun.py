@@ -35,7 +35,10 @@ def _example() -> tuple[str, str, list[str]]:
 
 
 def _launch(work: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # Both ranks print to one pipe: unbuffered, a print's text and its newline are two writes, and
+    # two ranks' lines can interleave ("rank 0 ...rank 1 ...\n\n"); buffered, each flushed line is one.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "train.py"], cwd=work, env=env, capture_output=True, text=True, timeout=240, check=False)
 

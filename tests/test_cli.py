@@ -445,7 +445,7 @@ def test_log_json(repo: _Repo) -> None:
 def test_short_ids_in_listings_tell_versions_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Versions whose ids share their first 12 characters (as ids made in one millisecond share 10).
     ids = iter(f"01M85P4VBCXY{c}{'0' * 13}" for c in "ABC")
-    monkeypatch.setattr("tiercache.pipeline.engine.new_version_id", lambda: next(ids))
+    monkeypatch.setattr("tiercache.pipeline.front.new_version_id", lambda: next(ids))
     config = tmp_path / "tiercache.toml"
     config.write_text(f'[disk]\npath = "{tmp_path / "store"}"\n')
     with tiercache.open(config) as cache:
