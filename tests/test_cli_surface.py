@@ -160,3 +160,12 @@ def test_help_and_ls_import_only_what_they_use(tmp_path: Path) -> None:
     # ls needs the config and the catalog (pydantic), and rich to print; pydantic reads its plugins'
     # entry points (importlib.metadata). Nothing else heavy: no torch, no S3 client, no advisor.
     assert _heavy_imports(tmp_path, "ls") == ["importlib.metadata", "pydantic", "rich.console", "tiercache.cache"]
+
+
+def test_ls_with_an_agent_table_and_no_agent_imports_no_torch(tmp_path: Path) -> None:
+    # The facade asks the node agent (agent/node.py) what node RAM holds at open: that stays torch-free.
+    (tmp_path / "tiercache.toml").write_text(
+        f'[disk]\npath = "{tmp_path / "cache"}"\n[agent]\nsocket = "{tmp_path / "a.sock"}"\nstart = "never"\n')
+    with tiercache.open(tmp_path / "tiercache.toml") as cache:
+        cache.save({"w": torch.ones(4)}, step=1).wait("local")
+    assert _heavy_imports(tmp_path, "ls") == ["importlib.metadata", "pydantic", "rich.console", "tiercache.cache"]

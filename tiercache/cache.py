@@ -33,13 +33,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercache import repo as repo_ops
+from tiercache.agent.node import NodeAgent
 from tiercache.config import DURABLE_TIERS, CacheConfig, parse_duration
 from tiercache.core import CacheCore
 from tiercache.errors import (
@@ -67,7 +67,7 @@ from tiercache.names import check_name
 from tiercache.policy.builtin import load_policy
 from tiercache.policy.meter import ThroughputMeter
 from tiercache.repo import Repo, TierHealth
-from tiercache.runtime import AgentStats, CacheStats, ErrorStats, TierRoom, TierStats
+from tiercache.runtime import CacheStats, ErrorStats, TierRoom, TierStats
 from tiercache.status import RECENT_SAMPLES, STATUS_KEY, StatusRecorder, read_status
 from tiercache.tiers.base import Tier
 
@@ -189,10 +189,8 @@ class TierCache:
                                on_restored=self._restored)
         self._seed_meter()
         self._engine: Saver | None = None
-        #: Why the node agent refused this cache (one warning said so; it is not asked again).
-        self._agent_refusal: TierCacheError | None = None
-        #: The connection to the node agent (``[agent]``), once attached.
-        self._link: AgentLink | None = self._attach_agent(start=False) if config.agent is not None else None
+        #: What this cache asks the node agent (``[agent]``); it answers for "no agent" too.
+        self._node = NodeAgent(config, self._core.repo)
         self._step_guards: StepGuards | None = None
         self._lazy_lock = threading.Lock()
         self._groups: dict[ProcessGroup, MultiRank] = {}
@@ -222,8 +220,7 @@ class TierCache:
 
         Multi-rank code asks it what node RAM holds: ``cache.agent.holds(versions, chunks)``.
         """
-        link = self._link
-        return link if link is not None and link.lost is None else None
+        return self._node.link
 
     @property
     def last_restore(self) -> RestoreReport | None:
@@ -255,32 +252,11 @@ class TierCache:
         return Engine(self.config, core.repo, policy=core.policy, meter=core.meter, read_object=core.read_object,
                       losses=losses, make_arena=self._make_arena)
 
-    def _attach_agent(self, *, start: bool) -> AgentLink | None:
-        """Connect to the node agent (start one if ``start``); ``None``, with a warning, if that fails.
-
-        A refusal (another user's directory, other settings...) is warned about once: later
-        calls return ``None`` without asking again.
-        """
-        from tiercache.agent.client import attach
-
-        if self._agent_refusal is not None:
-            return None
-        try:
-            return attach(self.config, self._core.repo, start=start)
-        except TierCacheError as e:
-            self._agent_refusal = e
-            log.warning("no node agent: %s; saving in this process", e)
-            return None
-
     def _save_front(self) -> Saver:
         """The save front, with the node agent's back end if one is configured and answers, else in process."""
         from tiercache.pipeline.front import SaveFront
 
-        link = None
-        if self.config.agent is not None:
-            link = self._link
-            if link is None or link.lost is not None:
-                link = self._link = self._attach_agent(start=self.config.agent.start == "auto")
+        link = self._node.link_for_saves()
         if link is None:
             return SaveFront(self.config, make_local=self._local_engine)
         from tiercache.agent.saver import AgentBackend
@@ -476,11 +452,7 @@ class TierCache:
 
     def _restored(self, report: RestoreReport, began: float) -> None:
         """Tell who publishes this process's status that a restore read ``report`` (its reads began at ``began``)."""
-        if self._link is not None:
-            # By source, in the agent's metrics; its time (and when it began: the end of a
-            # restart) in the status the agent publishes, for `tiercache plan`.
-            self._link.notify("restored", nbytes=report.nbytes, seconds=report.seconds, began=began)
-        else:
+        if not self._node.notify_restored(report, began):
             self._note_restore(report.seconds)
 
     def manifest(self, ref: str) -> Version:
@@ -518,42 +490,11 @@ class TierCache:
             if branch is not None and v.branch != branch:
                 continue
             pending = (self._engine.pending_tiers(v.id) if self._engine is not None
-                       else self._link.pending_tiers(v.id) if self._link is not None else ())
+                       else self._node.pending_tiers(v.id))
             out.append(VersionInfo(v.id, v.step, v.branch, v.parent, v.created_at, v.nbytes, dict(v.meta),
                                    self._core.catalog.residency(v),
                                    self._core.repo.states(v, self.tier_names, pending)))
-        return self._node_ram(out)
-
-    def _node_ram(self, versions: list[VersionInfo]) -> list[VersionInfo]:
-        """``versions`` with node RAM's state of each, as the node agent tells it (``[agent]``).
-
-        Only the agent knows what node RAM holds (a version a group saved is there as its ranks'
-        parts, which no catalog outside the agent knows). With no agent running, node RAM holds
-        nothing, unless this process saves in RAM of its own (its own states say so).
-        """
-        if self.config.agent is None or not versions:
-            return versions
-        link = self.agent
-        if link is None:
-            if self._engine is not None:
-                return versions
-            none = TierState("absent", "no node agent runs for this cache: no node RAM holds its versions")
-            return [replace(v, states={**v.states, "ram": none}) for v in versions]
-        try:
-            states = link.ram_states([v.id for v in versions])
-        except TierCacheError as e:  # an agent of another tiercache version: its catalog's word stands
-            log.debug("the node agent did not say what node RAM holds: %s", e)
-            return versions
-        out = []
-        for v in versions:
-            st = states.get(v.id)
-            if st is None or v.states.get("ram", st).state == "pending":
-                out.append(v)
-                continue
-            tiers = v.tiers if (st.state == "held") == ("ram" in v.tiers) else \
-                ("ram", *v.tiers) if st.state == "held" else tuple(t for t in v.tiers if t != "ram")
-            out.append(replace(v, tiers=tiers, states={**v.states, "ram": st}))
-        return out
+        return self._node.node_ram(out, saves_here=self._engine is not None)
 
     def pruned(self) -> list[VersionInfo]:
         """Versions a rule the user set (a retention) deleted from their last durable tier, oldest first.
@@ -693,7 +634,7 @@ class TierCache:
                 if other.id != version.id and "ram" in self._core.catalog.residency(other):
                     ids -= {c.id for c in other.chunks}
             # Node RAM outlives this process: its agent evicts even where this process never saved.
-            engine = self.engine if self._engine is not None or self.agent is not None else None
+            engine = self.engine if self._engine is not None or self._node.link is not None else None
             return engine.evict_ram(ids) if engine is not None else 0
         if self._engine is not None:
             self._engine.wait_job(version.id)
@@ -737,11 +678,8 @@ class TierCache:
         self._wait_published()
         engine = self._engine
         evicted = None if engine is None else engine.evict_ram
-        if self._link is not None and self._link.lost is None:
-            # The agent writes this cache: it collects too, so its view of the tiers stays true.
-            got = self._link.request("gc", dry_run=dry_run, grace=grace)["report"]
-            report = repo_ops.GcReport(**{**got, "versions": tuple(got["versions"]),
-                                          "kept_by_reflog": tuple(got.get("kept_by_reflog", ()))})
+        report = self._node.gc(dry_run=dry_run, grace=grace)
+        if report is not None:  # the agent collected: this process's catalog forgets what it deleted
             self._core.catalog.forget(report.versions if not dry_run else ())
         else:
             report = repo_ops.gc(self._core.repo, dry_run=dry_run, grace=grace, on_chunks_deleted=evicted)
@@ -804,10 +742,8 @@ class TierCache:
         errors = ErrorStats(lost_versions=engine.errors_total if engine else 0,
                             recent=list(engine.recent_errors) if engine else [])
         out = CacheStats(meter=self._core.meter.snapshot(), tiers=tiers, errors=errors)
-        if self._link is not None and self._link.lost is None:
-            with contextlib.suppress(TierCacheError):
-                out = out.with_agent(AgentStats.model_validate(self._link.request("stats")))
-        return out.to_json()
+        agent = self._node.stats()
+        return (out.with_agent(agent) if agent is not None else out).to_json()
 
     def _room(self, name: str, up: bool) -> TierRoom:
         """A durable tier's room for the next version, for :meth:`stats` (see :mod:`tiercache.repo.room`).
@@ -1034,8 +970,7 @@ class TierCache:
             self._persist_meter()
             for group_view in self._groups.values():
                 group_view.close()
-            if self._link is not None:
-                self._link.close()
+            self._node.close()
             self._core.close()
 
     def _seed_meter(self) -> None:

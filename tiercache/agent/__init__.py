@@ -13,6 +13,7 @@ Two sides, two floors:
   :mod:`~tiercache.agent.naming` (where an agent lives), :mod:`~tiercache.agent.arena` (the shared
   memory), :mod:`~tiercache.agent.protocol` (framed messages, descriptor passing),
   :mod:`~tiercache.agent.client` (connect, map, ask, the RAM tier as a trainer reads it),
+  :mod:`~tiercache.agent.node` (what the facade asks the agent: node RAM, gc, stats),
   :mod:`~tiercache.agent.saver` (the :class:`~tiercache.saver.Saver` that copies and publishes),
   :mod:`~tiercache.agent.lifecycle` (start detached, status, stop, environment checks);
 * the server side sits above :mod:`tiercache.pipeline` and :mod:`tiercache.repo`:
