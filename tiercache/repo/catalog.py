@@ -528,13 +528,17 @@ class Catalog:
         with self._lock:
             known = self._known.get(version.id)
             line = (known if known is not None else Summary.of(version)).to_line()
+        self._append_lines(tier, [(version.id, line)])
+
+    def _append_lines(self, tier: str, lines: list[tuple[str, str]]) -> None:
+        """Append ``lines`` (version id, line) to durable tier ``tier``'s versions index; a failure is logged."""
         with self._index_locks[tier]:
             try:
                 seg = self._segments(tier, "versions")
             except StorageError as e:
                 log.warning("could not read the index of %s (a later reader rebuilds it): %s", tier, e)
                 return
-            index.try_append(t, "versions", seg, [(version.id, line)])
+            index.try_append(self._tiers[tier], "versions", seg, lines)
 
     def reindex(self) -> dict[str, tuple[int, int]]:
         """Rebuild every available durable tier's index from its manifests and records (``doctor --reindex``).
@@ -698,13 +702,7 @@ class Catalog:
         t = self._tiers[tier]
         if not t.durable or not version_ids or tier not in self._index_locks:
             return
-        with self._index_locks[tier]:
-            try:
-                seg = self._segments(tier, "versions")
-            except StorageError as e:
-                log.warning("could not read the index of %s (a later reader rebuilds it): %s", tier, e)
-                return
-            index.try_append(t, "versions", seg, [(vid, index.gone_line(vid)) for vid in version_ids])
+        self._append_lines(tier, [(vid, index.gone_line(vid)) for vid in version_ids])
 
     def users_of(self, chunk_id: str) -> frozenset[str]:
         """Ids of the known versions whose manifests name chunk ``chunk_id``."""
