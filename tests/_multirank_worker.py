@@ -243,10 +243,9 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
 def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Rank 1's writes fail during one dcp.save; then a dcp.save, a save(group=) and a dcp.load of the first."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+    from tiercache.integrations.dcp import TierCacheStorageWriter
 
     armed = [rank == 1]
 
@@ -263,28 +262,47 @@ def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: d
     armed[0] = False
     out["aborted"] = [w1.version_id, _levels(w1.handle)]
 
-    class Refusing(DefaultSavePlanner):  # rank 1's DCP step fails before its write_data: no round there
-        def finish_plan(self, new_plan: Any) -> Any:
-            if rank == 1:
-                raise ValueError("injected: rank 1's plan is refused")
-            return super().finish_plan(new_plan)
-
+    # Rank 1's DCP step fails before its write_data: no round there.
     w1b = TierCacheStorageWriter(cache, step=1)
     try:
-        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1b, planner=Refusing())
+        dcp.save({**_dtensors(world, full_tensors(1)), "step": 1}, storage_writer=w1b,
+                 planner=_refusing_planner(rank, at=1))
     except CheckpointException as e:
         out["plan_abort"] = sorted(e.failures)
     out["plan_aborted"] = [w1b.version_id, _levels(w1b.handle) if w1b.handle is not None else None]
-    w2 = TierCacheStorageWriter(cache, step=2)
-    dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2)
-    out["dcp"] = [w2.version_id, _levels(w2.handle)]
-    h = cache.save(node_state(rank, 3), step=3, group=dist.group.WORLD)
-    out["group"] = [h.version, _levels(h)]
-    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(2).items()}), "step": 0}
-    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
-    full = full_tensors(2)
-    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+    _next_saves_and_load(cache, rank, world, out, step=2, levels=_levels)
     out["last_restore"] = cache.last_restore.version if cache.last_restore is not None else None
+
+
+def _refusing_planner(rank: int, *, at: int) -> Any:
+    """A DCP save planner whose step fails on rank ``at`` before its write_data."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Refusing(DefaultSavePlanner):
+        def finish_plan(self, new_plan: Any) -> Any:
+            if rank == at:
+                raise ValueError(f"injected: rank {rank}'s plan is refused")
+            return super().finish_plan(new_plan)
+
+    return Refusing()
+
+
+def _next_saves_and_load(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], *, step: int,
+                         levels: Callable[[Any], dict[str, Any]]) -> None:
+    """After an aborted save: a clean dcp.save at ``step``, a save(group=) at ``step + 1``, a dcp.load of the first."""
+    import torch.distributed.checkpoint as dcp
+
+    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+
+    w = TierCacheStorageWriter(cache, step=step)
+    dcp.save({**_dtensors(world, full_tensors(step)), "step": step}, storage_writer=w)
+    out["dcp"] = [w.version_id, levels(w.handle)]
+    h = cache.save(node_state(rank, step + 1), step=step + 1, group=dist.group.WORLD)
+    out["group"] = [h.version, levels(h)]
+    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(step).items()}), "step": 0}
+    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
+    full = full_tensors(step)
+    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
 def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
@@ -295,10 +313,9 @@ def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, o
     (after it proposed the version); then a dcp.save, a save(group=) and a dcp.load.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+    from tiercache.integrations.dcp import TierCacheStorageWriter
 
     def levels(handle: Any) -> dict[str, Any]:  # bounded: a level that never settles is a finding, not a hang
         got: dict[str, Any] = {}
@@ -311,32 +328,15 @@ def scenario_dcp_plan_abort(cache: tiercache.TierCache, rank: int, world: int, o
                 got[lvl] = [type(e).__name__, str(e)]
         return got
 
-    class Refusing(DefaultSavePlanner):
-        def __init__(self, at: int) -> None:
-            super().__init__()
-            self.at = at
-
-        def finish_plan(self, new_plan: Any) -> Any:
-            if rank == self.at:
-                raise ValueError(f"injected: rank {rank}'s plan is refused")
-            return super().finish_plan(new_plan)
-
     for at in (1, 0):  # rank 1's step fails, then the coordinator's (after it proposed the version)
         w2 = TierCacheStorageWriter(cache, step=2)
         try:
-            dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2, planner=Refusing(at))
+            dcp.save({**_dtensors(world, full_tensors(2)), "step": 2}, storage_writer=w2,
+                     planner=_refusing_planner(rank, at=at))
         except CheckpointException as e:
             out[f"abort{at}"] = sorted(e.failures)
         out[f"aborted{at}"] = [w2.version_id, levels(w2.handle) if w2.handle is not None else None]
-    w3 = TierCacheStorageWriter(cache, step=3)
-    dcp.save({**_dtensors(world, full_tensors(3)), "step": 3}, storage_writer=w3)
-    out["dcp"] = [w3.version_id, levels(w3.handle)]
-    h = cache.save(node_state(rank, 4), step=4, group=dist.group.WORLD)
-    out["group"] = [h.version, levels(h)]
-    state = {**_dtensors(world, {k: torch.zeros_like(v) for k, v in full_tensors(3).items()}), "step": 0}
-    dcp.load(state, storage_reader=TierCacheStorageReader(cache, "main~1"))
-    full = full_tensors(3)
-    out["equal"] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
+    _next_saves_and_load(cache, rank, world, out, step=3, levels=levels)
 
 
 def scenario_nodes_disk_full(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],
