@@ -95,3 +95,17 @@ def test_stats_merge_the_agent_as_a_typed_operation() -> None:
 def test_a_tier_room_that_is_not_one_is_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="validation error"):
         TierStats.model_validate({"capacity": 1, "used_bytes": 0, "available": True, "unavailable": None, **bad})
+
+
+def test_a_status_json_longer_than_any_recorder_writes_reads_as_no_status() -> None:
+    # status.json sits in a directory other processes may write: a document with more entries than
+    # a recorder keeps is not one, and is not validated whole nor served to the ui.
+    from tiercache.runtime import LAG_HISTORY, RECENT_ERRORS
+
+    sample = {"t": 1.0, "branch": "main", "step": 1, "levels": {}}
+    error = {"t": 1.0, "version": "v", "branch": "main", "step": 1, "level": "local", "error": "E", "message": "m"}
+    ok = {"schema_version": 1, "lag_history": [sample] * LAG_HISTORY, "errors": [error] * RECENT_ERRORS}
+    got = read_status(json.dumps(ok).encode())
+    assert got is not None and len(got.lag_history) == LAG_HISTORY and len(got.errors) == RECENT_ERRORS
+    assert read_status(json.dumps({**ok, "lag_history": [sample] * (LAG_HISTORY + 1)}).encode()) is None
+    assert read_status(json.dumps({**ok, "errors": [error] * (RECENT_ERRORS + 1)}).encode()) is None

@@ -24,6 +24,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+#: How many of each kind a status keeps (the recorder trims to these; a document with more, from a
+#: shared directory, is not one: it reads as no status).
+RECENT_VERSIONS = 64
+RECENT_ERRORS = 20
+RECENT_SAMPLES = 32
+LAG_HISTORY = 300
+
 
 class _Model(BaseModel):
     # Ignore what a newer writer adds: a viewer's aid must not fail on a field it does not know.
@@ -44,7 +51,7 @@ class Measure(_Model):
     ewma: float | None = None
     last: float | None = None
     count: int = 0
-    recent: list[list[float]] = Field(default_factory=list)
+    recent: list[list[float]] = Field(default_factory=list, max_length=RECENT_SAMPLES)
 
 
 class Staged(_Model):
@@ -132,14 +139,14 @@ class Status(_Model):
     training: dict[str, StepAt] = Field(default_factory=dict)
     newest: dict[str, dict[str, Reached]] = Field(default_factory=dict)
     lag: dict[str, dict[str, Lag | None]] = Field(default_factory=dict)
-    lag_history: list[LagSample] = Field(default_factory=list)
+    lag_history: list[LagSample] = Field(default_factory=list, max_length=LAG_HISTORY)
     save_wait: Measure = Field(default_factory=Measure)
     time_to: dict[str, Measure] = Field(default_factory=dict)
     restore: Measure = Field(default_factory=Measure)
     restart: Measure = Field(default_factory=Measure)
     queues: dict[str, int] = Field(default_factory=dict)
-    versions: dict[str, VersionStatus] = Field(default_factory=dict)
-    errors: list[LevelError] = Field(default_factory=list)
+    versions: dict[str, VersionStatus] = Field(default_factory=dict, max_length=RECENT_VERSIONS)
+    errors: list[LevelError] = Field(default_factory=list, max_length=RECENT_ERRORS)
     #: ``ThroughputMeter.snapshot()`` of the writer, or ``None`` in a document without one.
     meter: dict[str, Any] | None = None
     #: The advisor's ``Plan.to_json()``, or ``None``.

@@ -66,17 +66,13 @@ from pydantic import ValidationError
 
 from tiercache.errors import ConfigError, InvalidArgumentError, SkippedError, TierCacheError
 from tiercache.handle import LEVELS, SaveHandle
-from tiercache.runtime import Lag, LagSample, Status
+from tiercache.runtime import LAG_HISTORY, RECENT_ERRORS, RECENT_SAMPLES, RECENT_VERSIONS, Lag, LagSample, Status
 
 log = logging.getLogger("tiercache.status")
 
 #: Where the saving process leaves its status (on its first durable tier).
 STATUS_KEY = "stats/status.json"
 STATUS_SCHEMA = 1
-RECENT_VERSIONS = 64
-RECENT_ERRORS = 20
-RECENT_SAMPLES = 32
-LAG_HISTORY = 300
 #: Weight of the newest sample in a measurement's EWMA (recent saves matter most, one outlier less).
 EWMA_WEIGHT = 0.3
 
@@ -321,8 +317,8 @@ class StatusRecorder:
     def current(self) -> Status:
         """The status object as it would be written now (see the module docstring)."""
         meter = self._meter()
-        with self._cv:
-            return Status.model_validate({
+        with self._cv:  # copied under the lock the save path takes; validated after it is let go
+            doc = {
                 "schema_version": STATUS_SCHEMA,
                 "pid": os.getpid(),
                 "writer": self._writer,
@@ -345,7 +341,8 @@ class StatusRecorder:
                 "errors": list(self._errors),
                 "meter": meter,
                 "advice": self._advice,
-            })
+            }
+        return Status.model_validate(doc)
 
     # ------------------------------------------------------------------ writing
 

@@ -11,10 +11,11 @@ only once an ``[agent]`` table asks for one.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from tiercache.config import CacheConfig
 from tiercache.errors import TierCacheError
@@ -146,9 +147,11 @@ class NodeAgent:
         link = self.link
         if link is None:
             return None
-        with contextlib.suppress(TierCacheError):
+        try:
             return AgentStats.model_validate(link.request("stats"))
-        return None
+        except (TierCacheError, ValidationError) as e:  # down, or an agent of another tiercache version
+            log.debug("the node agent's stats are left out: %s", e)
+            return None
 
     def close(self) -> None:
         """Close the link (the agent runs on)."""

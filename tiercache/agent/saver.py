@@ -210,11 +210,10 @@ class AgentBackend:
     def cancel(self, save: Save, err: BaseException, *, seen: bool) -> None:
         """Give the regions back; a version whose deferred copy failed fails every level (the front counted it)."""
         job: _Job = save.ticket
-        if seen:
-            self._forget(job)
-            self.link.notify("cancel", rid=job.publish["rid"])
-            return
         self.link.notify("cancel", rid=job.publish["rid"])
+        if seen:  # save() raises ``err``: every level and a group part's manifest settle with it, as in process
+            self._fail(job, err)
+            return
         self._fail(job, err)
         if self.link.lost is not None:
             self._handed_over()  # the versions after it waited for it

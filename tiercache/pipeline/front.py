@@ -512,10 +512,13 @@ class SaveFront:
             return
         self._closed = True
         try:
+            # Deferred copies first: they write into a back end's arena, which its close frees,
+            # and each publishes its version to the back end, which must still take it.
+            self.wait_deferred()
             for b in self._backends():
                 b.close()
         finally:
-            self._stager.close()  # after the back ends: a version waits for its deferred copy
+            self._stager.close()
         lost = self.losses.take()
         if lost:
             raise lost[0]
