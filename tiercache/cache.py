@@ -176,15 +176,15 @@ class TierCache:
         self._group_views = group_views
         self._make_arena = make_arena
         policy = load_policy(config.policy)  # a bad policy fails before any tier is opened
-        self._tiers = _make_tiers(config)
-        health = TierHealth(self._tiers, interval=config.engine.probe_interval_s)
+        tiers = _make_tiers(config)
+        health = TierHealth(tiers, interval=config.engine.probe_interval_s)
         try:
-            _probe_at_open(self._tiers, health, has_ram=config.ram is not None)
+            _probe_at_open(tiers, health, has_ram=config.ram is not None)
         except BaseException:
-            for t in self._tiers.values():
+            for t in tiers.values():
                 t.close()
             raise
-        self._core = CacheCore(config, Repo(config, self._tiers, health), ThroughputMeter(), policy,
+        self._core = CacheCore(config, Repo(config, tiers, health), ThroughputMeter(), policy,
                                saver=lambda: self.engine, made_saver=lambda: self._engine,
                                on_restored=self._restored)
         self._seed_meter()
@@ -212,7 +212,7 @@ class TierCache:
     def tier_names(self) -> list[str]:
         """Configured tiers, fastest first (``ram`` when a RAM tier or the node agent is configured)."""
         names = ["ram"] if self.config.ram is not None or self.config.agent is not None else []
-        return names + [n for n in DURABLE_TIERS if n in self._tiers]
+        return names + [n for n in DURABLE_TIERS if n in self._core.repo.durable]
 
     @property
     def agent(self) -> AgentLink | None:
@@ -605,7 +605,7 @@ class TierCache:
         """
         self.check_open()
         version = self._core.catalog.get(self.resolve(ref))
-        if to != "ram" and to not in self._tiers:
+        if to != "ram" and to not in self._core.repo.durable:
             raise ConfigError(f"unknown tier {to!r}: this cache has {', '.join(self.tier_names)}")
         if (outage := self._core.repo.health.outage(to)) is not None:
             raise TierUnavailableError(f"cannot promote to {to}: it is unavailable ({outage.reason})")
@@ -730,7 +730,7 @@ class TierCache:
         """
         tiers = {}
         for name in self.tier_names:
-            t = self._tiers.get(name)
+            t = self._core.repo.durable.get(name)  # the RAM tier has no room or usage of its own here
             if t is None:
                 continue
             outage = self._core.repo.health.outage(name)
@@ -833,7 +833,7 @@ class TierCache:
     @property
     def levels(self) -> list[str]:
         """The durability levels this cache's saves can reach, fastest first."""
-        durable = [TIER_LEVEL[n] for n in DURABLE_TIERS if n in self._tiers]
+        durable = [TIER_LEVEL[n] for n in DURABLE_TIERS if n in self._core.repo.durable]
         return ["staged", *durable, *(["durable"] if durable else [])]
 
     def plan_inputs(
