@@ -21,6 +21,7 @@ from tiercache.cache import core_of
 from tiercache.cli import app
 from tiercache.config import S3Config
 from tiercache.errors import StorageError, VersionNotFoundError
+from tiercache.handle import SaveHandle
 from tiercache.manifest import ChunkRef, Piece, PrunedRecord, RefRecord, TensorEntry, Version, VersionStatus, utcnow
 from tiercache.names import CHUNKS
 from tiercache.parts import group_header, part_of
@@ -67,6 +68,20 @@ def _listing(cfg: dict[str, Any]) -> list[tuple[str, str | None, int, dict[str, 
 
 def _expected(ids: list[str], tiers: tuple[str, ...] = ("disk",)) -> list[Any]:
     return [(vid, ids[i - 1] if i else None, i, {"loss": 1.0 / (i + 1)}, tiers) for i, vid in enumerate(ids)]
+
+
+def _saves_then_a_crash_after_the_third_manifest(
+        cache: tiercache.TierCache, level: str) -> tuple[list[str], SaveHandle]:
+    """Two versions acknowledged at ``level``, then a third whose commit stops right after its manifest is durable."""
+    acked = [cache.save(_state(i), step=i).wait(level) for i in range(2)]
+    failpoints.configure("repo.after_manifest_write=raise")
+    try:
+        third = cache.save(_state(2), step=2)
+        with pytest.raises(StorageError, match=r"failpoint repo\.after_manifest_write"):
+            third.wait(level)
+    finally:
+        failpoints.configure(None)
+    return acked, third
 
 
 def test_ls_parses_no_manifest_and_restoring_the_newest_parses_exactly_one(tmp_path: Path,
@@ -162,14 +177,7 @@ def test_a_crash_between_the_manifest_and_its_index_line_loses_nothing(tmp_path:
     # (what a kill there leaves on the disk; test_crash.py kills at every failpoint).
     cfg = _disk(tmp_path)
     with tiercache.open(cfg) as cache:
-        acked = [cache.save(_state(i), step=i).wait("local") for i in range(2)]
-        failpoints.configure("repo.after_manifest_write=raise")
-        try:
-            third = cache.save(_state(2), step=2)
-            with pytest.raises(StorageError, match=r"failpoint repo\.after_manifest_write"):
-                third.wait("local")
-        finally:
-            failpoints.configure(None)
+        acked, third = _saves_then_a_crash_after_the_third_manifest(cache, "local")
         with pytest.raises(StorageError):
             cache.close()  # the background error is reported once more on close
     assert (tmp_path / "disk" / "versions" / f"{third.version}.json").exists()
@@ -358,23 +366,13 @@ def test_a_group_version_lists_from_the_index_and_a_rank_parses_only_its_own_par
     assert parsed == [f"disk:versions/{vid}.json", f"disk:parts/{vid}/1.json"]  # never rank 0's part
 
 
-# S3: the index's lines are trusted and only the manifests named after its newest name are listed
-# (a listing of 1,000 names there is a page of XML to parse on every open).
+# S3: as on a disk, every manifest's name is listed at each open and the listing is the truth; the
+# index's lines save parsing the manifests (an older tiercache's index has no gone lines, so a line
+# alone cannot tell a version is still there).
 
 
 def _s3_only(s3_config: S3Config) -> dict[str, Any]:
     return {"s3": s3_config.model_dump(), "policy": {"name": "write-through"}, "reflog_keep": 0}
-
-
-@pytest.fixture
-def s3_lists(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
-    """The S3 listings made while the test runs: ``(prefix, None)`` for a whole one, ``(prefix, after)``."""
-    seen: list[tuple[str, str | None]] = []
-    real_list, real_after = S3Tier.list, S3Tier.list_after
-    monkeypatch.setattr(S3Tier, "list", lambda self, prefix="": seen.append((prefix, None)) or real_list(self, prefix))
-    monkeypatch.setattr(S3Tier, "list_after",
-                        lambda self, prefix, after: seen.append((prefix, after)) or real_after(self, prefix, after))
-    return seen
 
 
 def _s3_lines(admin: Any, s3_config: S3Config) -> list[dict[str, Any]]:
@@ -382,32 +380,21 @@ def _s3_lines(admin: Any, s3_config: S3Config) -> list[dict[str, Any]]:
     return [json.loads(line) for line in body["Body"].read().splitlines()]
 
 
-def test_s3_a_manifest_named_after_the_index_newest_without_a_line_is_found_by_listing_only_after_it(
-        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+def test_s3_a_manifest_without_its_index_line_is_found_by_the_listing(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str]) -> None:
     cfg = _s3_only(s3_config)
     with tiercache.open(cfg) as cache:
-        acked = [cache.save(_state(i), step=i).wait("remote") for i in range(2)]
-        failpoints.configure("repo.after_manifest_write=raise")
-        try:
-            third = cache.save(_state(2), step=2)
-            with pytest.raises(StorageError, match=r"failpoint repo\.after_manifest_write"):
-                third.wait("remote")
-        finally:
-            failpoints.configure(None)
+        acked, third = _saves_then_a_crash_after_the_third_manifest(cache, "remote")
         with pytest.raises(StorageError):
             cache.close()
     assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == acked
     parsed.clear()
-    s3_lists.clear()
     with tiercache.open(cfg) as cache:
         assert [(v.id, v.parent, v.step) for v in cache.versions()] == [
             (acked[0], None, 0), (acked[1], acked[0], 1), (third.version, acked[1], 2)]
         assert parsed == [f"s3:versions/{third.version}.json"]
         assert cache.resolve("main") == acked[1]
         assert torch.equal(cache.restore(third.version)["w"], _state(2)["w"])
-    # No whole listing of the manifests: only the names after the newest one the index had.
-    assert ("versions/", None) not in s3_lists
-    assert ("versions/", f"versions/{acked[1]}.json") in s3_lists
     assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == [*acked, third.version]
 
 
@@ -419,8 +406,8 @@ def _drop_line(admin: Any, s3_config: S3Config, vid: str) -> None:
                      Body=b"".join(line for line in body.splitlines(keepends=True) if json.loads(line)["id"] != vid))
 
 
-def test_s3_a_line_lost_to_two_racing_writers_is_found_through_its_ref(
-        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+def test_s3_a_line_lost_to_two_racing_writers_is_found_by_the_listing(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str]) -> None:
     # Two writers appending to one segment: the later rewrite drops the other's line (on disk,
     # test_two_writers_racing_on_one_index_segment_lose_no_version races them for real).
     cfg = _s3_only(s3_config)
@@ -430,20 +417,19 @@ def test_s3_a_line_lost_to_two_racing_writers_is_found_through_its_ref(
     _drop_line(_s3_admin, s3_config, va)
     assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == [vb]
     parsed.clear()
-    s3_lists.clear()
-    with tiercache.open(cfg) as cache:  # va sorts before vb: no listing finds it, branch a's ref does
+    with tiercache.open(cfg) as cache:  # va sorts before vb, the index's newest: listed all the same
         assert [(v.id, v.branch) for v in cache.versions()] == [(va, "a"), (vb, "b")]
         assert parsed == [f"s3:versions/{va}.json"]
         assert torch.equal(cache.restore("a")["w"], _state(0)["w"])
-    assert ("versions/", None) not in s3_lists
     assert sorted(d["id"] for d in _s3_lines(_s3_admin, s3_config)) == [va, vb]
 
 
-def test_s3_an_older_named_manifest_no_ref_reaches_is_found_by_its_id_or_a_reindex(
+def test_s3_an_older_named_manifest_no_ref_reaches_is_listed_and_its_line_written_back(
         s3_config: S3Config, _s3_admin: Any, parsed: list[str]) -> None:
     # A version committed late under a name older than the index's newest, whose line was lost and
-    # that no ref reaches (a slow writer whose index write failed and whose branch was deleted): no
-    # open lists it, a restore by its id finds it, and so does `doctor --reindex`.
+    # that no ref reaches (a slow writer whose index write failed and whose branch was deleted): the
+    # open lists it, reads its manifest and writes its line back; a restore by its id and
+    # `doctor --reindex` find it as well.
     cfg = _s3_only(s3_config)
     with tiercache.open(cfg) as cache:
         side = cache.save(_state(7), step=7, branch="side").wait("remote")
@@ -453,21 +439,25 @@ def test_s3_an_older_named_manifest_no_ref_reaches_is_found_by_its_id_or_a_reind
     _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/refs/branch/side")
     for find in ("id", "reindex"):
         _drop_line(_s3_admin, s3_config, side)
+        assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == main
         parsed.clear()
         with tiercache.open(cfg) as cache:
-            assert [v.id for v in cache.versions()] == main  # the documented limit: not listed yet
+            assert [(v.id, v.parent, v.step) for v in cache.versions()] == [
+                (side, None, 7), (main[0], None, 0), (main[1], main[0], 1)]
+            assert parsed == [f"s3:versions/{side}.json"]
             if find == "id":
                 assert torch.equal(cache.restore(side)["w"], _state(7)["w"])
             else:
                 assert cache.reindex() == {"s3": (3, 0)}
-        assert parsed == [f"s3:versions/{side}.json"] if find == "id" else len(parsed) == 3
+        assert parsed == [f"s3:versions/{side}.json"] if find == "id" else len(parsed) == 4
+        assert sorted(d["id"] for d in _s3_lines(_s3_admin, s3_config)) == sorted([side, *main])  # its line is back
         parsed.clear()
-        assert [v[0] for v in _listing(cfg)] == [side, *main]  # its line is back
+        assert [v[0] for v in _listing(cfg)] == [side, *main]
         assert parsed == []
 
 
-def test_s3_deletions_leave_gone_lines_and_a_line_whose_manifest_vanished_is_dropped_when_read(
-        s3_config: S3Config, _s3_admin: Any, parsed: list[str], s3_lists: list[tuple[str, str | None]]) -> None:
+def test_s3_deletions_leave_gone_lines_and_a_manifest_deleted_without_one_is_not_shown(
+        s3_config: S3Config, _s3_admin: Any, parsed: list[str]) -> None:
     cfg = _s3_only(s3_config)
     with tiercache.open(cfg) as cache:
         ids = [cache.save(_state(i), step=i).wait("remote") for i in range(4)]
@@ -476,15 +466,29 @@ def test_s3_deletions_leave_gone_lines_and_a_line_whose_manifest_vanished_is_dro
     assert [(d["id"], d.get("gone", False)) for d in _s3_lines(_s3_admin, s3_config)] == [
         *((vid, False) for vid in ids), *((vid, True) for vid in ids[2:])]
     parsed.clear()
-    s3_lists.clear()
     assert [v[0] for v in _listing(cfg)] == ids[:2]
-    assert parsed == [] and ("versions/", None) not in s3_lists
-    # A manifest gone without its gone line (a deletion cut short, or removed by hand): its line is
-    # trusted until the manifest is read, which finds it gone and writes the gone line.
+    assert parsed == []
+    # A manifest gone without its gone line (what an older tiercache's deletion leaves, or a removal
+    # by hand): its line is still in the index, and the listing, not the line, decides.
     _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/versions/{ids[0]}.json")
+    lines = _s3_lines(_s3_admin, s3_config)
     with tiercache.open(cfg) as cache:
-        with pytest.raises(VersionNotFoundError, match=rf"version {ids[0]}: no tier .* holds a readable manifest"):
+        assert [(v.id, v.parent, v.tiers) for v in cache.versions()] == [(ids[1], ids[0], ("s3",))]
+        with pytest.raises(VersionNotFoundError, match=rf"unknown ref '{ids[0]}': not a branch, tag or version id"):
             cache.restore(ids[0])
         assert torch.equal(cache.restore("main")["w"], _state(1)["w"])
-    assert _s3_lines(_s3_admin, s3_config)[-1] == index.gone_line(ids[0])
+    assert parsed == [f"s3:versions/{ids[1]}.json"]
+    assert _s3_lines(_s3_admin, s3_config) == lines
     assert [v[0] for v in _listing(cfg)] == [ids[1]]
+
+
+def test_a_version_an_older_writer_deleted_from_s3_is_shown_on_the_disk_alone(
+        tmp_path: Path, s3_config: S3Config, _s3_admin: Any) -> None:
+    # An older tiercache deletes a manifest from S3 and writes no gone line: the disk's copy is then
+    # the last one, and residency must say so (else it could be evicted as if S3 still held it).
+    cfg = {**_disk(tmp_path), "s3": s3_config.model_dump()}
+    ids = _save(cfg, n=2, level="durable")
+    assert _listing(cfg) == _expected(ids, ("disk", "s3"))
+    _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/versions/{ids[0]}.json")
+    assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == ids
+    assert _listing(cfg) == [_expected(ids, ("disk",))[0], _expected(ids, ("disk", "s3"))[1]]

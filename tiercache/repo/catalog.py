@@ -317,28 +317,23 @@ class Catalog:
                 self._reflog[move.id] = move
 
     def _load_versions(self, name: str) -> None:
-        """Know tier ``name``'s versions from its index, and the manifests it misses that are new since.
+        """Know tier ``name``'s versions: list its manifests' names, and take each one's summary from the index.
 
-        Where listing is cheap (a directory), every manifest's name is listed and a line is
-        trusted only for a name so listed, as the manifests are the truth. Elsewhere (S3, where
-        1,000 names are a page of XML to parse) the index's lines are trusted (a deletion adds a
-        gone line after the manifest goes) and only the names after the newest name the index has
-        are listed: a crash between a manifest and its line leaves the newest name there, and the
-        listing starts at that key, so an open costs what is new, not the history. The whole
-        listing is read there only when the index is missing or has a damaged line (the lines it
-        lost cannot be told). A line lost in another way (a failed index write, two writers racing
-        on a segment, a version committed late under an older name) is found by
-        :meth:`_walk_refs` if a ref reaches it, by :meth:`resolve` of its whole id, and by
-        ``doctor --reindex``; a line whose manifest is gone, when the manifest is read.
+        Every manifest's name is listed at every open, on every tier, and the listing is the
+        truth: a line is trusted only for a name so listed (a line without its manifest is dead),
+        and a listed name the index misses (a crash between a manifest and its line, a line lost
+        to a failed index write or to two writers racing on a segment, an index lost or older than
+        the manifest) has its manifest read. The index saves parsing the manifests, not listing
+        their names. S3 does not trust the index's lines without the listing either, though a
+        listing there is pages of XML: indexes written by older tiercache versions (or by an older
+        process still writing to the same bucket) have no gone lines for the manifests they
+        deleted, so a version deleted from S3 would be shown as held there and the disk's copy
+        evicted as if it were not the last one.
         """
         tier = self._tiers[name]
-        lines, seg, bad = index.read(tier, "versions")
-        whole = tier.list_is_cheap or bad > 0 or not lines
-        # A gone line's name counts too: the index has seen every name up to its newest.
-        keys = tier.list(VERSIONS) if whole else tier.list_after(VERSIONS, version_key(max(lines)))
-        listed = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
-        # With the whole listing, it is the truth: a line without its manifest is dead.
-        ids = listed if whole else [vid for vid, d in lines.items() if not index.is_gone(d)] + listed
+        lines, seg, _ = index.read(tier, "versions")
+        keys = tier.list(VERSIONS)
+        ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
         with self._lock:
             good: set[str] = set()
             for vid in ids:
@@ -692,8 +687,8 @@ class Catalog:
         """Record that ``tier`` no longer holds the manifests of ``version_ids`` (deleted, or found missing).
 
         On a durable tier their gone lines go to its index, after the manifests went (a reader
-        trusts the index's lines; a deletion cut short in between is found when the manifest is
-        read). A failed index write is logged: the manifests are the truth.
+        lists the manifests and drops a line whose manifest is not listed, so a deletion cut short
+        in between loses nothing). A failed index write is logged: the manifests are the truth.
         """
         with self._lock:
             for vid in version_ids:
@@ -743,7 +738,7 @@ class Catalog:
             try:
                 got = self._read_manifests(name, [version_id])
                 if not got and not self._tiers[name].exists(version_key(version_id)):
-                    # Its index line outlived it (a deletion cut short before its gone line).
+                    # Gone since the open listed it (deleted by another process meanwhile).
                     self.note_gone(name, [version_id])
             except StorageError as e:
                 log.warning("cannot read the manifest of version %s on %s: %s", version_id, name, e)

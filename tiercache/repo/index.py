@@ -8,16 +8,14 @@ A commit appends its version's line after the manifest is durable and before the
 (docs/design.md section 2), rewriting only the last segment, so a save's cost does not grow with
 the history.
 
-The manifests stay the truth; the index is a cache of them. Where listing is cheap (a directory)
-a reader lists the manifests' names and trusts a line only for a name so listed. A manifest
-deleted from a tier gets a "gone" line there after it (:func:`gone_line`), so that on S3 a reader
-trusts the index's lines without listing every manifest, and looks for the manifests the index
-misses in ways that cost what is new (the rules are the catalog's, ``Catalog._load_versions``):
-the names sorting after the newest name the index has (a crash between a manifest and its line),
-the whole listing when a segment is damaged or the index missing, the lineage of every ref (a
-line lost to a failed write or to two writers racing on one segment), a whole version id asked
-for, and ``doctor --reindex``. A line whose manifest turns out to be gone is dropped when the
-manifest is read. A status line is written after its record: a crash in between leaves the line
+The manifests stay the truth; the index is a cache of them. On every tier a reader lists the
+manifests' names at each open and trusts a line only for a name so listed; a listed name the index
+misses has its manifest read (the rules are the catalog's, ``Catalog._load_versions``). The index
+saves parsing the manifests, not listing their names: S3 does not trust the lines without the
+listing, since indexes written by older tiercache versions have no lines for the manifests they
+deleted. A manifest deleted from a tier still gets a "gone" line there after it
+(:func:`gone_line`); a reader drops a line whose manifest is not listed, or turns out to be gone
+when it is read. A status line is written after its record: a crash in between leaves the line
 before it, which a reader shows until the record changes again or ``doctor --reindex``.
 """
 

@@ -82,11 +82,6 @@ class Tier(ABC):
     lends: bool = False
     #: Threads the engine writes this tier's chunks with (``None``: the config's ``io_threads``).
     write_threads: int | None = None
-    #: Whether listing every key under a prefix costs about what listing a few does (a local
-    #: directory's names): the catalog then checks its index against every manifest's name at each
-    #: open, where a store that lists in pages of parsed XML (S3) lists only the names after the
-    #: index's newest (:meth:`list_after`).
-    list_is_cheap: bool = True
     #: Seconds a version's chunk writes may take here, retries included (``None``: no limit).
     deadline_s: float | None = None
     #: Whether each node of a multi-rank job has its own copy of this tier (a node-local disk): the
@@ -166,14 +161,6 @@ class Tier(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Return every stored key starting with ``prefix``, sorted."""
-
-    def list_after(self, prefix: str, after: str) -> list[str]:
-        """Every stored key starting with ``prefix`` that sorts after ``after``, sorted.
-
-        What a reader that already knows every key up to ``after`` lists to find the new ones: a
-        store that can start a listing at a key (S3's ``StartAfter``) reads only those.
-        """
-        return [key for key in self.list(prefix) if key > after]
 
     def list_dated(self, prefix: str = "") -> list[tuple[str, int, datetime]]:
         """``(key, size, last modified)`` of every stored key starting with ``prefix``, sorted.

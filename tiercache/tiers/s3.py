@@ -171,7 +171,6 @@ class S3Tier(Tier):
 
     name = "s3"
     durable = True
-    list_is_cheap = False  # pages of 1,000 keys of XML: the catalog lists only what is new
     capacity = None
 
     def __init__(self, cfg: S3Config) -> None:
@@ -588,15 +587,11 @@ class S3Tier(Tier):
         except bce.BotoCoreError as e:
             raise self._error(e, "delete", key) from e
 
-    def _objects(self, prefix: str, after: str | None = None) -> list[dict[str, Any]]:
+    def _objects(self, prefix: str) -> list[dict[str, Any]]:
         if prefix:
             check_key(prefix[:-1] if prefix.endswith("/") else prefix)
-        start = {}
-        if after is not None:
-            check_key(after)
-            start = {"StartAfter": self._root + after}
         pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self._bucket, Prefix=self._root + prefix, **start
+            Bucket=self._bucket, Prefix=self._root + prefix
         )
         try:
             return [obj for page in pages for obj in page.get("Contents", ()) if not obj["Key"].endswith("/")]
@@ -615,11 +610,6 @@ class S3Tier(Tier):
         """Return every key under ``prefix`` (relative to the tier's prefix), sorted."""
         n = len(self._root)
         return sorted(obj["Key"][n:] for obj in self._objects(prefix))
-
-    def list_after(self, prefix: str, after: str) -> list[str]:
-        """Return the keys under ``prefix`` that sort after ``after``, sorted (S3 lists from there on)."""
-        n = len(self._root)
-        return sorted(obj["Key"][n:] for obj in self._objects(prefix, after))
 
     def used_bytes(self) -> int:
         """Return the total size of the objects under the tier's prefix (one listing)."""
