@@ -492,3 +492,27 @@ def test_a_version_an_older_writer_deleted_from_s3_is_shown_on_the_disk_alone(
     _s3_admin.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/versions/{ids[0]}.json")
     assert [d["id"] for d in _s3_lines(_s3_admin, s3_config)] == ids
     assert _listing(cfg) == [_expected(ids, ("disk",))[0], _expected(ids, ("disk", "s3"))[1]]
+
+
+def test_a_listing_taken_before_a_deletion_never_puts_the_deleted_manifest_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reload (catch-up after an outage) and a first read left behind on a hanging tier list a
+    # tier without the catalog's lock and merge afterwards. A deletion that lands in between must
+    # stay deleted: a tier shown holding a manifest it lost counts as a copy, and the last real
+    # copy could then be evicted.
+    with tiercache.open(_disk(tmp_path)) as cache:
+        first, second = (cache.save(_state(i), step=i).wait("local") for i in range(2))
+        cat = core_of(cache).catalog
+        disk = core_of(cache).repo.tiers["disk"]
+        real_list = type(disk).list
+
+        def list_then_a_deletion_lands(self: Any, prefix: str = "") -> list[str]:
+            keys = real_list(self, prefix)
+            if prefix == "versions/":
+                cat.mark_on("disk", first, present=False)  # as drop_manifests does, once the listing was taken
+            return keys
+
+        monkeypatch.setattr(type(disk), "list", list_then_a_deletion_lands)
+        cat.reload("disk")
+        assert f"versions/{first}.json" in real_list(disk, "versions/")  # the listing did name it
+        assert (cat.manifest_on("disk", first), cat.manifest_on("disk", second)) == (False, True)

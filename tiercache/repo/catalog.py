@@ -127,6 +127,11 @@ class Catalog:
         # The part manifests read so far of multi-rank versions known by their group manifest.
         self._parts: dict[str, dict[int, Version]] = {}
         self._on_tier: defaultdict[str, set[str]] = defaultdict(set)
+        #: Counts removals from ``_on_tier``; ``_removed[(tier, id)]`` is the count at the newest
+        #: removal of that manifest. A listing taken before it (a reload, or a first read left
+        #: behind on a hanging tier, merges without the lock held over its I/O) never puts it back.
+        self._removals = 0
+        self._removed: dict[tuple[str, str], int] = {}
         self._refs: dict[tuple[str, str], RefRecord] = {}
         self._chunks: dict[str, set[str]] = {}
         # residency() is asked for every version on every policy decision: cache it per version
@@ -331,10 +336,14 @@ class Catalog:
         evicted as if it were not the last one.
         """
         tier = self._tiers[name]
+        with self._lock:
+            began = self._removals
         lines, seg, _ = index.read(tier, "versions")
         keys = tier.list(VERSIONS)
         ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
         with self._lock:
+            # Removed since this listing began (a deletion ran beside it): not held any more.
+            ids = [vid for vid in ids if self._removed.get((name, vid), -1) <= began]
             good: set[str] = set()
             for vid in ids:
                 self._on_tier[name].add(vid)
@@ -680,8 +689,17 @@ class Catalog:
     def mark_on(self, tier: str, version_id: str, present: bool = True) -> None:
         """Record that ``tier`` now holds (or no longer holds) the manifest of a version."""
         with self._lock:
-            (self._on_tier[tier].add if present else self._on_tier[tier].discard)(version_id)
+            if present:
+                self._on_tier[tier].add(version_id)
+            else:
+                self._forget_on(tier, version_id)
             self._residency.pop(version_id, None)
+
+    def _forget_on(self, tier: str, version_id: str) -> None:
+        """Drop ``version_id`` from ``tier``'s manifests, remembering when (the caller holds the lock)."""
+        self._on_tier[tier].discard(version_id)
+        self._removals += 1
+        self._removed[(tier, version_id)] = self._removals
 
     def note_gone(self, tier: str, version_ids: Collection[str]) -> None:
         """Record that ``tier`` no longer holds the manifests of ``version_ids`` (deleted, or found missing).
@@ -692,7 +710,7 @@ class Catalog:
         """
         with self._lock:
             for vid in version_ids:
-                self._on_tier[tier].discard(vid)
+                self._forget_on(tier, vid)
                 self._residency.pop(vid, None)
         t = self._tiers[tier]
         if not t.durable or not version_ids or tier not in self._index_locks:
