@@ -76,7 +76,6 @@ log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
 #: Characters of a version id (:func:`tiercache.manifest.new_version_id`).
-_ID_LENGTH = 26
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -198,9 +197,6 @@ class Catalog:
             with gc_paused():
                 for name, read in reads.items():
                     self._await_read(name, read)
-            # Versions a ref reaches that no index lists (a lost index line) are looked up on the
-            # tiers still up; one left out above is walked when reload() merges it in.
-            self._walk_refs()
             with self._lock:
                 self._loaded = True
 
@@ -260,7 +256,6 @@ class Catalog:
             # Unlike the first load, the collector is not held off: a reload runs beside training,
             # and a tier that hangs while it is read would hold it off for its request timeouts.
             self._load_available(name)
-            self._walk_refs()
 
     def available(self, name: str) -> bool:
         """Whether tier ``name`` answers now (always, without a health monitor)."""
@@ -372,56 +367,6 @@ class Catalog:
                     self._on_tier[name].discard(vid)  # gone since it was listed, or unreadable
         self._repair_index(name, "versions", seg, [vid for vid in ids if vid not in good and vid in found],
                            dead=len(lines.keys() - set(ids)), live=[vid for vid in ids if vid in good or vid in found])
-
-    def _walk_refs(self) -> None:
-        """Read the manifests of versions a ref reaches (through parents) that no tier's index has.
-
-        A version whose ``local`` or ``remote`` future resolved was a ref's head on that tier, so
-        it is on some ref's lineage, or on that of a move the reflog recorded (a rollback's
-        previous head), until a rule the user set deletes it: this finds it though its index line
-        was lost (a failed index write, two writers racing on a segment). It costs a dictionary
-        look-up per version of those lineages, and a read per version found missing.
-        """
-        with self._lock:
-            todo = [r.version for r in self._refs.values()]
-            for move in self._reflog.values():
-                todo.append(move.version)
-                if move.previous is not None:
-                    todo.append(move.previous)
-        seen: set[str] = set()
-        while todo:
-            vid = todo.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
-            with self._lock:
-                s = self._known.get(vid) or self._pruned.get(vid)
-            if s is None:
-                s = self._find_manifest(vid)
-            if s is not None and s.parent is not None:
-                todo.append(s.parent)
-
-    def _find_manifest(self, vid: str) -> Version | None:
-        """Look for the manifest of a version no index has, on every available durable tier; add its line."""
-        out = None
-        for name in self._durable:
-            if not self.available(name):
-                continue
-            try:
-                got = self._read_manifests(name, [vid])
-            except StorageError as e:
-                log.info("cannot look for the manifest of %s on %s: %s", vid, name, e)
-                continue
-            if not got:
-                continue
-            with self._lock:
-                self._on_tier[name].add(vid)
-                if vid not in self._known:
-                    self._put_version(got[0])
-                out = self._versions.get(vid, got[0])
-            log.info("version %s is on %s but not in its index: adding its line", vid, name)
-            self.append_index(name, got[0])
-        return out
 
     def _read_manifests(self, name: str, ids: list[str]) -> list[Version]:
         """Read and parse manifests from tier ``name`` (a damaged or vanished one is logged and left out)."""
@@ -1374,8 +1319,6 @@ class Catalog:
     def _match_id(self, prefix: str, ref: str) -> str:
         if prefix in self._known:
             return prefix
-        if len(prefix) == _ID_LENGTH and prefix not in self._pruned and self._find_manifest(prefix) is not None:
-            return prefix  # a whole id the indexes lack (committed late under an older name, say)
         hits = [v for v in self._known if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
         if not hits and len(prefix) >= _MIN_PREFIX:
             # A pruned version resolves (for ~N) to itself; resolve() then says why it is gone.
