@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import socket
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -325,6 +326,38 @@ def test_durable_fails_with_the_first_failed_tier_in_tier_order_whatever_settles
     assert rnd.futures["durable"].exception() is on_disk
     assert rnd.futures["remote"].exception() is on_s3 and rnd.futures["local"].exception() is on_disk
     assert retracted == [(ref, False)]
+
+
+def test_durable_holds_when_one_tier_commits_while_another_tier_fails_on_another_thread() -> None:
+    # The disk and S3 verdicts settle on two phase threads. When S3's failure read both tiers
+    # settled before the disk's success reached the durable level, `durable` failed (and the
+    # version left its branch) though the disk committed it: rank 1 of a CI run reported durable
+    # failed while rank 0 reported it durable. The interleaving is forced here: the disk settles
+    # from inside S3's settle, and holds in its note of the missed tier until S3's settle is done.
+    in_note, s3_done = threading.Event(), threading.Event()
+    retracted: list[RefRecord] = []
+
+    def note_outcomes(vid: str, outcomes: dict[str, Any]) -> None:
+        in_note.set()
+        assert s3_done.wait(10)
+
+    catalog = SimpleNamespace(retract=retracted.append, note_outcomes=note_outcomes,
+                              store_outcomes=lambda vid, on: None)
+    view = SimpleNamespace(core=SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None}),
+                                                catalog=catalog), nodes=(), rank=0, node_local=frozenset({"disk"}),
+                           topology=SimpleNamespace(leads=lambda rank: True))
+    ref = RefRecord(kind="branch", name="main", version="v", seq=0)
+    rnd = Round(view, "v", ref, step=1,  # type: ignore[arg-type]
+                parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
+    disk = threading.Thread(target=rnd.settle, args=("disk", None))
+    rnd.outcome["s3"].add_done_callback(lambda f: (disk.start(), in_note.wait(10)))
+    on_s3 = GroupSaveError("failed on s3")
+    rnd.settle("s3", on_s3)
+    s3_done.set()
+    disk.join(10)
+    assert rnd.futures["durable"].result(timeout=0) == "v" and rnd.futures["local"].result(timeout=0) == "v"
+    assert rnd.futures["remote"].exception() is on_s3
+    assert retracted == []
 
 
 def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:

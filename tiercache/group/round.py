@@ -243,14 +243,15 @@ class Round:
             else:
                 level.set_exception(err)
         with self._lock:
-            self._settled[tier] = err
-            done = len(self._settled) == len(self.outcome)
+            # ``durable`` fails only once every tier failed: another tier's settle may have recorded
+            # its success and not yet reached here, and it resolves the level when it does.
+            failed = len(self._settled) == len(self.outcome) and all(e is not None for e in self._settled.values())
             durable = self.futures["durable"]
             if durable.done():
                 return
             if err is None:
                 durable.set_result(self.vid)
-            elif done:
+            elif failed:
                 # A version the group failed everywhere is no branch head in this process's view,
                 # before anyone waiting for the level hears of it.
                 self.view.core.catalog.retract(self.ref)
