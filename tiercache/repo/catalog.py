@@ -272,10 +272,21 @@ class Catalog:
             self._health.mark_down(name, e)
 
     def _load_tier(self, name: str) -> None:
+        """Read tier ``name``'s versions, refs, pruned records and reflog.
+
+        The four are independent, so they are read side by side: on S3 each is a listing and
+        reads, and waiting for them one after another was most of an open of a short history.
+        """
+        with ThreadPoolExecutor(4, thread_name_prefix="tiercache-load") as pool:
+            side = [pool.submit(load, name) for load in (self._load_refs, self._load_pruned, self._load_reflog)]
+            self._load_versions(name, pool)
+            with self._lock:
+                self._residency.clear()
+            for f in side:
+                f.result()
+
+    def _load_refs(self, name: str) -> None:
         tier = self._tiers[name]
-        self._load_versions(name)
-        with self._lock:
-            self._residency.clear()
         for key in tier.list(REFS):
             parts = key.split("/")
             if len(parts) != 3 or parts[1] not in ("branch", "tag"):
@@ -297,7 +308,9 @@ class Catalog:
                 cur = self._refs.get((rec.kind, rec.name))
                 if cur is None or rec.seq > cur.seq:
                     self._refs[(rec.kind, rec.name)] = rec
-        self._load_pruned(name)
+
+    def _load_reflog(self, name: str) -> None:
+        tier = self._tiers[name]
         for key in tier.list(REFLOG):
             entry_id = key.rsplit("/", 1)[-1][: -len(".json")]
             with self._lock:
@@ -316,7 +329,7 @@ class Catalog:
                 self._logged.add((name, move.id))
                 self._reflog[move.id] = move
 
-    def _load_versions(self, name: str) -> None:
+    def _load_versions(self, name: str, pool: ThreadPoolExecutor) -> None:
         """Know tier ``name``'s versions: list its manifests' names, and take each one's summary from the index.
 
         Every manifest's name is listed at every open, on every tier, and the listing is the
@@ -333,8 +346,9 @@ class Catalog:
         tier = self._tiers[name]
         with self._lock:
             began = self._removals
-        lines, seg, _ = index.read(tier, "versions")
+        read = pool.submit(index.read, tier, "versions")  # beside the listing: both wait on the tier
         keys = tier.list(VERSIONS)
+        lines, seg, _ = read.result()
         ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
         with self._lock:
             # Removed since this listing began (a deletion ran beside it): not held any more.

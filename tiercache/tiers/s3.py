@@ -45,6 +45,7 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.names import check_key
+from tiercache.tiers import _s3listing
 from tiercache.tiers._s3buffers import ViewReader, byte_view, crc32_b64, fresh_bytes, writable_view
 from tiercache.tiers._s3pacing import Pacer
 from tiercache.tiers.base import Buffer, Observer, RefValue, Tier
@@ -146,6 +147,7 @@ def _new_session() -> botocore.session.Session:
         else:
             session.register_component("data_loader", _LOADER)
         session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
+        _s3listing.register(session.get_component("event_emitter"), _timestamp)
         return session
 
 
