@@ -710,7 +710,8 @@ def test_a_listing_page_in_a_form_the_fast_reader_does_not_take_goes_to_botocore
         return (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
                 b"<Name>b</Name><IsTruncated>false</IsTruncated>" + contents.encode() + b"</ListBucketResult>")
 
-    ok = "<Contents><Key>a&amp;b&#x3C;</Key><LastModified>2026-11-27T12:00:00.000Z</LastModified><Size>7</Size></Contents>"
+    ok = ("<Contents><Key>a&amp;b&#x3C;</Key><LastModified>2026-11-27T12:00:00.000Z</LastModified>"
+          "<Size>7</Size></Contents>")
     assert read_objects(page(ok), _timestamp) == [
         {"Key": "a&b<", "Size": 7, "LastModified": datetime(2026, 11, 27, 12, tzinfo=UTC)}]
     assert read_objects(page(""), _timestamp) == []

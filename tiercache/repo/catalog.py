@@ -274,16 +274,24 @@ class Catalog:
     def _load_tier(self, name: str) -> None:
         """Read tier ``name``'s versions, refs, pruned records and reflog.
 
-        The four are independent, so they are read side by side: on S3 each is a listing and
-        reads, and waiting for them one after another was most of an open of a short history.
+        The four are independent. On a tier reached over the network (S3, a shared disk) they
+        are read side by side: each is a listing and reads, and waiting for them one after
+        another was most of an S3 open of a short history. A node-local disk answers in
+        microseconds, so there threads would cost more than they save.
         """
-        with ThreadPoolExecutor(4, thread_name_prefix="tiercache-load") as pool:
-            side = [pool.submit(load, name) for load in (self._load_refs, self._load_pruned, self._load_reflog)]
-            self._load_versions(name, pool)
-            with self._lock:
-                self._residency.clear()
-            for f in side:
-                f.result()
+        rest = (self._load_refs, self._load_pruned, self._load_reflog)
+        if self._tiers[name].node_local:
+            self._load_versions(name, None)
+            for load in rest:
+                load(name)
+        else:
+            with ThreadPoolExecutor(4, thread_name_prefix="tiercache-load") as pool:
+                side = [pool.submit(load, name) for load in rest]
+                self._load_versions(name, pool)
+                for f in side:
+                    f.result()
+        with self._lock:
+            self._residency.clear()
 
     def _load_refs(self, name: str) -> None:
         tier = self._tiers[name]
@@ -329,7 +337,7 @@ class Catalog:
                 self._logged.add((name, move.id))
                 self._reflog[move.id] = move
 
-    def _load_versions(self, name: str, pool: ThreadPoolExecutor) -> None:
+    def _load_versions(self, name: str, pool: ThreadPoolExecutor | None) -> None:
         """Know tier ``name``'s versions: list its manifests' names, and take each one's summary from the index.
 
         Every manifest's name is listed at every open, on every tier, and the listing is the
@@ -346,9 +354,9 @@ class Catalog:
         tier = self._tiers[name]
         with self._lock:
             began = self._removals
-        read = pool.submit(index.read, tier, "versions")  # beside the listing: both wait on the tier
+        read = pool.submit(index.read, tier, "versions") if pool is not None else None  # beside the listing
         keys = tier.list(VERSIONS)
-        lines, seg, _ = read.result()
+        lines, seg, _ = read.result() if read is not None else index.read(tier, "versions")
         ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]
         with self._lock:
             # Removed since this listing began (a deletion ran beside it): not held any more.

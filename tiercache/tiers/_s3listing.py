@@ -6,12 +6,12 @@ docs/benchmarks.md, which was most of what an S3 open of a 1,000-version history
 1-version one (the catalog lists every manifest's name at each open; the listing is the truth).
 
 :func:`register` hooks ``before-parse`` of ``ListObjectsV2``: the objects of a successful page are
-read (:func:`read_objects`) into ``Key``, ``Size`` and ``LastModified``, and taken out of the body botocore then parses for
-the rest (the continuation token, the truncation flag, the encoding type). Everything else of
-botocore's handling stays: retries, errors, and the URL-decoding of the keys (``EncodingType=url``,
-which botocore asks for and undoes after the parse). An object's other fields (``ETag``,
-``StorageClass``, ``Owner``) are not returned. A page the fast path cannot read is left to
-botocore whole.
+read (:func:`read_objects`) into ``Key``, ``Size`` and ``LastModified`` and taken out of the body,
+which botocore then parses for the rest (the continuation token, the truncation flag, the
+encoding type). Everything else of botocore's handling stays: retries, errors, and the
+URL-decoding of the keys (``EncodingType=url``, which botocore asks for and undoes after the
+parse). An object's other fields (``ETag``, ``StorageClass``, ``Owner``) are not returned. A page
+the fast path cannot read is left to botocore whole.
 """
 
 from __future__ import annotations
