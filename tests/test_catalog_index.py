@@ -516,3 +516,29 @@ def test_a_listing_taken_before_a_deletion_never_puts_the_deleted_manifest_back(
         cat.reload("disk")
         assert f"versions/{first}.json" in real_list(disk, "versions/")  # the listing did name it
         assert (cat.manifest_on("disk", first), cat.manifest_on("disk", second)) == (False, True)
+
+
+def test_a_tier_whose_versions_cannot_be_listed_lends_no_ref(tmp_path: Path, s3_config: S3Config,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # S3's refs, pruned records, reflog and versions are read side by side. S3's head is newer
+    # than the disk's; if S3's versions cannot be listed, S3 is down for this process, and its
+    # head, a version the catalog does not know, must not become the branch's head here.
+    cfg = {**_disk(tmp_path), "s3": s3_config.model_dump()}
+    first = _save(cfg, n=1, level="durable")[0]
+    newer = _save({"s3": s3_config.model_dump(), "policy": {"name": "write-through"}}, n=1, level="durable")[0]
+    real_list = S3Tier.list
+
+    def versions_unlisted(self: S3Tier, prefix: str = "") -> list[str]:
+        if prefix == "versions/":
+            raise StorageError("versions/ cannot be listed")
+        return real_list(self, prefix)
+
+    monkeypatch.setattr(S3Tier, "list", versions_unlisted)
+    with tiercache.open(cfg) as cache:
+        assert cache.resolve("main") == first
+        assert [v.id for v in cache.versions()] == [first]
+        assert core_of(cache).repo.health.available("s3") is False
+    monkeypatch.setattr(S3Tier, "list", real_list)
+    with tiercache.open(cfg) as cache:
+        assert cache.resolve("main") == newer
+        assert cache.manifest("main").parent == first

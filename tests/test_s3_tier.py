@@ -715,9 +715,19 @@ def test_a_listing_page_in_a_form_the_fast_reader_does_not_take_goes_to_botocore
     assert read_objects(page(ok), _timestamp) == [
         {"Key": "a&b<", "Size": 7, "LastModified": datetime(2026, 11, 27, 12, tzinfo=UTC)}]
     assert read_objects(page(""), _timestamp) == []
+    # XML's character references, not HTML's (which would read &#x80; as the euro sign); a field
+    # the page lacks is left out, as botocore leaves it out.
+    assert read_objects(page("<Contents><Key>&#x80;&#65;&quot;&apos;&gt;</Key></Contents>"), _timestamp) == [
+        {"Key": "\x80A\"'>"}]
     for bad in ("<Contents><Size>7</Size></Contents>",  # no key
+                "<Contents><Key>a</Key><Key>b</Key></Contents>",
                 "<Contents><Key><![CDATA[a]]></Key><Size>1</Size></Contents>",
                 "<Contents><Key>a</Key><Size>seven</Size></Contents>",
-                "<Contents><Key>a</Key><LastModified>yesterday</LastModified></Contents>"):
+                "<Contents><Key>a</Key><LastModified>yesterday</LastModified></Contents>",
+                "<Contents><Key>a&#0;</Key></Contents>",  # not an XML character
+                "<Contents><Key>a&copy;</Key></Contents>",  # not an XML entity
+                "<Contents><Key>a\r\nb</Key></Contents>",  # an XML parser reads it as a\nb
+                # An end tag written with a space: the pattern would take two objects as one.
+                "<Contents><Key>a</Key></Contents ><Contents><Key>b</Key></Contents>"):
         assert read_objects(page(bad), _timestamp) is None, bad
     assert read_objects(b"<Error><Code>SlowDown</Code></Error>", _timestamp) is None

@@ -93,6 +93,20 @@ _CAS_ATTEMPTS = 8
 _LOAD_PATIENCE_S = 1.0
 
 
+def _beside(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run ``fn(*args)`` on a daemon thread of its own; its future holds the outcome."""
+    done: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="tiercache-load-part", daemon=True).start()
+    return done
+
+
 @dataclass
 class _Listing:
     """A chunk listing in progress: who waits for it, and the notes made while it runs."""
@@ -274,27 +288,36 @@ class Catalog:
     def _load_tier(self, name: str) -> None:
         """Read tier ``name``'s versions, refs, pruned records and reflog.
 
-        The four are independent. On a tier reached over the network (S3, a shared disk) they
-        are read side by side: each is a listing and reads, and waiting for them one after
+        The four are independent reads. On a tier reached over the network (S3, a shared disk)
+        they run side by side: each is a listing and reads, and waiting for them one after
         another was most of an S3 open of a short history. A node-local disk answers in
-        microseconds, so there threads would cost more than they save.
+        microseconds, so there threads would cost more than they save. Either way the refs are
+        merged only once the tier's versions are (a head whose version the catalog does not know
+        is never adopted from a tier whose listing failed), and a failed part fails the tier's
+        read without waiting for the others (those end on their own, bounded by the tier's
+        timeouts).
         """
-        rest = (self._load_refs, self._load_pruned, self._load_reflog)
-        if self._tiers[name].node_local:
+        tier = self._tiers[name]
+        if tier.node_local:
             self._load_versions(name, None)
-            for load in rest:
-                load(name)
+            self._merge_refs(name, self._read_refs(name))
+            self._load_pruned(name)
+            self._load_reflog(name)
         else:
-            with ThreadPoolExecutor(4, thread_name_prefix="tiercache-load") as pool:
-                side = [pool.submit(load, name) for load in rest]
-                self._load_versions(name, pool)
-                for f in side:
-                    f.result()
+            # Daemon threads: a read left hanging on the tier never holds up the process's exit.
+            refs = _beside(self._read_refs, name)
+            side = [_beside(load, name) for load in (self._load_pruned, self._load_reflog)]
+            self._load_versions(name, _beside)
+            self._merge_refs(name, refs.result())
+            for f in side:
+                f.result()
         with self._lock:
             self._residency.clear()
 
-    def _load_refs(self, name: str) -> None:
+    def _read_refs(self, name: str) -> list[tuple[str, str, RefRecord]]:
+        """Tier ``name``'s branch and tag records: (key, CAS token, record) of each readable one."""
         tier = self._tiers[name]
+        out = []
         for key in tier.list(REFS):
             parts = key.split("/")
             if len(parts) != 3 or parts[1] not in ("branch", "tag"):
@@ -303,16 +326,19 @@ class Catalog:
             if got is None:
                 continue
             try:
-                rec = RefRecord.from_json(got.data, source=f"{name}:{key}")
+                out.append((key, got.token, RefRecord.from_json(got.data, source=f"{name}:{key}")))
             except IntegrityError as e:
                 log.warning("ignoring damaged ref: %s", e)
-                continue
-            with self._lock:
+        return out
+
+    def _merge_refs(self, name: str, refs: list[tuple[str, str, RefRecord]]) -> None:
+        with self._lock:
+            for key, token, rec in refs:
                 # A commit of this process may have moved the ref there since it was read (a
                 # reload runs beside the pipeline): its token is the newer one.
                 _, seen = self._tokens.get((name, key), (None, None))
                 if seen is None or rec.seq >= seen.seq:
-                    self._tokens[(name, key)] = (got.token, rec)
+                    self._tokens[(name, key)] = (token, rec)
                 cur = self._refs.get((rec.kind, rec.name))
                 if cur is None or rec.seq > cur.seq:
                     self._refs[(rec.kind, rec.name)] = rec
@@ -337,7 +363,7 @@ class Catalog:
                 self._logged.add((name, move.id))
                 self._reflog[move.id] = move
 
-    def _load_versions(self, name: str, pool: ThreadPoolExecutor | None) -> None:
+    def _load_versions(self, name: str, beside: Callable[..., Future[Any]] | None) -> None:
         """Know tier ``name``'s versions: list its manifests' names, and take each one's summary from the index.
 
         Every manifest's name is listed at every open, on every tier, and the listing is the
@@ -354,7 +380,7 @@ class Catalog:
         tier = self._tiers[name]
         with self._lock:
             began = self._removals
-        read = pool.submit(index.read, tier, "versions") if pool is not None else None  # beside the listing
+        read = beside(index.read, tier, "versions") if beside is not None else None  # beside the listing
         keys = tier.list(VERSIONS)
         lines, seg, _ = read.result() if read is not None else index.read(tier, "versions")
         ids = [k[len(VERSIONS) : -len(".json")] for k in keys if k.endswith(".json")]

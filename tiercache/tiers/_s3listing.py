@@ -16,7 +16,6 @@ the fast path cannot read is left to botocore whole.
 
 from __future__ import annotations
 
-import html
 import re
 from collections.abc import Callable
 from datetime import datetime
@@ -24,11 +23,29 @@ from typing import Any
 
 _OBJECT = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
 _FIELD = re.compile(rb"<(Key|Size|LastModified)>([^<]*)</\1>")
+_ENTITY = re.compile(r"&(#[0-9]+|#x[0-9a-fA-F]+|amp|lt|gt|quot|apos);")
+_NAMED = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+
+
+def _char(m: re.Match[str]) -> str:
+    ref = m.group(1)
+    if ref in _NAMED:
+        return _NAMED[ref]
+    code = int(ref[2:], 16) if ref[1] == "x" else int(ref[1:])
+    if code in (0x9, 0xA, 0xD) or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD or 0x10000 <= code <= 0x10FFFF:
+        return chr(code)
+    raise ValueError(f"not an XML character: &{ref};")
 
 
 def _text(raw: bytes) -> str:
+    """The text of an element: UTF-8 with XML's five entities and character references resolved."""
     text = raw.decode()
-    return html.unescape(text) if "&" in text else text  # XML's character references
+    if "&" not in text:
+        return text
+    out = _ENTITY.sub(_char, text)
+    if "&" in _ENTITY.sub("", text):
+        raise ValueError("an entity XML does not define")
+    return out
 
 
 def read_objects(body: bytes, timestamp: Callable[[str], datetime]) -> list[dict[str, Any]] | None:
@@ -36,27 +53,36 @@ def read_objects(body: bytes, timestamp: Callable[[str], datetime]) -> list[dict
 
     A page is a fixed machine format: each object a ``<Contents>`` element of flat text fields.
     It is read with two regular expressions (a C-level XML parse of the page took 14 ms for 1,000
-    objects; this takes under 3 ms).
+    objects; this takes under 10 ms, most of it making the dicts and times).
 
     Returns:
-        One dict per ``Contents`` element in page order, or ``None`` if the page is not in the
-        plain form this reads (no listing root, a ``CDATA`` section, an object without a key or
-        with a field it cannot read): botocore then parses it, and reports what is wrong.
+        One dict per ``Contents`` element in page order (a field the page lacks is left out, as
+        botocore leaves it out), or ``None`` if the page is not in the plain form this reads:
+        no listing root, a ``CDATA`` section or a carriage return (an XML parser rewrites line
+        ends), an element written another way than ``<Contents>...</Contents>``, an object with
+        other than one key, or a field it cannot read. botocore then parses the page, and
+        reports what is wrong with it.
     """
-    if b"<ListBucketResult" not in body or b"<![CDATA[" in body:
+    if b"<ListBucketResult" not in body or b"<![CDATA[" in body or b"\r" in body:
+        return None
+    blocks = _OBJECT.findall(body)
+    if body.count(b"<Contents") != len(blocks) or body.count(b"</Contents") != len(blocks):
         return None
     out = []
     try:
-        for block in _OBJECT.findall(body):
-            fields = dict(_FIELD.findall(block))
-            key = fields.get(b"Key")
-            if key is None:
+        for block in blocks:
+            found = _FIELD.findall(block)
+            keys = [v for f, v in found if f == b"Key"]
+            if len(keys) != 1 or block.count(b"<Key") != 1:
                 return None
-            obj: dict[str, Any] = {"Key": _text(key), "Size": int(fields.get(b"Size") or 0)}
+            fields = dict(found)
+            obj: dict[str, Any] = {"Key": _text(keys[0])}
+            if b"Size" in fields:
+                obj["Size"] = int(fields[b"Size"])
             if b"LastModified" in fields:
                 obj["LastModified"] = timestamp(_text(fields[b"LastModified"]))
             out.append(obj)
-    except ValueError:  # a size or a time it cannot read, or bytes that are not UTF-8
+    except ValueError:  # a size, time or character it cannot read, or bytes that are not UTF-8
         return None
     return out
 
