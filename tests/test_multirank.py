@@ -360,6 +360,31 @@ def test_durable_holds_when_one_tier_commits_while_another_tier_fails_on_another
     assert retracted == []
 
 
+def test_a_tier_verdict_is_given_once_and_a_later_fail_all_leaves_a_committed_tier_committed() -> None:
+    # A phase that raises after its tier's verdict (a bug) makes its worker fail the version's
+    # levels (fail_all): the tier the group committed must stay committed, the version its
+    # branch's head and not counted lost (before, the disk's verdict was overwritten and the
+    # version counted lost: flush() would raise its loss though the disk holds it).
+    retracted: list[RefRecord] = []
+    lost: list[tuple[Any, ...]] = []
+    catalog = SimpleNamespace(retract=retracted.append, note_outcomes=lambda vid, outcomes: None,
+                              store_outcomes=lambda vid, on: None)
+    core = SimpleNamespace(repo=SimpleNamespace(durable={"disk": None, "s3": None}), catalog=catalog,
+                           saver=SimpleNamespace(record_loss=lambda *args: lost.append(args)))
+    view = SimpleNamespace(core=core, nodes=(), rank=0, node_local=frozenset({"disk"}),
+                           topology=SimpleNamespace(leads=lambda rank: True))
+    ref = RefRecord(kind="branch", name="main", version="v", seq=0)
+    rnd = Round(view, "v", ref, step=1,  # type: ignore[arg-type]
+                parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
+    rnd.local = SimpleNamespace()  # type: ignore[assignment]  # a version this rank staged
+    rnd.settle("disk", None)
+    bug = RuntimeError("a phase raised after its verdict")
+    rnd.fail_all(bug)
+    assert rnd.futures["local"].result(timeout=0) == "v" and rnd.futures["durable"].result(timeout=0) == "v"
+    assert rnd.futures["remote"].exception() is bug
+    assert retracted == [] and lost == []
+
+
 def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:
     from tiercache.group.hashing import declared_chunks, owners_by_position
     from tiercache.layout import plan_layout

@@ -208,8 +208,14 @@ class Round:
             self.settle(tier, err)
 
     def settle(self, tier: str, err: BaseException | None) -> None:
-        """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict)."""
+        """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict).
+
+        A tier's verdict is given once: a later one (:meth:`fail_all` after a phase raised
+        past its verdict) changes nothing.
+        """
         with self._lock:
+            if tier in self._settled:
+                return
             self._settled[tier] = err
             done = len(self._settled) == len(self.outcome)
             lost = not self._lost and done and all(e is not None for e in self._settled.values())
