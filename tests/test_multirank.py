@@ -384,6 +384,20 @@ def test_a_tier_verdict_is_given_once_and_a_later_fail_all_leaves_a_committed_ti
     assert rnd.futures["remote"].exception() is bug
     assert retracted == [] and lost == []
 
+    # A settle that raised before it resolved its tier's level (its note for humans failed)
+    # leaves the level to the worker's fail_all: nothing stays pending.
+    def note_fails(vid: str, outcomes: Any) -> None:
+        raise RuntimeError("the note failed")
+
+    catalog.note_outcomes = note_fails
+    rnd = Round(view, "w", ref, step=2,  # type: ignore[arg-type]
+                parent=None, created_at=utcnow(), meta={}, trade=False, declared=())
+    rnd.settle("s3", GroupSaveError("failed on s3"))
+    with pytest.raises(RuntimeError, match="the note failed"):
+        rnd.settle("disk", None)
+    rnd.fail_all(bug)
+    assert rnd.futures["local"].exception(timeout=0) is bug and rnd.futures["durable"].exception(timeout=0) is bug
+
 
 def test_declared_chunks_are_those_holding_only_declared_tensors() -> None:
     from tiercache.group.hashing import declared_chunks, owners_by_position

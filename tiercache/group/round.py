@@ -211,10 +211,11 @@ class Round:
         """Resolve ``tier``'s level on this rank: the version id, or ``err`` (the group's verdict).
 
         A tier's verdict is given once: a later one (:meth:`fail_all` after a phase raised
-        past its verdict) changes nothing.
+        past its verdict) changes nothing, unless the first raised before it resolved the
+        tier's level (then the later one resolves it, so no level is left pending).
         """
         with self._lock:
-            if tier in self._settled:
+            if tier in self._settled and self.outcome[tier].done():
                 return
             self._settled[tier] = err
             done = len(self._settled) == len(self.outcome)

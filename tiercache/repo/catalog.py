@@ -293,9 +293,9 @@ class Catalog:
         another was most of an S3 open of a short history. A node-local disk answers in
         microseconds, so there threads would cost more than they save. Either way the refs are
         merged only once the tier's versions are (a head whose version the catalog does not know
-        is never adopted from a tier whose listing failed), and a failed part fails the tier's
-        read without waiting for the others (those end on their own, bounded by the tier's
-        timeouts).
+        is never adopted from a tier whose listing failed), and a failed versions read fails the
+        tier's read without waiting for the other parts (those end on their own, bounded by the
+        tier's timeouts).
         """
         tier = self._tiers[name]
         if tier.node_local:
