@@ -224,7 +224,11 @@ def scenario_chaos_restore(cache: tiercache.TierCache, rank: int, world: int, ou
         return
     out["step"] = got["step"]
     out["vid"] = cache.resolve(branch)
-    out["equal"] = _restored_equal(got, node_state(rank, got["step"]))
+    want = node_state(rank, got["step"])
+    out["equal"] = _restored_equal(got, want)
+    if not out["equal"]:  # which entries differ, and which step's (if any) each one holds
+        out["differ"] = {k: [s for s in range(1, 9) if _restored_equal(got.get(k), node_state(rank, s)[k])]
+                         for k in want if not _restored_equal(got.get(k), want[k])}
 
 
 def scenario_one_rank_short(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any],

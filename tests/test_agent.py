@@ -426,6 +426,86 @@ def test_a_deferred_copy_the_agent_never_got_goes_to_the_trainer_before_the_next
         cache.close()
 
 
+def test_a_version_the_agent_hashed_is_taken_over_bit_exact_though_its_regions_went_back(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent dies after it hashed versions it had not written: the trainer takes over their own bytes.
+
+    Version 1 holds two equal chunks: the agent keeps one copy (dedup) and gave the other's
+    region back, where its RAM tier put version 1's manifest and version 2 took a chunk. Its disk
+    stalls, so neither version is on it when the agent is SIGKILLed. The trainer copies both out
+    of the arena: before, version 1's second chunk came back as whatever had taken its region,
+    was hashed anew and written as version 1 (restored, it held version 2's bytes).
+    """
+    cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir)), "chunk_bytes": "128KiB"}
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=sleep:120"})
+    g = torch.Generator().manual_seed(5)
+    same = torch.randn(32768, generator=g)  # 128 KiB: one chunk each
+    states = [{"a": same, "b": same.clone(), "step": 1},
+              {"a": torch.randn(32768, generator=g), "b": torch.randn(32768, generator=g), "step": 2}]
+    with tiercache.open(cfg) as cache:
+        assert cache.agent is not None
+        h1 = cache.save(states[0], step=1)
+        _wait_for(lambda: cache.agent.holds([h1.version])[0][h1.version], 30, "the agent to hash version 1")
+        h2 = cache.save(states[1], step=2)
+        _wait_for(lambda: cache.agent.holds([h2.version])[0][h2.version], 30, "the agent to hash version 2")
+        assert not h1.done("local") and not h2.done("local")  # the agent's disk never got them
+        agent.kill()
+        cache.flush(timeout=60)
+        assert [h.wait("local", timeout=0) for h in (h1, h2)] == [h1.version, h2.version]
+    with tiercache.open(without_agent(cfg)) as cache:
+        for h, want in zip((h1, h2), states, strict=True):
+            got = cache.restore(h.version, resume=False)
+            assert got["step"] == want["step"]
+            for k in ("a", "b"):
+                assert torch.equal(got[k], want[k]), f"{k} of step {want['step']} is not bit-exact"
+
+
+def test_a_version_on_the_disk_is_not_taken_over_when_the_agent_dies_before_s3(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any, s3_config: Any
+) -> None:
+    """The agent's S3 hangs; it wrote versions to the disk, gave their RAM to the next ones, and dies.
+
+    The trainer heard ``local`` for them: their bytes may be gone from the arena (here they
+    are: a small arena, reused), so it must not copy them out and save them again (before, it
+    did, from whatever had reused their regions). Their ``remote`` fails naming the lost agent
+    and the way on; ``durable`` holds; each restores bit-exact from the disk.
+    """
+    from tiercache.testing.throttle import ThrottledProxy
+
+    with ThrottledProxy(s3_config.endpoint_url) as relay:
+        s3 = {**s3_config.model_dump(mode="json"), "endpoint_url": relay.url}
+        cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), capacity="1MiB", s3=s3),
+               "chunk_bytes": "128KiB"}
+        agent = agents(cfg)
+        g = torch.Generator().manual_seed(6)
+        states = [{"w": torch.randn(4 * 32768, generator=g), "step": s} for s in (1, 2, 3)]  # 4 chunks each
+        cache = tiercache.open(cfg)
+        try:
+            relay.mode = "refuse"  # down: each version's ``remote`` waits for S3's catch-up
+            handles = []
+            for st in states:
+                handles.append(cache.save(st, step=st["step"]))
+                assert handles[-1].wait("local", timeout=60) == handles[-1].version
+            assert not any(h.done("remote") for h in handles)
+            agent.kill()
+            cache.flush(timeout=60)
+            for h in handles:
+                assert h.wait("durable", timeout=0) == h.version
+                with pytest.raises(AgentUnavailableError) as e:
+                    h.wait("remote", timeout=0)
+                assert str(e.value) == (
+                    f"the node agent was lost before version {h.version} reached its 'remote' level; it is "
+                    f"on the disk: `tiercache promote {h.version} --to s3` copies it there")
+        finally:
+            relay.mode = "up"
+            cache.close()
+    with tiercache.open(without_agent(cfg)) as cache:
+        for h, want in zip(handles, states, strict=True):
+            got = cache.restore(h.version, resume=False)
+            assert got["step"] == want["step"] and torch.equal(got["w"], want["w"]), want["step"]
+
+
 def test_an_engine_that_takes_a_parent_after_its_child_never_waits_for_it(tmp_path: Path) -> None:
     """A trainer takes a version over that a live agent refused, then its parent once the agent dies.
 

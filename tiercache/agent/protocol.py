@@ -23,6 +23,8 @@ reserve    ``sid`` -> ``rid``, ``regions`` [[offset, nbytes]...] | ``skip``: rea
 cancel     ``rid`` -> {} (a copy that failed: the regions go back)
 publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``, ``wait_s``, and for a
            rank's part of a group version ``part`` (the rank) and ``world`` (the group's size) -> {}
+release    ``v`` (a published version's key) -> {}: the trainer will not copy it back out of the arena
+           (it heard ``local``, or the version settled), so the agent may reuse its regions
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
 orphans    ``rank``, ``branch``, ``head_step`` (its parts at or before it are let go) -> ``orphans``: parts
            whose trainer died before its group committed them; or ``release`` [version ids],
@@ -80,7 +82,7 @@ if TYPE_CHECKING:  # imported where used: they import torch, which reading node 
     from tiercache.pipeline.job import StagedVersion
 
 #: Bumped on any incompatible change; an agent refuses a client of another version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct("<I")
 #: Largest frame accepted (a manifest of a very large state is the biggest message).
 MAX_FRAME = 256 << 20

@@ -79,6 +79,9 @@ class Client:
     pid: int = 0
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
+    #: The regions of each version it published, kept as it copied them until it says it no
+    #: longer needs them (see :meth:`Requests._release`).
+    held: dict[str, list[Region]] = dataclasses.field(default_factory=dict)
     alive: bool = True
     #: Versions (or parts) it published: a client that saves is a trainer, one that never does a viewer.
     saves: int = 0
@@ -220,10 +223,11 @@ class Requests:
                 self._trainer_left_at = time.time()  # the node's last trainer: a restart's clock starts
             reservations, client.reservations = list(client.reservations.values()), {}
             pins, client.pins = list(client.pins.values()), {}
+            held, client.held = list(client.held.values()), {}
         # Its parts of group versions fail here (nothing waits for it), once it is known gone: a
         # part hashed whole is kept for the restarted group to adopt (:meth:`_orphan`).
         client.calls.close(trainer_left(client.pid))
-        self._give_back([r for regions in reservations for r in regions] + pins)
+        self._give_back([r for regions in reservations + held for r in regions] + pins)
         return len(reservations)
 
     def clients(self) -> list[Client]:
@@ -351,8 +355,40 @@ class Requests:
         self._give_back(regions)
         return {}
 
+    def _release(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        """The trainer no longer needs the bytes of a version it published as it copied them.
+
+        From its publish on, a version's regions are the engine's: a chunk it holds already is
+        freed at once (dedup), and the rest once the disk has the version; the next reservation
+        may then reuse them. Yet the trainer copies a version back out of the arena and saves
+        it itself if this agent dies first, so each region keeps one more reference
+        (:meth:`Arena.retain`) until the trainer says ``release``: once it heard the version is
+        on the disk (it then never copies it back), or once the version settled. A trainer
+        that leaves gives its references back with it (:meth:`disconnect`).
+        """
+        with self._lock:
+            regions = client.held.pop(str(msg["v"]), [])
+        self._give_back(regions)
+        return {}
+
+    def _hold(self, client: Client, key: str, regions: list[Region]) -> None:
+        """Keep ``regions`` as the trainer copied them until it releases version ``key`` (see :meth:`_release`)."""
+        engine = self.engine
+        arena = engine.ramcache.arena
+        if arena is None:
+            return
+        with engine.jobs.lock:  # as the engine frees regions
+            for r in regions:
+                arena.retain(r)
+        with self._lock:
+            gone = not client.alive
+            if not gone:
+                client.held.setdefault(key, []).extend(regions)
+        if gone:  # it left meanwhile: nobody will release them
+            self._give_back(regions)
+
     def _give_back(self, regions: list[Region]) -> None:
-        """Return regions to the arena (reserved and never published, or pinned by a reader that left)."""
+        """Return regions to the arena (reserved and never published, pinned by a reader that left, or held)."""
         if not regions:
             return
         engine = self.engine
@@ -372,6 +408,7 @@ class Requests:
         if regions is None:
             raise ProtocolError(f"unknown reservation {msg['rid']!r}")
         client.saves += 1
+        self._hold(client, staged.version_id, regions)  # before the engine may free any of them
         base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
         record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
         if part is None:
@@ -755,6 +792,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "structure": (Requests._structure, False),
     "reserve": (Requests._reserve, True),
     "cancel": (Requests._cancel, False),
+    "release": (Requests._release, False),
     "publish": (Requests._publish, False),
     "snapshot": (Requests._snapshot, True),
     "pin": (Requests._pin, False),

@@ -16,10 +16,14 @@ futures here. A copy interrupted by a crash is never published: its regions go b
 connection drops, and the previous version is untouched.
 
 **The agent lost** (it died, or stopped answering): training goes on. Versions it had not
-finished are handed over to the front's in-process :class:`~tiercache.pipeline.engine.Engine`,
-their bytes copied out of the mapping (which outlives the agent); the front stages every later
-save in process. Nothing acknowledged ``local`` was lost (it is on disk), and nothing half-written is
-served (restores verify every chunk, and a version is only published once copied whole). The
+written to the disk are handed over to the front's in-process
+:class:`~tiercache.pipeline.engine.Engine`, their bytes copied out of the mapping (which outlives
+the agent); the front stages every later save in process. Those bytes are still the version's:
+the agent reuses a published version's regions only once this process released them (it heard
+``local``, or the version settled; see :meth:`AgentBackend._release`). A version the disk holds
+stays there, its open levels failed (:meth:`AgentBackend._leave_on_disk`). Nothing acknowledged
+``local`` was lost (it is on disk), and nothing half-written is served (restores verify every
+chunk, and a version is only published once copied whole). The
 versions go over in save order: the engine's writer of a version waits for its parent's outcome
 and takes versions in the order it got them (:meth:`Engine.final_manifest`), so a child taken
 before its parent would wait behind it for ever. Every level of a version handed over settles
@@ -28,6 +32,7 @@ with the engine's outcome for it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -51,7 +56,7 @@ from tiercache.errors import (
 )
 from tiercache.failpoints import failpoint
 from tiercache.format import Flat
-from tiercache.handle import LEVELS
+from tiercache.handle import LEVELS, TIER_LEVEL
 from tiercache.layout import Layout
 from tiercache.manifest import Version
 from tiercache.pipeline.job import StagedVersion
@@ -81,6 +86,8 @@ class _Job:
     published: threading.Event = field(default_factory=threading.Event)
     #: Handed over to the in-process engine after the agent was lost.
     moved: bool = False
+    #: The agent was told it may reuse the version's regions (see :meth:`AgentBackend._release`).
+    released: bool = False
     #: For one rank's part of a group version: the group's version id (the agent knows the part
     #: by ``staged.version_id``, the id and the rank), the group's committer in this process,
     #: the part's manifest once the agent hashed it, and the group's hashing split if any.
@@ -299,6 +306,21 @@ class AgentBackend:
         with self._cv:
             self._jobs.pop(job.key, None)
             self._cv.notify_all()
+        self._release(job)
+
+    def _release(self, job: _Job) -> None:
+        """Let the agent reuse the version's regions: this process will never copy it back out.
+
+        Said once ``local`` is reached (the disk holds the version, and a hand-over leaves it
+        there: see :meth:`_hand_over`) or once the version is forgotten. Until then the agent
+        keeps the regions as this process copied them, whatever its engine did with them (see
+        :meth:`tiercache.agent.requests.Requests._release`).
+        """
+        with self._cv:
+            if job.released:
+                return
+            job.released = True
+        self.link.notify("release", v=job.key)
 
     # ------------------------------------------------------------------ the agent's word
 
@@ -326,6 +348,8 @@ class AgentBackend:
         if f is not None and not f.done():
             if msg.get("ok"):
                 f.set_result(job.version)
+                if msg.get("level") == "local":  # (set first: a hand-over from now on leaves it on the disk)
+                    self._release(job)
             else:
                 err = error_from_wire(msg.get("error", {}))
                 if msg.get("level") == "durable":
@@ -405,11 +429,35 @@ class AgentBackend:
         if job.moved:
             return
         job.moved = True
+        local = job.futures["local"]
+        if local.done() and local.exception() is None:
+            self._leave_on_disk(job)
+            return
         try:
             self._restage(job)
         except BaseException as e:  # the version cannot be saved here either (the engine never took it)
             self._front.losses.record(job.version, job.staged.step, e)
             self._fail(job, e)
+
+    def _leave_on_disk(self, job: _Job) -> None:
+        """Settle a version the agent wrote to the disk and did not finish: nothing is copied back.
+
+        Its regions may hold other versions' bytes by now (this process released them), and the
+        disk holds it: ``durable`` is reached with ``local``; every level still open (``remote``,
+        ``replicated``) fails naming the agent's loss and how to copy the version on. For a
+        rank's part, the group's verdict on that tier says which rank failed it.
+        """
+        for lvl, f in job.futures.items():
+            if f.done():
+                continue
+            if lvl == "durable":  # the disk is a durable tier
+                _settle(f, job.version, None)
+                continue
+            tier = next((t for t, level in TIER_LEVEL.items() if level == lvl), None)
+            how = f": `tiercache promote {job.version} --to {tier}` copies it there" if tier else ""
+            _settle(f, None, AgentUnavailableError(f"the node agent was lost before version {job.version} reached "
+                                                   f"its {lvl!r} level; it is on the disk{how}"))
+        self._forget(job)
 
     def _restage(self, job: _Job) -> None:
         """Copy a version out of the (lost) agent's arena into the in-process engine's and start it there.
@@ -557,18 +605,21 @@ class AgentBackend:
             self.link.close()
 
 
+def _settle(f: Future[Any], result: Any, err: BaseException | None) -> None:
+    """Settle ``f`` unless the agent's last word (an event read as it died) settled it first."""
+    with contextlib.suppress(InvalidStateError):
+        if err is None:
+            f.set_result(result)
+        else:
+            f.set_exception(err)
+
+
 def _copy_outcome(src: Future[Any], dst: Future[Any]) -> None:
     """Settle ``dst`` as ``src`` settled, unless the agent's word settled it first."""
     if dst.done():
         return
     err = src.exception()
-    try:
-        if err is None:
-            dst.set_result(src.result())
-        else:
-            dst.set_exception(err)
-    except InvalidStateError:  # the agent's last event raced the hand-over: its outcome stays
-        pass
+    _settle(dst, None if err is not None else src.result(), err)
 
 
 __all__ = ["AgentBackend", "pin_mapping"]
