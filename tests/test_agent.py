@@ -506,6 +506,53 @@ def test_a_version_on_the_disk_is_not_taken_over_when_the_agent_dies_before_s3(
             assert got["step"] == want["step"] and torch.equal(got["w"], want["w"]), want["step"]
 
 
+def test_a_trainer_that_gives_up_on_a_live_agent_keeps_its_regions_until_it_exits(
+    tmp_path: Path, sock_dir: Path, shm_dir: Path, agents: Any
+) -> None:
+    """The agent stops answering (SIGSTOP) past ``request_timeout``: the trainer counts it lost and copies back.
+
+    When the agent runs again it sees the trainer leave with a version it holds: the trainer may
+    still be copying it out, so the agent parks its regions until that process exits (it logs
+    it) instead of reusing them. Both versions restore bit-exact.
+    """
+    cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
+    cfg["agent"]["request_timeout"] = 1
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=sleep:2"})
+    with tiercache.open(cfg) as cache:
+        assert cache.agent is not None
+        h1 = cache.save(state_for(1), step=1)
+        _wait_for(lambda: cache.agent.holds([h1.version])[0][h1.version], 30, "the agent to hash version 1")
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            h2 = cache.save(state_for(2), step=2)  # its reservation times out: saved in process
+            cache.flush(timeout=60)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        assert cache.engine.local is not None and h1.wait("local", timeout=0) == h1.version
+    _wait_for(lambda: f"client pid {os.getpid()} left 1 version(s)" in agent.log.read_text(), 30, "the park")
+    assert f"client pid {os.getpid()} left 1 version(s) it may still copy out of the arena" in agent.log.read_text()
+    with tiercache.open(without_agent(cfg)) as cache:
+        for step, h in ((1, h1), (2, h2)):
+            _assert_state(cache.restore(h.version, resume=False), step)
+
+
+def test_a_parked_trainer_counts_as_running_until_it_exits_and_is_reaped() -> None:
+    """What the agent asks before it gives a parked trainer's regions back: running, exited, or a new pid."""
+    from tiercache.agent.requests import _running, _start_time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _start_time(child.pid)
+        assert start is not None and _running((child.pid, start))
+        assert not _running((child.pid, str(int(start) + 1)))  # another process that took its pid
+    finally:
+        child.kill()
+    _wait_for(lambda: _start_time(child.pid) is None, 30, "the child to die")  # a zombie counts as gone
+    assert not _running((child.pid, start))
+    child.wait(30)
+    assert _start_time(child.pid) is None and not _running((child.pid, start))
+
+
 def test_an_engine_that_takes_a_parent_after_its_child_never_waits_for_it(tmp_path: Path) -> None:
     """A trainer takes a version over that a live agent refused, then its parent once the agent dies.
 

@@ -17,12 +17,16 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Protocol
 
 from tiercache.agent.arena import SharedArena, free_bytes
@@ -64,6 +68,8 @@ from tiercache.saver import absent_levels
 from tiercache.status import StatusRecorder
 from tiercache.tiers.ram import Region
 
+log = logging.getLogger("tiercache.agent.requests")
+
 #: How long a question for orphans waits for the parts of a trainer that just died to fail.
 _ORPHAN_WAIT_S = 30.0
 #: How many restore sources (tier names) the agent counts; more from a client are ignored.
@@ -77,6 +83,8 @@ class Client:
     cid: int
     conn: Connection
     pid: int = 0
+    #: The process at the other end, as the kernel says (``SO_PEERCRED``), and when it started.
+    peer: tuple[int, str] | None = None
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
     #: The regions of each version it published, kept as it copied them until it says it no
@@ -171,6 +179,8 @@ class Requests:
         self._structures: dict[str, tuple[tuple[TensorMeta, ...], Layout]] = {}
         self._plans = PlanCache(inner.pack_below)
         self._tracked: dict[str, Tracked] = {}
+        #: Regions of trainers that left alive, each until its process exits (see :meth:`disconnect`).
+        self._parked: list[tuple[tuple[int, str], list[Region]]] = []
         #: Parts of group versions whose trainer died before the group committed them (see :meth:`_orphan`).
         self._orphans = KeptParts()
         #: What node RAM took of each version, for ``ls`` in other processes.
@@ -206,7 +216,7 @@ class Requests:
     def connect(self, conn: Connection) -> Client:
         """A new connection: its client, known from now on."""
         with self._lock:
-            client = Client(next(self._ids), conn)
+            client = Client(next(self._ids), conn, peer=_peer_process(conn))
             self._clients[client.cid] = client
         return client
 
@@ -227,8 +237,28 @@ class Requests:
         # Its parts of group versions fail here (nothing waits for it), once it is known gone: a
         # part hashed whole is kept for the restarted group to adopt (:meth:`_orphan`).
         client.calls.close(trainer_left(client.pid))
-        self._give_back([r for regions in reservations + held for r in regions] + pins)
+        own = [r for regions in reservations + held for r in regions]
+        if own and client.peer is not None and _running(client.peer):
+            # It stopped waiting for this agent (it counts it lost) and copies those versions
+            # back out of the arena itself: their regions stay as they are until it exits.
+            log.warning("client pid %d left %d version(s) it may still copy out of the arena: their %d region(s) "
+                        "stay until it exits", client.peer[0], len(reservations) + len(held), len(own))
+            with self._lock:
+                self._parked.append((client.peer, own))
+            own = []
+        self._give_back(own + pins)
         return len(reservations)
+
+    def sweep(self) -> None:
+        """Give back the regions parked for trainers that left (see :meth:`disconnect`) once they exited."""
+        with self._lock:
+            parked = list(self._parked)
+        gone = [(peer, regions) for peer, regions in parked if not _running(peer)]
+        if not gone:
+            return
+        with self._lock:
+            self._parked = [p for p in self._parked if p not in gone]
+        self._give_back([r for _, regions in gone for r in regions])
 
     def clients(self) -> list[Client]:
         """The connected clients."""
@@ -409,16 +439,22 @@ class Requests:
             raise ProtocolError(f"unknown reservation {msg['rid']!r}")
         client.saves += 1
         self._hold(client, staged.version_id, regions)  # before the engine may free any of them
-        base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
-        record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
-        if part is None:
-            # Before the engine has it: its commit may then replace ``base`` and nothing else.
-            self.core.catalog.note_move(record, base, msg.get("why") or "save")
-            handle = self.engine.adopt(staged, layout, regions)
-        else:  # the group moves the branch, through the trainers
-            committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
-            handle = self.engine.adopt(staged, layout, regions, committer)  # (which has it follow the part)
-            # Saved again: adopted by the restarted group (its chunks are this part's now).
+        try:
+            base = RefRecord.model_validate(msg["base"]) if msg.get("base") else None
+            record = RefRecord(kind="branch", name=staged.branch, version=staged.version_id, seq=staged.seq)
+            if part is None:
+                # Before the engine has it: its commit may then replace ``base`` and nothing else.
+                self.core.catalog.note_move(record, base, msg.get("why") or "save")
+                handle = self.engine.adopt(staged, layout, regions)
+            else:  # the group moves the branch, through the trainers
+                committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
+                handle = self.engine.adopt(staged, layout, regions, committer)  # (which has it follow the part)
+        except BaseException:
+            # The engine never took them; the trainer saves the version itself, copying it out:
+            # the hold keeps them as they are until it releases it.
+            self._give_back(regions)
+            raise
+        if part is not None:  # saved again: adopted by the restarted group (its chunks are this part's now)
             self._orphans.take(staged.version_id, self.engine.ramcache)
         tracked = Tracked(staged.version_id, staged.branch, staged.step, record, base, client.cid, handle,
                           part=part)
@@ -783,6 +819,31 @@ class Requests:
                 self.broadcast({"ev": "ram", "chunks": ids, "present": False})
 
         catalog.note_chunks = noted  # type: ignore[method-assign]
+
+
+def _peer_process(conn: Connection) -> tuple[int, str] | None:
+    """The pid at the other end of ``conn`` (the kernel's word) and its start time, or ``None``."""
+    try:
+        pid = struct.unpack("3i", conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except OSError:
+        return None
+    start = _start_time(pid)
+    return None if start is None else (pid, start)
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (field 22 of ``/proc/<pid>/stat``), or ``None`` if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold anything
+    return None if not fields or fields[0] in ("Z", "X") else fields[19]
+
+
+def _running(peer: tuple[int, str]) -> bool:
+    """Whether the process ``peer`` names still runs (a new process with its pid is not it)."""
+    return _start_time(peer[0]) == peer[1]
 
 
 #: Each request: its handler, and whether it may take a while (answered from a thread of its own).

@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -155,6 +156,10 @@ class AgentBackend:
         self._handover = threading.Lock()
         self._closed = False
         self._arena: torch.Tensor | None = None
+        #: Keys of versions to ``release``, sent by a thread of their own (never the link's
+        #: reader: a send there could wait on the agent while it waits on this reader).
+        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
         link.on_event(self._on_event)
         link.on_lost(self._on_lost)
 
@@ -320,7 +325,15 @@ class AgentBackend:
             if job.released:
                 return
             job.released = True
-        self.link.notify("release", v=job.key)
+            if self._releaser is None:
+                self._releaser = threading.Thread(target=self._send_releases, name="tiercache-agent-release",
+                                                  daemon=True)
+                self._releaser.start()
+        self._releases.put(job.key)
+
+    def _send_releases(self) -> None:
+        while (key := self._releases.get()) is not None:
+            self.link.notify("release", v=key)  # (nothing, once the agent is lost)
 
     # ------------------------------------------------------------------ the agent's word
 
@@ -602,6 +615,11 @@ class AgentBackend:
             self.flush()
         finally:
             self._closed = True
+            with self._cv:
+                releaser = self._releaser
+            if releaser is not None:  # every release out before the link closes: the agent parks
+                self._releases.put(None)  # what a live trainer that left still holds
+                releaser.join(5.0)
             self.link.close()
 
 

@@ -239,9 +239,10 @@ class AgentServer:
     def _idle_loop(self) -> None:
         limit = self.settings.idle_exit
         while not self._stop.wait(min(1.0, limit) if limit else 1.0):
+            assert self.requests is not None
+            self.requests.sweep()  # regions parked for trainers that left alive, once they exited
             if not limit:
                 continue
-            assert self.requests is not None
             with self._lock:
                 busy = self.requests.busy()
                 now = time.monotonic()
