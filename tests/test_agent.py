@@ -511,13 +511,14 @@ def test_a_trainer_that_gives_up_on_a_live_agent_keeps_its_regions_until_it_exit
 ) -> None:
     """The agent stops answering (SIGSTOP) past ``request_timeout``: the trainer counts it lost and copies back.
 
-    When the agent runs again it sees the trainer leave with a version it holds: the trainer may
-    still be copying it out, so the agent parks its regions until that process exits (it logs
-    it) instead of reusing them. Both versions restore bit-exact.
+    When the agent runs again it sees the trainer leave, without ``bye``, with a version it
+    holds: the trainer may still be copying it out, so the agent parks its regions until that
+    process exits (it logs it) instead of reusing them. A trainer that closes its cache says
+    ``bye``, and nothing of it is parked. Every version restores bit-exact.
     """
     cfg = agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir))
     cfg["agent"]["request_timeout"] = 1
-    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=sleep:2"})
+    agent = agents(cfg, env={"TIERCACHE_FAILPOINTS": "disk.after_tmp_write=sleep:5", "TIERCACHE_LOG": "info"})
     with tiercache.open(cfg) as cache:
         assert cache.agent is not None
         h1 = cache.save(state_for(1), step=1)
@@ -529,10 +530,15 @@ def test_a_trainer_that_gives_up_on_a_live_agent_keeps_its_regions_until_it_exit
         finally:
             os.kill(agent.pid, signal.SIGCONT)
         assert cache.engine.local is not None and h1.wait("local", timeout=0) == h1.version
-    _wait_for(lambda: f"client pid {os.getpid()} left 1 version(s)" in agent.log.read_text(), 30, "the park")
-    assert f"client pid {os.getpid()} left 1 version(s) it may still copy out of the arena" in agent.log.read_text()
+    parked = f"client pid {os.getpid()} left 1 version(s) it may still copy out of the arena"
+    _wait_for(lambda: parked in agent.log.read_text(), 30, "the park")
+    with tiercache.open(cfg) as cache:  # a trainer of the live agent again, which closes its cache
+        assert type(cache.engine.backend).__name__ == "AgentBackend"
+        h3 = cache.save(state_for(3), step=3)
+        assert h3.wait("local", timeout=60) == h3.version
+    assert agent.log.read_text().count(f"client pid {os.getpid()} left") == 1
     with tiercache.open(without_agent(cfg)) as cache:
-        for step, h in ((1, h1), (2, h2)):
+        for step, h in ((1, h1), (2, h2), (3, h3)):
             _assert_state(cache.restore(h.version, resume=False), step)
 
 

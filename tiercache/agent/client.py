@@ -307,7 +307,12 @@ class AgentLink:
                 log.exception("handling the loss of the agent")
 
     def close(self) -> None:
-        """Close the connection (the agent finishes what this process handed it)."""
+        """Close the connection (the agent finishes what this process handed it).
+
+        Says ``bye`` first unless the agent was lost: the agent then gives back at once what
+        this process still held (it copies nothing back out of the arena any more).
+        """
+        self.notify("bye")
         with self._lock:
             if self.lost is None:
                 self.lost = AgentUnavailableError("the connection to the agent was closed")

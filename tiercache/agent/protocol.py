@@ -25,6 +25,8 @@ publish    ``rid``, ``version`` (see :func:`staged_to_wire`), ``base``, ``why``,
            rank's part of a group version ``part`` (the rank) and ``world`` (the group's size) -> {}
 release    ``v`` (a published version's key) -> {}: the trainer will not copy it back out of the arena
            (it heard ``local``, or the version settled), so the agent may reuse its regions
+bye        -> {}: the client closes its cache; what it still holds goes back when it leaves (one that
+           leaves without it while its process runs on keeps its versions' regions until it exits)
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
 orphans    ``rank``, ``branch``, ``head_step`` (its parts at or before it are let go) -> ``orphans``: parts
            whose trainer died before its group committed them; or ``release`` [version ids],

@@ -85,6 +85,8 @@ class Client:
     pid: int = 0
     #: The process at the other end, as the kernel says (``SO_PEERCRED``), and when it started.
     peer: tuple[int, str] | None = None
+    #: It said ``bye``: it closes its cache and copies nothing back out of the arena any more.
+    leaving: bool = False
     reservations: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     pins: dict[int, Region] = dataclasses.field(default_factory=dict)
     #: The regions of each version it published, kept as it copied them until it says it no
@@ -238,14 +240,16 @@ class Requests:
         # part hashed whole is kept for the restarted group to adopt (:meth:`_orphan`).
         client.calls.close(trainer_left(client.pid))
         own = [r for regions in reservations + held for r in regions]
-        if own and client.peer is not None and _running(client.peer):
-            # It stopped waiting for this agent (it counts it lost) and copies those versions
-            # back out of the arena itself: their regions stay as they are until it exits.
-            log.warning("client pid %d left %d version(s) it may still copy out of the arena: their %d region(s) "
-                        "stay until it exits", client.peer[0], len(reservations) + len(held), len(own))
+        if own and not client.leaving and client.peer is not None and _running(client.peer):
+            # Gone without ``bye`` while its process runs on: it may count this agent lost and
+            # copy those versions back out of the arena itself (or it is exiting): their regions
+            # stay as they are until it exits.
+            log.info("client pid %d left %d version(s) it may still copy out of the arena: their %d region(s) stay "
+                     "until it exits", client.peer[0], len(reservations) + len(held), len(own))
             with self._lock:
                 self._parked.append((client.peer, own))
-            own = []
+            self._give_back(pins)
+            return 0
         self._give_back(own + pins)
         return len(reservations)
 
@@ -385,6 +389,11 @@ class Requests:
         self._give_back(regions)
         return {}
 
+    def _bye(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        """The client closes its cache: what it still holds goes back when it leaves (see :meth:`disconnect`)."""
+        client.leaving = True
+        return {}
+
     def _release(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
         """The trainer no longer needs the bytes of a version it published as it copied them.
 
@@ -450,9 +459,10 @@ class Requests:
                 committer = TrainerCommitter(client.calls, staged.version_id, part, msg["world"])
                 handle = self.engine.adopt(staged, layout, regions, committer)  # (which has it follow the part)
         except BaseException:
-            # The engine never took them; the trainer saves the version itself, copying it out:
-            # the hold keeps them as they are until it releases it.
-            self._give_back(regions)
+            # The engine never took them (unless it raised once it had): the trainer saves the
+            # version itself, copying it out; the hold keeps them as they are until it releases it.
+            if self.engine.jobs.get(staged.version_id) is None:
+                self._give_back(regions)
             raise
         if part is not None:  # saved again: adopted by the restarted group (its chunks are this part's now)
             self._orphans.take(staged.version_id, self.engine.ramcache)
@@ -854,6 +864,7 @@ HANDLERS: dict[str, tuple[Callable[..., Any], bool]] = {
     "reserve": (Requests._reserve, True),
     "cancel": (Requests._cancel, False),
     "release": (Requests._release, False),
+    "bye": (Requests._bye, False),
     "publish": (Requests._publish, False),
     "snapshot": (Requests._snapshot, True),
     "pin": (Requests._pin, False),

@@ -307,11 +307,11 @@ class AgentBackend:
         self._forget(job)
 
     def _forget(self, job: _Job) -> None:
+        self._release(job)  # (before it is gone: a flush that returns finds every release queued)
         job.published.set()
         with self._cv:
             self._jobs.pop(job.key, None)
             self._cv.notify_all()
-        self._release(job)
 
     def _release(self, job: _Job) -> None:
         """Let the agent reuse the version's regions: this process will never copy it back out.
@@ -322,14 +322,14 @@ class AgentBackend:
         :meth:`tiercache.agent.requests.Requests._release`).
         """
         with self._cv:
-            if job.released:
+            if job.released or self._closed:  # (closing: ``bye`` gives everything back)
                 return
             job.released = True
             if self._releaser is None:
                 self._releaser = threading.Thread(target=self._send_releases, name="tiercache-agent-release",
                                                   daemon=True)
                 self._releaser.start()
-        self._releases.put(job.key)
+            self._releases.put(job.key)
 
     def _send_releases(self) -> None:
         while (key := self._releases.get()) is not None:
@@ -614,11 +614,11 @@ class AgentBackend:
         try:
             self.flush()
         finally:
-            self._closed = True
             with self._cv:
+                self._closed = True
                 releaser = self._releaser
-            if releaser is not None:  # every release out before the link closes: the agent parks
-                self._releases.put(None)  # what a live trainer that left still holds
+                self._releases.put(None)
+            if releaser is not None:  # the releases in order before the link's ``bye``
                 releaser.join(5.0)
             self.link.close()
 

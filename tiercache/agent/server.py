@@ -240,7 +240,10 @@ class AgentServer:
         limit = self.settings.idle_exit
         while not self._stop.wait(min(1.0, limit) if limit else 1.0):
             assert self.requests is not None
-            self.requests.sweep()  # regions parked for trainers that left alive, once they exited
+            try:
+                self.requests.sweep()  # regions parked for trainers that left alive, once they exited
+            except Exception:  # a bug there must not end idle exit
+                log.exception("giving back the regions of trainers that exited")
             if not limit:
                 continue
             with self._lock:
