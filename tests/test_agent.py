@@ -477,17 +477,19 @@ def test_a_version_on_the_disk_is_not_taken_over_when_the_agent_dies_before_s3(
         s3 = {**s3_config.model_dump(mode="json"), "endpoint_url": relay.url}
         cfg = {**agent_config(tmp_path, sock_dir, shm_dir=str(shm_dir), capacity="1MiB", s3=s3),
                "chunk_bytes": "128KiB"}
+        # Down from the start (no connection of the agent's pool outlives it): each version's
+        # ``remote`` waits for S3's catch-up (each is its branch's newest).
+        relay.mode = "refuse"
         agent = agents(cfg)
         g = torch.Generator().manual_seed(6)
         states = [{"w": torch.randn(4 * 32768, generator=g), "step": s} for s in (1, 2, 3)]  # 4 chunks each
         cache = tiercache.open(cfg)
         try:
-            relay.mode = "refuse"  # down: each version's ``remote`` waits for S3's catch-up
             handles = []
             for st in states:
-                handles.append(cache.save(st, step=st["step"]))
+                handles.append(cache.save(st, step=st["step"], branch=f"b{st['step']}"))
                 assert handles[-1].wait("local", timeout=60) == handles[-1].version
-            assert not any(h.done("remote") for h in handles)
+            assert not any(h.done("remote") for h in handles), [h.future("remote").exception() for h in handles if h.done("remote")]
             agent.kill()
             cache.flush(timeout=60)
             for h in handles:
