@@ -489,7 +489,8 @@ def test_a_version_on_the_disk_is_not_taken_over_when_the_agent_dies_before_s3(
             for st in states:
                 handles.append(cache.save(st, step=st["step"], branch=f"b{st['step']}"))
                 assert handles[-1].wait("local", timeout=60) == handles[-1].version
-            assert not any(h.done("remote") for h in handles), [h.future("remote").exception() for h in handles if h.done("remote")]
+            settled = [h.future("remote").exception() for h in handles if h.done("remote")]
+            assert not settled, settled
             agent.kill()
             cache.flush(timeout=60)
             for h in handles:
