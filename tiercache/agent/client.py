@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiercache.agent import naming
 from tiercache.agent.arena import map_shared
-from tiercache.agent.protocol import PROTOCOL_VERSION, Connection, ProtocolError, error_from_wire
+from tiercache.agent.protocol import PROTOCOL_VERSION, Connection, ProtocolError, error_from_wire, peer_credentials
 from tiercache.agent.rundir import check_private_dir
 from tiercache.config import AgentConfig, CacheConfig, RamConfig
 from tiercache.errors import AgentUnavailableError, ConfigError, StorageError
@@ -91,7 +90,7 @@ def connect(place: naming.AgentPlace, timeout: float = 1.0) -> Connection | None
         sock.close()
         return None
     # Who listens, as the kernel says (the file's owner may be swapped after the check above).
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    _pid, uid, _gid = peer_credentials(sock)
     if uid != os.getuid():
         sock.close()
         raise AgentUnavailableError(f"the process listening on {path} runs as uid {uid}, not this user "

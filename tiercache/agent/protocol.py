@@ -96,6 +96,16 @@ class ProtocolError(TierCacheError):
     """A peer sent something that is not a frame of this protocol."""
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The pid, uid and gid of the process at the other end of a Unix socket, as the kernel says (``SO_PEERCRED``).
+
+    Raises:
+        OSError: If the socket has no peer.
+    """
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
+
+
 class Connection:
     """One end of an agent connection: framed sends from any thread, receives from one thread.
 

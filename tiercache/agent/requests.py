@@ -19,8 +19,6 @@ import functools
 import itertools
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -42,6 +40,7 @@ from tiercache.agent.protocol import (
     ProtocolError,
     error_to_wire,
     metas_from_wire,
+    peer_credentials,
     staged_from_wire,
 )
 from tiercache.cache import TierCache, core_of
@@ -834,7 +833,7 @@ class Requests:
 def _peer_process(conn: Connection) -> tuple[int, str] | None:
     """The pid at the other end of ``conn`` (the kernel's word) and its start time, or ``None``."""
     try:
-        pid = struct.unpack("3i", conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        pid = peer_credentials(conn.sock)[0]
     except OSError:
         return None
     start = _start_time(pid)
