@@ -63,9 +63,20 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> d
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
 
+def same_numerics() -> None:
+    """Fix the numerics every process of the demo trains under.
+
+    Floating-point sums depend on how a kernel splits its work: a 1-thread and a 2-thread run
+    of the same steps differ in the last bits on many CPUs. Bit-exactness to an uninterrupted
+    run is only a meaningful claim when both sides compute under the same settings, so the
+    trainer and the resuming process (which also recomputes the reference) both call this.
+    """
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
 def trainer(config: Path) -> None:
     """Phase 1 (child process): train and checkpoint until killed."""
-    torch.set_num_threads(1)
     model, opt = make_model()
     cache = tiercache.open(config)
     cache.prepare()  # fault the RAM arena in while training starts, not in the first save
@@ -101,6 +112,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / ".demo")
     ap.add_argument("--trainer", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    same_numerics()
     if args.trainer:
         trainer(args.trainer)
         return
