@@ -1141,7 +1141,7 @@ def test_a_rank_that_dies_before_the_commit_fails_the_version_and_the_restart_ad
     # What becomes of the orphaned parts, said with them.
     assert status.output.splitlines()[3:] == [
         "group parts: 0 in flight, 2 orphaned (their trainers died before the group committed them), 0 released "
-        "(could never be adopted)",
+        "(could never be adopted), 0 settled (their group committed them as a trainer died)",
         f"  orphaned: main@1 ({vid}): part(s) of rank(s) 0, 1 of 2",
         "  they stay in node RAM until a restarted job of the same size restores their branch by name (it adopts the "
         "newest version every rank's part of is kept, and lets newer incomplete ones go), a version of their branch "

@@ -143,10 +143,12 @@ def _parts_lines(data: dict[str, Any]) -> list[str]:
     """The lines about the parts of group versions: in flight, orphaned (and what becomes of them), released."""
     parts = data.get("parts", {})
     released = int(data.get("parts_released", 0))
-    if not (parts.get("in_flight") or parts.get("orphaned") or released):
+    settled = int(data.get("parts_settled", 0))
+    if not (parts.get("in_flight") or parts.get("orphaned") or released or settled):
         return []
     lines = [f"group parts: {parts.get('in_flight', 0)} in flight, {parts.get('orphaned', 0)} orphaned (their "
-             f"trainers died before the group committed them), {released} released (could never be adopted)"]
+             f"trainers died before the group committed them), {released} released (could never be adopted), "
+             f"{settled} settled (their group committed them as a trainer died)"]
     orphans = data.get("orphans", [])
     for o in orphans:
         ranks = ", ".join(map(str, o["ranks"]))

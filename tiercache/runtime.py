@@ -217,6 +217,8 @@ class AgentStats(_Model):
     tracked: int = 0
     parts: PartCounts = Field(default_factory=PartCounts)
     parts_released: int = 0
+    #: Kept parts let go because their group committed their version after all (nothing lost).
+    parts_settled: int = 0
     orphans: list[OrphanedVersion] = Field(default_factory=list)
     orphans_limit: int = 0
     queues: dict[str, int] = Field(default_factory=dict)

@@ -19,7 +19,10 @@ room evicts them) until one of these, and nothing else, lets them go:
   a version a restart could have adopted is gone (raise the arena to keep it);
 * more than :data:`LIMIT` are kept: the oldest goes (logged at WARNING).
 
-Every release is logged and counted (``tiercache agent status`` shows both counts).
+Every release is logged and counted (``tiercache agent status`` shows both counts). A part
+whose own version was committed after all (its trainer died between the group's commit and
+telling the agent) is *settled*, not released: nothing a restart could adopt was lost, so it
+is counted apart.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class KeptParts:
         self._parts: OrderedDict[str, tuple[dict[str, Any], list[str]]] = OrderedDict()
         self._lock = threading.Lock()
         self.released = 0
+        #: Parts let go because their own version was committed (see the module docstring).
+        self.settled = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -96,13 +101,25 @@ class KeptParts:
             got["ranks"].sort()
         return list(out.values())
 
-    def release(self, which: Callable[[dict[str, Any]], bool], why: str, ram: RamCache) -> int:
-        """Let go of the kept parts ``which`` picks (they can never be adopted: ``why``); return how many."""
+    def release(self, which: Callable[[dict[str, Any]], bool], why: str, ram: RamCache,
+                *, committed: Iterable[str] = ()) -> int:
+        """Let go of the kept parts ``which`` picks (they can never be adopted: ``why``); return how many.
+
+        Parts of the versions in ``committed`` are settled: their group committed them.
+        """
+        done = set(committed)
         with self._lock:
             gone = [(k, v) for k, v in self._parts.items() if which(v[0])]
             for k, _ in gone:
                 del self._parts[k]
-        self._let_go(gone, why, ram, level=logging.INFO)
+        settled = [(k, v) for k, v in gone if v[0]["v"] in done]
+        for key, (record, held) in settled:
+            ram.unpin(held)
+            with self._lock:
+                self.settled += 1
+            log.info("part %s of version %s (step %d) of branch %r is settled: its group committed the version",
+                     key, record["v"], record["step"], record["branch"])
+        self._let_go([g for g in gone if g[1][0]["v"] not in done], why, ram, level=logging.INFO)
         return len(gone)
 
     def make_room(self, nbytes: int, ram: RamCache) -> None:

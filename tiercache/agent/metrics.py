@@ -149,7 +149,8 @@ def serve_metrics(agent: Requests, address: str) -> tuple[Any, tuple[str, int]]:
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as e:
-        raise ConfigError(f"[agent] metrics needs prometheus_client ({e}): pip install 'tiercache[agent]'") from None
+        raise ConfigError(f"[agent] metrics needs prometheus_client ({e}): "
+                          "pip install 'tiercache-ckpt[agent]'") from None
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(agent))  # type: ignore[arg-type]

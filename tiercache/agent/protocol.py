@@ -28,7 +28,8 @@ release    ``v`` (a published version's key) -> {}: the trainer will not copy it
 bye        -> {}: the client closes its cache; what it still holds goes back when it leaves (one that
            leaves without it while its process runs on keeps its versions' regions until it exits)
 answer     ``n``, ``result`` | ``error``: the trainer's answer to a ``call`` event -> {}
-orphans    ``rank``, ``branch``, ``head_step`` (its parts at or before it are let go) -> ``orphans``: parts
+orphans    ``rank``, ``branch``, ``head_step`` (its parts at or before it are let go), ``head`` (the
+           head's version id: its kept parts are settled, not lost) -> ``orphans``: parts
            whose trainer died before its group committed them; or ``release`` [version ids],
            ``why`` -> {} (a restarted group found them incomplete: see :mod:`tiercache.agent.keep`)
 peer_port  ``host``, ``key`` (the job's, optional) -> ``endpoint`` [host, port] where the agent

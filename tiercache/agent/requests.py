@@ -542,7 +542,8 @@ class Requests:
             self._orphan(t, err)
         if level == "durable" and ok:  # kept parts of its branch up to its step can never be adopted now
             self._orphans.release(lambda o: o["branch"] == t.branch and int(o["step"]) <= t.step,
-                                  f"step {t.step} of its branch was committed since", self.engine.ramcache)
+                                  f"step {t.step} of its branch was committed since", self.engine.ramcache,
+                                  committed=[t.adopt["v"] if t.adopt is not None else t.version])
         if level == "durable" and not ok and t.part is None:
             # As the engine counts it: a version another writer kept off its branch, or one the
             # user's policy dropped, is no loss.
@@ -599,7 +600,8 @@ class Requests:
         branch, head_step = msg.get("branch"), msg.get("head_step")
         if branch is not None and head_step is not None:  # older than the branch's committed head
             self._orphans.release(lambda o: o["branch"] == branch and int(o["step"]) <= int(head_step),
-                                  f"the head of its branch is at step {int(head_step)}", ram)
+                                  f"the head of its branch is at step {int(head_step)}", ram,
+                                  committed=[str(msg["head"])] if msg.get("head") else [])
         return {"orphans": self._orphans.offered(None if rank is None else int(rank))}
 
     def _send_level(self, t: Tracked, event: dict[str, Any]) -> None:
@@ -799,7 +801,7 @@ class Requests:
                              capacity=arena.capacity if arena is not None else None,
                              used_bytes=arena.used_bytes if arena is not None else 0),
             clients=clients, in_flight=len(engine.pending_jobs()), tracked=tracked, parts=parts,
-            parts_released=self._orphans.released,
+            parts_released=self._orphans.released, parts_settled=self._orphans.settled,
             orphans=[OrphanedVersion.model_validate(o) for o in self._orphans.summary()], orphans_limit=LIMIT,
             queues=dict(queues), levels=dict(self._levels), restores=dict(self._restores),
             restore_bytes=dict(self._restore_bytes), served_bytes=dict(self._served),

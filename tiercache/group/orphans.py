@@ -105,7 +105,8 @@ def _own_orphans(view: GroupView, branch: str) -> dict[str, dict[str, Any]]:
             head_step = catalog.peek(head.version).step
         except TierCacheError:
             head_step = -1
-    got = agent.request("orphans", rank=view.rank, branch=branch, head_step=head_step if head is not None else None)
+    got = agent.request("orphans", rank=view.rank, branch=branch, head_step=head_step if head is not None else None,
+                        head=head.version if head is not None else None)
     offered = {str(o["v"]): o for o in got.get("orphans", ())
                if o.get("branch") == branch and o.get("world") == view.world_size and int(o["step"]) > head_step}
     # A part saved before the branch was moved back belongs to the history the user left:
