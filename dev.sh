@@ -12,12 +12,21 @@ PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_PIN="torch==2.13.0"
 
-# The UI's browser tests drive Debian's Chromium headless; install it where we can (root with
-# apt-get). Elsewhere nothing happens here, and those tests say in one line why they skip.
+# The UI's browser tests drive Debian's Chromium headless. A system package is installed only
+# as root with apt-get, and said so first; elsewhere one line says how, and those tests say in
+# one line why they skip. TIERCACHE_NO_APT=1 never touches the system.
 browser() {
   command -v chromium >/dev/null 2>&1 && return
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || true
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${TIERCACHE_NO_APT:-}" ]; then
+    echo "dev.sh: installing the system package chromium with apt-get (for the UI's browser tests;" \
+         "TIERCACHE_NO_APT=1 skips this) ..." >&2
+    if { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1; then
+      echo "dev.sh: installed chromium" >&2
+    else
+      echo "dev.sh: apt-get could not install chromium: the browser tests will skip" >&2
+    fi
+  else
+    echo "dev.sh: no chromium (the UI's browser tests will skip); as root: apt-get install -y chromium" >&2
   fi
 }
 
