@@ -447,7 +447,7 @@ def _version_callback(value: bool) -> None:
         from importlib import metadata  # ~40 ms with email.*: only --version needs it
 
         try:
-            version = metadata.version("tiercache")
+            version = metadata.version("tiercache-ckpt")
         except metadata.PackageNotFoundError:  # run from a source tree that was never installed
             from tiercache import __version__ as version
         typer.echo(f"tiercache {version}")
@@ -1209,7 +1209,7 @@ def ui(
         try:
             from tiercache.ui.server import serve
         except ImportError as e:
-            raise ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache[ui]'") from None
+            raise ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache-ckpt[ui]'") from None
         cfg = _config(opts)
         job_mttf = _mttf_option(mttf, gpu_mtbf, gpus)
         if refresh is not None and not refresh > 0:
