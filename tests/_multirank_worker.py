@@ -240,6 +240,52 @@ def scenario_dcp_load(cache: tiercache.TierCache, rank: int, world: int, out: di
         out["equal"][ref] = [state["step"], *(bool(torch.equal(state[k].full_tensor(), full[k])) for k in full)]
 
 
+def scenario_dcp_modes(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
+    """One writer reused for two group saves (no checkpoint_id), a tagged save, then saves without the group.
+
+    Each rank's node has its own disk. Loads report, per ref, the step and whether each tensor
+    came back bit-exact.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter
+
+    def load(ref: str, step: int, **kw: Any) -> list[Any]:
+        full = full_tensors(step)
+        if kw.get("no_dist"):  # this process alone: whole tensors
+            state: dict[str, Any] = {k: torch.zeros_like(v) for k, v in full.items()}
+        else:
+            state = _dtensors(world, {k: torch.zeros_like(v) for k, v in full.items()})
+        state["step"] = 0
+        dcp.load(state, storage_reader=TierCacheStorageReader(cache, ref), **kw)
+        got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items() if k != "step"}
+        return [state["step"], *(bool(torch.equal(got[k], full[k])) for k in full)]
+
+    writer = TierCacheStorageWriter(cache, step=1)
+    out["versions"] = []
+    for step in (1, 2):
+        writer.step = step
+        dcp.save({**_dtensors(world, full_tensors(step)), "step": step}, storage_writer=writer)
+        out["versions"].append(writer.version_id)
+    out["reused"] = {ref: load(ref, step) for ref, step in (("main", 2), ("main~1", 1))}
+    writer.step = 3
+    dcp.save({**_dtensors(world, full_tensors(3)), "step": 3}, storage_writer=writer, checkpoint_id="best")
+    out["versions"].append(writer.version_id)
+    out["tagged"] = load("best", 3)
+    # no_dist while the group is up: rank 0 alone saves and loads its own version, whole tensors.
+    if rank == 0:
+        solo = TierCacheStorageWriter(cache, step=4, branch="solo")
+        dcp.save({**full_tensors(4), "step": 4}, storage_writer=solo, no_dist=True)
+        out["solo"] = [solo.version_id, load("solo", 4, no_dist=True)]
+    dist.barrier()
+    # use_collectives=False: every rank saves a version of its own, on its own branch.
+    own = TierCacheStorageWriter(cache, step=5, branch=f"rank{rank}")
+    dcp.save({**full_tensors(5), "step": 5}, storage_writer=own, use_collectives=False)
+    out["own"] = [own.version_id, load(f"rank{rank}", 5, no_dist=True)]
+    dist.barrier()
+    out["group_after"] = load("best", 3)  # the group still works after the saves without it
+
+
 def scenario_dcp_abort(cache: tiercache.TierCache, rank: int, world: int, out: dict[str, Any], work: Path) -> None:
     """Rank 1's writes fail during one dcp.save; then a dcp.save, a save(group=) and a dcp.load of the first."""
     import torch.distributed.checkpoint as dcp
@@ -577,7 +623,7 @@ def scenario_part_reads(cache: tiercache.TierCache, rank: int, world: int, out: 
 
 SCENARIOS = {"shared_disk": scenario_shared_disk, "ddp": scenario_ddp, "kill": scenario_kill,
              "sharded": scenario_sharded, "dcp_save": scenario_dcp_save, "dcp_load": scenario_dcp_load,
-             "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort,
+             "dcp_nodes": scenario_dcp_nodes, "dcp_abort": scenario_dcp_abort, "dcp_modes": scenario_dcp_modes,
              "dcp_plan_abort": scenario_dcp_plan_abort,
              "nodes_disk_full": scenario_nodes_disk_full, "restore_seconds": scenario_restore_seconds,
              "ddp_declared": scenario_ddp_declared, "replica_differs": scenario_replica_differs,

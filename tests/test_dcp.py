@@ -146,6 +146,71 @@ def test_a_save_either_of_two_ranks_aborts_before_writing_fails_alike_and_the_ne
         assert [cache.manifest(v).parent for v in (v4, v3)] == [v3, None]
 
 
+def test_every_mode_of_dcp_save_on_two_ranks_loads_what_it_saved(tmp_path: Path) -> None:
+    # A writer reused without a checkpoint_id once loaded the first save's tensors; no_dist and
+    # use_collectives=False while the group was up waited for ranks that never came.
+    from test_nodes import base_config, node_env
+
+    work = tmp_path / "save"
+    assert run_ranks("dcp_modes", 2, work, base_config(), env=node_env(tmp_path, ["a", "b"])) == [0, 0]
+    outs = [rank_out(work, r) for r in range(2)]
+    v1, v2, v3 = outs[0]["versions"]
+    assert len({v1, v2, v3}) == 3
+    for out in outs:
+        assert out["versions"] == [v1, v2, v3]
+        assert out["reused"] == {"main": [2, True, True], "main~1": [1, True, True]}
+        assert out["tagged"] == [3, True, True] and out["group_after"] == [3, True, True]
+        assert out["own"][1] == [5, True, True]
+    assert outs[0]["solo"][1] == [4, True, True] and "solo" not in outs[1]
+    for node, out in zip("ab", outs, strict=True):
+        with tiercache.open({"disk": {"path": str(tmp_path / f"disk-{node}")}}) as cache:
+            # The second save is a version of its own, with just its own entries, child of the first.
+            assert cache.manifest(v2).parent == v1 and cache.manifest(v3).parent == v2
+            assert len(cache.manifest(v2).tensors) == len(cache.manifest(v1).tensors)
+            assert cache.refs()["tag/best"] == v3
+            assert cache.refs()[f"branch/rank{out['rank']}"] == out["own"][0]
+    with tiercache.open({"disk": {"path": str(tmp_path / "disk-a")}}) as cache:
+        assert cache.refs()["branch/solo"] == outs[0]["solo"][0]
+
+
+def test_a_reused_writer_saves_each_checkpoint_afresh_and_checkpoint_id_names_a_tag(tmp_path: Path) -> None:
+    with tiercache.open({"disk": {"path": str(tmp_path / "d")}}) as c:
+        writer = TierCacheStorageWriter(c, step=1)
+        for step in (1, 2):
+            writer.step = step
+            dcp.save({"w": torch.full((4,), float(step)), "step": step}, storage_writer=writer)
+        out = {"w": torch.zeros(4), "step": 0}
+        dcp.load(out, storage_reader=TierCacheStorageReader(c, "main"))
+        assert torch.equal(out["w"], torch.full((4,), 2.0)) and out["step"] == 2
+        assert len(c.manifest("main").tensors) == len(c.manifest("main~1").tensors)
+        writer.step = 3
+        dcp.save({"w": torch.full((4,), 3.0), "step": 3}, storage_writer=writer, checkpoint_id="best")
+        dcp.save({"w": torch.full((4,), 4.0), "step": 4}, storage_writer=writer)  # no tag this time
+        assert c.refs()["tag/best"] == c.resolve("main~1")
+        out = {"w": torch.zeros(4), "step": 0}
+        dcp.load(out, checkpoint_id="best", storage_reader=TierCacheStorageReader(c))
+        assert torch.equal(out["w"], torch.full((4,), 3.0)) and out["step"] == 3
+        head = c.resolve("main")
+        for call in (lambda: dcp.save({"w": torch.ones(4)}, storage_writer=writer, checkpoint_id=tmp_path / "x"),
+                     lambda: dcp.save({"w": torch.ones(4)}, storage_writer=writer, checkpoint_id="ckpt/step5")):
+            with pytest.raises(InvalidArgumentError, match=r"^TierCacheStorageWriter: checkpoint_id '.*' is a path, "
+                               "but a tiercache checkpoint is a version of the cache's tiers: leave checkpoint_id "
+                               "out, or give a tag name$"):
+                call()
+        with pytest.raises(InvalidArgumentError, match=r"^TierCacheStorageReader: checkpoint_id 'ckpt/step5' is a "
+                           "path"):
+            dcp.load(out, checkpoint_id="ckpt/step5", storage_reader=TierCacheStorageReader(c))
+        assert c.resolve("main") == head  # nothing saved by the refused calls
+
+
+def test_the_writer_refuses_to_move_to_another_process_in_one_line(tmp_path: Path) -> None:
+    # dcp.async_save's process executor pickles the writer; it holds the open cache.
+    with tiercache.open({"disk": {"path": str(tmp_path / "d")}}) as c, pytest.raises(
+            TypeError, match=r"^TierCacheStorageWriter holds the open cache, which cannot move to another process: "
+            r"use dcp.async_save with its default thread executor "):
+        pickle.dumps(TierCacheStorageWriter(c, step=1))
+
+
 def test_single_process_roundtrip_dedups_unchanged_shards(tmp_path: Path) -> None:
     with tiercache.open({"disk": {"path": str(tmp_path / "d")}, "chunk_bytes": "64KiB", "pack_below": "4KiB"}) as c:
         base = {"frozen": torch.arange(65536, dtype=torch.float32), "head": torch.ones(8), "note": "hi"}

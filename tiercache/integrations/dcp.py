@@ -39,10 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
+import os
 import pickle
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -63,7 +67,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from tiercache import codecs
 from tiercache.cache import core_of
-from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, VersionNotFoundError
+from tiercache.errors import ConfigError, IntegrityError, InvalidArgumentError, TierCacheError, VersionNotFoundError
 from tiercache.format import dtype_from_name, dtype_name
 from tiercache.layout import plan_layout
 from tiercache.manifest import ChunkRef, Piece, RefRecord, TensorEntry, Version, check_meta, new_version_id, utcnow
@@ -77,6 +81,8 @@ if TYPE_CHECKING:
     from tiercache.group.round import Round
     from tiercache.group.view import GroupView
     from tiercache.handle import SaveHandle
+
+log = logging.getLogger(__name__)
 
 #: Path of the tensor-table entry holding the pickled DCP ``Metadata``.
 METADATA_ENTRY = "__dcp_metadata__"
@@ -113,11 +119,61 @@ def _durable(core: CacheCore) -> list[str]:
     return list(core.repo.durable)
 
 
-def _view(cache: TierCache, group: dist.ProcessGroup | None) -> GroupView | None:
-    """The cache's group view for a DCP call on ``group``, or ``None`` for one process."""
+def _view(cache: TierCache, group: dist.ProcessGroup | None, *, rank: int | None = None) -> GroupView | None:
+    """The cache's group view for a DCP call on ``group``, or ``None`` where DCP runs this process alone.
+
+    DCP runs one process alone without a process group, in a world of one, and with
+    ``no_dist=True`` even while a group is up (then every rank, or just one, saves or loads by
+    itself: opening the group's view there would wait for ranks that never come).
+
+    Args:
+        cache: The user's cache.
+        group: The process group of the DCP call.
+        rank: The rank DCP told the storage layer (``0`` on every process under ``no_dist``).
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return None
+    coordinated = _dcp_coordinates()
+    if coordinated is None:  # a DCP without the wrapper we look for: its rank still tells, off rank 0
+        coordinated = rank is None or rank == dist.get_rank(group)
+    if not coordinated:
+        return None
     return cast("GroupView", cache.distributed(group))
+
+
+def _dcp_coordinates() -> bool | None:
+    """Whether the running ``dcp.save``/``dcp.load`` coordinates ranks (``False`` under ``no_dist``).
+
+    DCP tells a storage layer its rank and whether it is the coordinator, but not whether it runs
+    with ``no_dist``: rank 0 of a live group looks the same either way. DCP's own ``_DistWrapper``,
+    a variable of the step that calls the storage layer, knows; ``None`` if no caller has one.
+    """
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        wrapper = frame.f_locals.get("distW")
+        if wrapper is not None and isinstance(getattr(wrapper, "use_dist", None), bool):
+            return bool(wrapper.use_dist)
+    return None
+
+
+def _checkpoint_name(checkpoint_id: Any, who: str, what: str) -> str:
+    """The ref (reader) or tag (writer) a DCP ``checkpoint_id`` names; a path is refused in one line.
+
+    Raises:
+        InvalidArgumentError: If ``checkpoint_id`` is a path, or not a valid name.
+    """
+    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else checkpoint_id
+    if isinstance(text, bytes) or (isinstance(text, str) and ("/" in text or os.sep in text)) or isinstance(
+            checkpoint_id, os.PathLike):
+        raise InvalidArgumentError(
+            f"{who}: checkpoint_id {text!r} is a path, but a tiercache checkpoint is a version of the cache's "
+            f"tiers: leave checkpoint_id out, or give {what}")
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{who}: checkpoint_id must be a string ({what}), got {checkpoint_id!r}")
+    return text
 
 
 class _Entries:
@@ -196,8 +252,16 @@ class TierCacheStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` that saves a checkpoint as one tiercache version.
 
     Create one on every rank with the same arguments and pass it to ``dcp.save`` or
-    ``dcp.async_save``. With several ranks, DCP's coordinator must be rank 0 of the group (DCP's
-    default); do not run a DCP save and a ``save(group=...)`` of the same group concurrently.
+    ``dcp.async_save`` (its default thread executor: the writer holds the open cache, which
+    cannot move to another process, so the process executor is refused). With several ranks,
+    DCP's coordinator must be rank 0 of the group (DCP's default); do not run a DCP save and a
+    ``save(group=...)`` of the same group concurrently.
+
+    One writer may serve many saves: each starts from fresh state, whether or not DCP calls
+    :meth:`reset`. ``checkpoint_id``, if given, names a tag for the version (a path is refused).
+    With ``no_dist=True`` each process that saves makes a version of its own, as with one
+    process; so does each rank with ``use_collectives=False`` (give each rank its own branch or
+    cache then: the ranks do not agree on a version).
 
     Args:
         cache: This process's cache (every rank opens its own on the same tiers).
@@ -230,23 +294,53 @@ class TierCacheStorageWriter(StorageWriter):
         self._entries = _Entries()
         self._rank = 0
         self._owner = f"dcp-{new_version_id()}"
+        self._named: str | None = None  # checkpoint_id of the coming save (reset), then its tag
+        self._tag: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("TierCacheStorageWriter holds the open cache, which cannot move to another process: "
+                        "use dcp.async_save with its default thread executor "
+                        "(async_checkpointer_type=AsyncCheckpointerType.THREAD)")
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        """Start a new checkpoint; ``checkpoint_id`` is not used (refs name versions)."""
+        """Start a new checkpoint; a ``checkpoint_id`` names a tag the version gets once committed.
+
+        Raises:
+            InvalidArgumentError: If ``checkpoint_id`` is a path or not a valid tag name.
+        """
+        if checkpoint_id is not None:
+            self._named = check_name(_checkpoint_name(checkpoint_id, "TierCacheStorageWriter", "a tag name"), "tag")
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Forget the last checkpoint's entries and round, so that the next save starts from nothing.
+
+        DCP calls :meth:`reset` only when a ``checkpoint_id`` is given: a writer used for a second
+        save without one would otherwise append to the first save's entries (and a load would
+        find the first save's metadata).
+        """
+        rnd = self._round
+        if rnd is None or rnd.futures["durable"].done():
+            self._core.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
+        # (else the round's own callback frees them once the group settles it)
         self.version_id = None
+        self.handle = None
         self._round = None
         self._entries = _Entries()
-        self._core.repo.leases.close(self._owner)  # what an earlier checkpoint of this writer leased
         self._owner = f"dcp-{new_version_id()}"
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Record whether this rank is DCP's coordinator (it runs :meth:`finish`); open the group's view.
+        """Start this save from fresh state; record whether this rank is DCP's coordinator; open the group's view.
 
         Raises:
             InvalidArgumentError: If DCP's coordinator is not rank 0 of the group.
         """
+        if self._entries.tensors or self._round is not None:
+            self._fresh()
+        self._tag, self._named = self._named, None
         self.is_coordinator = is_coordinator
-        self._view = _view(self.cache, self.group)
+        alone = kwargs.get("use_collectives") is False  # every rank plans, writes and finishes by itself
+        self._view = None if alone else _view(self.cache, self.group, rank=kwargs.get("rank"))
         self._rank = self._view.rank if self._view is not None else 0
         if self._view is not None and is_coordinator and self._rank != 0:
             raise InvalidArgumentError("TierCacheStorageWriter: DCP's coordinator must be rank 0 of the group "
@@ -273,6 +367,11 @@ class TierCacheStorageWriter(StorageWriter):
             # Whatever the outcome (committed, failed, or DCP aborted the checkpoint): the group
             # settles every level, and the chunks leased for it are free then.
             rnd.futures["durable"].add_done_callback(lambda _: core.repo.leases.close(owner))
+            if self._tag is not None and not self.is_coordinator:
+                # The coordinator tags in finish(), on its node; every other rank on its own
+                # node's tiers, once the group committed the version.
+                tag, self._tag = self._tag, None
+                rnd.futures["durable"].add_done_callback(lambda f: self._tag_committed(f, tag, rnd.vid))
         try:
             items = list(plan.items)
             blobs, kinds = [], []
@@ -341,6 +440,7 @@ class TierCacheStorageWriter(StorageWriter):
             self._publish(rnd)
             rnd.futures["durable"].result()  # the group's outcome: raises its error
             self.version_id = rnd.vid
+            self._tag_version()
             return
         with core.next_version(self.branch) as nxt:
             version = self._entries.version(id=new_version_id(), parent=nxt.parent, branch=self.branch,
@@ -355,6 +455,22 @@ class TierCacheStorageWriter(StorageWriter):
             core.repo.leases.close(self._owner)
         core.repo.adopt(version, _durable(core))
         self.version_id = version.id
+        self._tag_version()
+
+    def _tag_committed(self, durable: Future[Any], tag: str, vid: str) -> None:
+        """Tag ``vid`` on this rank's tiers once the group committed it (a callback of its ``durable``)."""
+        if durable.exception() is not None:
+            return  # the version failed: the save raised on every rank, and there is nothing to tag
+        try:
+            self.cache.tag(tag, vid)
+        except TierCacheError as e:
+            log.error("DCP checkpoint %s: tag %r not written on this rank's tiers: %s", vid, tag, e)
+
+    def _tag_version(self) -> None:
+        """Tag the committed version with the save's ``checkpoint_id``, if it had one."""
+        if self._tag is not None and self.version_id is not None:
+            tag, self._tag = self._tag, None
+            self.cache.tag(tag, self.version_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -415,12 +531,18 @@ class TierCacheStorageReader(StorageReader):
         self._t0 = 0.0
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        """Start a new load; ``checkpoint_id``, if given, replaces the ref."""
-        if checkpoint_id:
-            self.ref = str(checkpoint_id)
+        """Start a new load; ``checkpoint_id``, if given, replaces the ref (a path is refused).
+
+        Raises:
+            InvalidArgumentError: If ``checkpoint_id`` is a path.
+        """
+        if checkpoint_id is not None:
+            self.ref = _checkpoint_name(checkpoint_id, "TierCacheStorageReader",
+                                        "a ref of the cache (branch, tag, id, NAME~N, NAME@STEP)")
         self.version = None
         self._source = None
 
+    # No **kwargs: DCP would then retry a failed read as a rank-local one, without collectives.
     def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local variant to fall back on
         """Resolve the ref (for the group: collective) and return the checkpoint's DCP ``Metadata``.
 
