@@ -200,7 +200,9 @@ class NotAPolicy:
 def test_a_custom_class_by_module_path() -> None:
     p = load_policy(PolicyConfig(name=f"{__name__}:NoOpPolicy", params={"label": "mine"}))
     assert isinstance(p, NoOpPolicy) and p.label == "mine"
-    with pytest.raises(ConfigError, match=r"has no evict\(\) method"):
+    # Checked to be a policy class before it is called (its __init__ never runs).
+    with pytest.raises(ConfigError, match=rf"^policy '{__name__}:NotAPolicy' is not a policy class \(a class with "
+                       r"place\(\), evict\(\) and on_full\(\): implement tiercache.Policy\)$"):
         load_policy(PolicyConfig(name=f"{__name__}:NotAPolicy"))
     with pytest.raises(ConfigError, match=r"^policy 'tiercache\.nope:X' cannot be imported"):
         load_policy(PolicyConfig(name="tiercache.nope:X"))

@@ -356,3 +356,70 @@ def test_sizes_from_a_client_are_checked_against_the_arena_first_and_the_agent_s
                 assert agent.stop() == 0
     finally:
         shutil.rmtree(sock)
+
+
+def _planted_config(where: Path, marker: Path, *, owner: int | None = None, mode: int = 0o644) -> Path:
+    """A tiercache.toml whose policy would run a shell command (creating ``marker``) if it were ever called."""
+    cfg = where / "tiercache.toml"
+    cfg.write_text(f'[disk]\npath = "{where / "disk"}"\n[policy]\nname = "os:system"\n'
+                   f'params = {{ command = "touch {marker}" }}\n')
+    if owner is not None:
+        os.chown(cfg, owner, owner)
+    cfg.chmod(mode)
+    return cfg
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "tiercache", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting a file as another uid needs root (chown)")
+def test_a_config_another_user_planted_is_refused_and_its_policy_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cfg = _planted_config(shared, marker, owner=12345)
+    refused = ("error: config file tiercache.toml is not used: it is owned by uid 12345, not by you (uid 0) or "
+               "root (chown it, chmod go-w it, or pass the config you mean with --config)\n")
+    for verb in (["stats"], ["gc", "--dry-run"], ["verify"], ["ls"]):
+        code, err = _cli(verb, shared)
+        assert code != 0 and err == refused, verb
+    # Named by the environment: found by search as well.
+    code, err = _cli(["stats"], tmp_path, {"TIERCACHE_CONFIG": str(cfg)})
+    assert code != 0 and err == refused.replace("file tiercache.toml", f"file {cfg}")
+    # Named explicitly: read as data, but its module:Class policy is not imported.
+    code, err = _cli(["--config", str(cfg), "stats"], tmp_path)
+    assert code != 0 and err == (f"error: config file {cfg}: field 'policy.name': a package.module:Class policy is "
+                                 "imported only from a config you own (it is owned by uid 12345, not by you (uid 0) "
+                                 "or root): pass it with --policy, or own the file\n")
+    cwd = os.getcwd()
+    os.chdir(shared)
+    try:
+        with pytest.raises(ConfigError, match=r"^config file tiercache\.toml is not used: it is owned by uid 12345"):
+            tiercache.open()
+    finally:
+        os.chdir(cwd)
+    assert not marker.exists() and not (shared / "disk").exists()
+
+
+def test_a_config_others_may_write_is_refused_and_a_policy_path_must_name_a_policy_class(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cfg = _planted_config(shared, marker, mode=0o666)
+    code, err = _cli(["stats"], shared)
+    assert code != 0 and err == ("error: config file tiercache.toml is not used: anyone may write it (chown it, "
+                                 "chmod go-w it, or pass the config you mean with --config)\n")
+    # Our own file: read, and the name is checked to be a policy class before anything is called.
+    cfg.chmod(0o600)
+    code, err = _cli(["stats"], shared)
+    assert code != 0 and err == ("error: policy 'os:system' is not a policy class (a class with place(), evict() "
+                                 "and on_full(): implement tiercache.Policy)\n")
+    with pytest.raises(ConfigError, match=r"^policy 'os:system' is not a policy class"):
+        tiercache.open({"disk": {"path": str(tmp_path / "d")}, "policy": {"name": "os:system",
+                                                                         "params": {"command": f"touch {marker}"}}})
+    assert not marker.exists()

@@ -613,8 +613,18 @@ def load_config(
             source = {}
             label = ""
     if isinstance(source, (str, os.PathLike)):
-        data = _read_toml(Path(source))
+        path = Path(source)
+        # A file found by search (TIERCACHE_CONFIG, ./tiercache.toml) may be another user's: it is
+        # read only if it is ours; a file named explicitly is read, but never names code to run.
+        foreign = untrusted_reason(path)
+        if looked_up and foreign:
+            raise ConfigError(f"config file {path} is not used: {foreign} (chown it, chmod go-w it, "
+                              "or pass the config you mean with --config)")
+        data = _read_toml(path)
         label = str(source)
+        if foreign and ":" in str(_at(data, ("policy", "name")) or ""):
+            raise ConfigError(f"config file {path}: field 'policy.name': a package.module:Class policy is imported "
+                              f"only from a config you own ({foreign}): pass it with --policy, or own the file")
     else:
         data = dict(source)
     overrides, variables = _env_overrides(env)
@@ -630,6 +640,26 @@ def load_config(
     if (looked_up or label != "(dict)") and cfg.ram is None and not cfg.tier_names():
         raise ConfigError(_no_tier_message(label, Path.cwd()))
     return cfg
+
+
+def untrusted_reason(path: Path) -> str:
+    """Why a config file may hold another user's settings (``""`` if it is safe to act on).
+
+    git's ``safe.directory`` rule: a file is ours if we (or root) own it and nobody else may
+    write it: not others, nor a group other than our own primary group.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return ""  # reading it says what is wrong
+    uid, gid = os.getuid(), os.getgid()
+    if st.st_uid not in (uid, 0):
+        return f"it is owned by uid {st.st_uid}, not by you (uid {uid}) or root"
+    if st.st_mode & 0o002:
+        return "anyone may write it"
+    if st.st_mode & 0o020 and st.st_gid != gid:
+        return f"group {st.st_gid} may write it"
+    return ""
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -517,12 +517,17 @@ def _from_entry_points(name: str) -> Callable[..., Policy] | None:
 
 
 def _from_path(spec: str) -> Callable[..., Policy]:
+    """The class ``package.module:Class`` names, once it is known to be a policy class (nothing called yet)."""
     module, _, attr = spec.partition(":")
     try:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"policy {spec!r} cannot be imported: {e}") from None
-    return obj  # type: ignore[no-any-return]
+    # Checked before it is called: a name such as os:system must never run.
+    if not (isinstance(obj, type) and issubclass(obj, Policy)):
+        raise ConfigError(f"policy {spec!r} is not a policy class (a class with place(), evict() and "
+                          "on_full(): implement tiercache.Policy)")
+    return obj
 
 
 def _check_params(name: str, factory: Callable[..., Policy], params: Mapping[str, Any]) -> None:
