@@ -548,3 +548,26 @@ def test_python_m_end_to_end(repo: _Repo, tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert bad.stdout == ""
     assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+def test_the_cli_finds_a_quickstart_cache_by_its_disk_and_reading_makes_no_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for var in ("TIERCACHE_CONFIG", "TIERCACHE_DISK__PATH", "TIERCACHE_S3__URL", "TIERCACHE_RAM__CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+    # Read-only commands on a directory where nothing was saved: an empty answer, no directory.
+    for verb in (["ls"], ["log"], ["stats"], ["verify"], ["gc", "--dry-run"], ["ls", "--json"]):
+        res = CliRunner().invoke(app, ["--disk", "checkpoints", *verb])
+        assert res.exit_code == 0, (verb, res.output)
+    assert list(tmp_path.iterdir()) == []
+    with tiercache.open({"disk": {"path": "checkpoints"}}) as cache:  # the Quickstart's dict config
+        vid = cache.save({"w": torch.arange(4.0)}, step=10).wait("local")
+    assert (tmp_path / "checkpoints").stat().st_mode & 0o777 == 0o700  # made by the first write
+    listed = json.loads(CliRunner().invoke(app, ["--disk", "checkpoints", "ls", "--json"]).stdout)
+    assert [(v["id"], v["step"]) for v in listed] == [(vid, 10)]
+    # With --config, --disk stands in for the file's [disk] path (the rest of the file applies).
+    config = tmp_path / "other.toml"
+    config.write_text('[disk]\npath = "elsewhere"\nio_threads = 3\n')
+    listed = json.loads(CliRunner().invoke(app, ["--config", str(config), "--disk", "checkpoints", "ls",
+                                                 "--json"]).stdout)
+    assert [v["id"] for v in listed] == [vid] and not (tmp_path / "elsewhere").exists()

@@ -169,7 +169,8 @@ def test_no_tier_anywhere_says_where_it_looked(world: Path, tmp_path: Path, monk
     assert out == (
         f"error: no tier configured: no config file named (TIERCACHE_CONFIG is not set), no tiercache.toml in "
         f"{tmp_path}, and none of TIERCACHE_DISK__PATH, TIERCACHE_S3__URL or TIERCACHE_RAM__CAPACITY set: write "
-        "a tiercache.toml with a [disk] path, an [s3] url or a [ram] table\n"
+        "a tiercache.toml with a [disk] path, an [s3] url or a [ram] table (or, on the command line, name the "
+        "directory: tiercache --disk DIR)\n"
     )
     code, out = _run(world, ["--config", "{base}/empty.toml", "ls"])
     assert (code, out) == (2, f"error: no tier configured in config file {world}/empty.toml (nor by "

@@ -82,6 +82,7 @@ def test_a_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
     outside.mkdir()
     root = tmp_path / "root"
     tier = DiskTier(DiskConfig(path=root))
+    root.mkdir()  # (the first write makes the root; here something is planted in it first)
     (root / "versions").symlink_to(outside)
     with pytest.raises(InvalidNameError, match="outside the disk tier root"):
         tier.put("versions/V1.json", b"{}")

@@ -249,6 +249,7 @@ def test_stale_tmp_files_are_hidden_and_swept(disk: DiskTier) -> None:
 def test_symlink_escaping_the_root_is_refused(disk: DiskTier, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
+    disk.root.mkdir()  # (the first write makes the root; here something is planted in it first)
     (disk.root / "chunks").symlink_to(outside)
     with pytest.raises(InvalidNameError):
         disk.put("chunks/x", b"data")
@@ -337,6 +338,7 @@ def test_puts_without_dir_sync_leave_every_directory_to_one_sync_names(
 ) -> None:
     import tiercache.tiers.disk as diskmod
 
+    disk.root.mkdir()  # as a first write makes it (syncing its parent): here only directories below count
     synced: list[str] = []
     real = diskmod._fsync_dir
     monkeypatch.setattr(diskmod, "_fsync_dir", lambda p: (synced.append(os.path.relpath(p, disk.root)), real(p)))

@@ -466,6 +466,16 @@ def _root(
             show_default=False,
         ),
     ] = None,
+    disk: Annotated[
+        Path | None,
+        typer.Option(
+            "--disk",
+            help="The cache's disk directory: alone, the cache tiercache.open({'disk': {'path': DIR}}) makes; "
+                 "with --config, in place of its [disk] path.",
+            metavar="DIR",
+            show_default=False,
+        ),
+    ] = None,
     policy: Annotated[
         str | None,
         typer.Option(
@@ -498,7 +508,7 @@ def _root(
 ) -> None:
     """Read the global options: config, policy, log level, --debug."""
     ctx.call_on_close(_setup_logging(log_level, verbose, quiet))
-    ctx.obj = _Options(config=config, debug=debug, policy=policy)
+    ctx.obj = _Options(config=config, debug=debug, policy=policy, disk=disk)
 
 
 @app.command("ls", epilog=_examples("tiercache ls", "tiercache ls --branch ft-lr3e-5", "tiercache ls --json"))
@@ -1209,7 +1219,7 @@ def ui(
         try:
             from tiercache.ui.server import serve
         except ImportError as e:
-            raise ConfigError(f"tiercache ui needs the ui extra ({e}): pip install 'tiercache-ckpt[ui]'") from None
+            raise ConfigError(f"tiercache ui needs the ui extra ({e}): pip install starlette uvicorn") from None
         cfg = _config(opts)
         job_mttf = _mttf_option(mttf, gpu_mtbf, gpus)
         if refresh is not None and not refresh > 0:

@@ -63,6 +63,7 @@ class Options:
     config: Path | None
     debug: bool
     policy: str | None = None
+    disk: Path | None = None
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -105,10 +106,20 @@ def cli_errors(debug: bool) -> Iterator[None]:
 
 
 def options_config(opts: Options) -> CacheConfig:
-    """The config the global options name, with ``--policy`` applied."""
-    from tiercache.config import PolicyConfig, load_config  # not at import: `--help` stays quick
+    """The config the global options name, with ``--disk`` and ``--policy`` applied.
 
-    cfg = load_config(opts.config)
+    ``--disk DIR`` alone is the cache of a Quickstart (``tiercache.open({"disk": {"path": DIR}})``);
+    with ``--config`` it replaces that file's disk path.
+    """
+    from tiercache.config import DiskConfig, PolicyConfig, load_config  # not at import: `--help` stays quick
+
+    if opts.disk is not None and opts.config is None:
+        cfg = load_config({"disk": {"path": str(opts.disk)}})
+    else:
+        cfg = load_config(opts.config)
+        if opts.disk is not None:
+            disk = cfg.disk.model_copy(update={"path": opts.disk}) if cfg.disk else DiskConfig(path=opts.disk)
+            cfg = cfg.model_copy(update={"disk": disk})
     if opts.policy is not None:
         cfg = cfg.model_copy(update={"policy": PolicyConfig(name=opts.policy)})
     return cfg

@@ -156,7 +156,7 @@ class DiskConfig(_Model):
     """A local directory (NVMe) tier.
 
     Attributes:
-        path: Root directory; created 0700 if missing.
+        path: Root directory; created 0700 by the first write (reading makes nothing).
         capacity: Byte budget, or ``None`` for the free space of the filesystem.
         o_direct: Write and read chunks with O_DIRECT (falls back to buffered I/O where the
             filesystem refuses it).
@@ -748,4 +748,4 @@ def _no_tier_message(label: str, cwd: Path) -> str:
                 "add a [disk] path, an [s3] url or a [ram] table")
     return (f"no tier configured: no config file named (TIERCACHE_CONFIG is not set), no tiercache.toml in "
             f"{cwd}, and none of {_TIER_VARIABLES} set: write a tiercache.toml with a [disk] path, "
-            "an [s3] url or a [ram] table")
+            "an [s3] url or a [ram] table (or, on the command line, name the directory: tiercache --disk DIR)")

@@ -154,8 +154,8 @@ class DiskTier(Tier):
     Args:
         cfg: The disk tier's configuration (root path, capacity budget, O_DIRECT switch).
 
-    Raises:
-        StorageError: If the root directory cannot be created.
+    The root directory is created (0700) by the first write, so that opening a cache to read it
+    leaves nothing behind where nothing was saved.
     """
 
     name = "disk"
@@ -169,10 +169,8 @@ class DiskTier(Tier):
         self.write_threads = cfg.io_threads
         self.node_local = not cfg.shared
         root = os.path.abspath(os.fspath(cfg.path))
-        try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise _storage_error(e, f"cannot create root directory {root}") from e
+        # The root is made by the first write (see _ensure_dir), not here: a read-only command
+        # (ls, log, stats) on a path where nothing was saved must leave no directory behind.
         self._root = os.path.realpath(root)
         self._direct = cfg.o_direct
         self._lock = threading.Lock()
@@ -223,7 +221,7 @@ class DiskTier(Tier):
             os.mkdir(path, 0o700)
         except FileExistsError:
             return
-        if sync:
+        if sync or path == self._root:  # sync_names syncs directories below the root, not the root's own name
             _fsync_dir(parent)
 
     def _open_tmp(self, dirpath: str) -> tuple[int, str, bool]:
@@ -556,10 +554,11 @@ class DiskTier(Tier):
             StorageError: ``TierFullError`` with no free space, ``AccessDeniedError`` if not
                 writable, ``StorageError`` if the root is gone.
         """
+        where = self._made_or_parent()
         try:
-            free, _size = fs_space(self._root)
-            if not os.access(self._root, os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, "not writable", self._root)
+            free, _size = fs_space(where)
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", where)
         except OSError as e:
             raise _storage_error(e, f"root directory {self._root}") from e
         if free == 0:
@@ -577,12 +576,19 @@ class DiskTier(Tier):
             StorageError: If the root directory is gone.
         """
         try:
-            free, size = fs_space(self._root)
+            free, size = fs_space(self._made_or_parent())
         except OSError as e:
             raise _storage_error(e, f"root directory {self._root}") from e
         reserve = min(max(int(size * FS_RESERVE_FRACTION), _FS_RESERVE_MIN), _FS_RESERVE_MAX)
         room = self.used_bytes() + max(free - reserve, 0)
         return room if self.capacity is None else min(self.capacity, room)
+
+    def _made_or_parent(self) -> str:
+        """The root, or until the first write makes it, its nearest existing parent (whose filesystem it will be on)."""
+        path = self._root
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        return path
 
     def used_bytes(self) -> int:
         """Return the bytes of stored objects (scanned once, then tracked per write)."""
