@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 import tiercache
 from tiercache.cli import app
-from tiercache.config import AgentConfig, CacheConfig, DiskConfig, PolicyConfig, RamConfig, S3Config, load_config
+from tiercache.config import PolicyConfig, load_config
 from tiercache.policy.builtin import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,13 +181,9 @@ def test_toml_snippet_is_a_valid_config(snippet: Snippet) -> None:
     assert callable(policy.place) and callable(policy.evict) and callable(policy.on_full)
 
 
-def test_the_config_reference_names_every_field() -> None:
+def test_the_config_reference_loads() -> None:
     [reference] = [s for s in _of("toml") if s.path.name == "config.md"]
-    data = tomllib.loads(reference.body)
-    tables = {"ram": RamConfig, "disk": DiskConfig, "s3": S3Config, "policy": PolicyConfig, "agent": AgentConfig}
-    assert set(data) == set(CacheConfig.model_fields) - {"schema_version"}
-    for name, model in tables.items():
-        assert set(data[name]) == set(model.model_fields), name
+    data = tomllib.loads(reference.body)  # (tests/test_config_doc.py checks it field by field against the model)
     cfg = load_config(data, env={})
     assert cfg.ram is not None and cfg.ram.capacity == 4 << 30
     assert cfg.s3 is not None and (cfg.s3.bucket, cfg.s3.prefix) == ("bucket", "prefix")
