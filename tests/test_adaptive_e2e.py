@@ -29,6 +29,7 @@ import tiercache
 from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import SkippedError, VersionNotFoundError
+from tiercache.manifest import unseal
 from tiercache.policy.base import OnFull, Placement, PolicyContext, VersionView
 from tiercache.policy.builtin import ThroughputAdaptive, WriteThrough
 from tiercache.testing import ThrottledProxy
@@ -165,7 +166,7 @@ def _s3_manifests(s3_server: Any, s3_config: S3Config) -> dict[str, dict]:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_config.bucket, Prefix=prefix):
             for obj in page.get("Contents", ()):
                 body = client.get_object(Bucket=s3_config.bucket, Key=obj["Key"])["Body"].read()
-                out[obj["Key"][len(prefix) : -len(".json")]] = json.loads(body)
+                out[obj["Key"][len(prefix) : -len(".json")]] = json.loads(unseal(body, obj["Key"]))
         return out
     finally:
         client.close()

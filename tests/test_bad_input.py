@@ -20,7 +20,7 @@ import torch
 import tiercache
 from tiercache.config import load_config
 from tiercache.errors import ConfigError, IntegrityError
-from tiercache.manifest import RefRecord, Version
+from tiercache.manifest import RefRecord, Version, unseal
 
 _PIECE = {"chunk": 0, "chunk_offset": 0, "offset": 0, "nbytes": 8}
 GOOD_MANIFEST: dict[str, Any] = {
@@ -81,7 +81,7 @@ BAD_MANIFESTS: dict[str, bytes] = {
 }
 
 # The same manifest as the current code writes it: the tensor table as columns.
-GOOD_COLUMNS: dict[str, Any] = json.loads(Version.from_json(json.dumps(GOOD_MANIFEST).encode()).to_json())
+GOOD_COLUMNS: dict[str, Any] = json.loads(unseal(Version.from_json(json.dumps(GOOD_MANIFEST).encode()).to_json(), ""))
 
 
 def _columns_with(column: str, value: Any) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import tiercache
-from tiercache.manifest import Version
+from tiercache.manifest import Version, unseal
 from tiercache.names import version_key
 from tiercache.tensor_table import Piece, TensorEntry, TensorTable
 
@@ -74,7 +74,7 @@ def test_manifest_stores_columns_and_an_old_layout_manifest_still_restores_bit_e
         cache.save(state, step=7).wait("local")
         version = cache.manifest("main")
     path = tmp_path / version_key(version.id)
-    stored = json.loads(path.read_bytes())
+    stored = json.loads(unseal(path.read_bytes(), str(path)))
     assert stored["schema_version"] == 2 and stored["tensors"]["columns"] == 1
     assert stored["tensors"]["count"] == len(state) and stored["tensors"]["path"] == list(state)
 

@@ -662,7 +662,8 @@ class TierCache:
         if self._engine is not None:
             self._engine.wait_settled()  # versions in flight are checked once committed
         versions = [self.manifest(ref)] if ref is not None else self._core.catalog.all()
-        return repo_ops.verify(self._core.repo, versions, repair=repair, sample=sample, progress=progress)
+        return repo_ops.verify(self._core.repo, versions, repair=repair, sample=sample, progress=progress,
+                               every_manifest=ref is None)
 
     def gc(self, *, dry_run: bool = False, grace: float | None = None) -> repo_ops.GcReport:
         """Delete versions no branch head or tag reaches (through parents) and chunks nothing names.

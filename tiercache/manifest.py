@@ -9,6 +9,13 @@ record with the highest ``seq`` wins.
 Manifests are validated on load: every id and name is checked, and every tensor piece must lie
 inside its chunk and its tensor, so a damaged or hostile manifest is refused with
 :class:`~tiercache.errors.IntegrityError` instead of leading reads astray.
+
+Every stored object (manifest, part, ref, record) is *sealed*: its JSON is followed by a line
+``#xxh3-128:<digest of the JSON bytes>``, checked on load before anything is parsed. A flipped
+bit anywhere (a renamed key, a changed scalar, a piece moved within bounds) is then an
+``IntegrityError`` naming where it was read, never a wrong restore; a tier's damaged copy is
+left out and the copy of another tier is used. Objects written before seals existed (no seal
+line) are parsed as they are: any bit flipped in a seal line leaves bytes that are not JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tiercache.errors import IntegrityError, InvalidArgumentError, InvalidNameError
@@ -45,6 +53,29 @@ class _Model(BaseModel):
 
 _Self = TypeVar("_Self", bound="_Stored")
 
+#: What separates a stored object's JSON from the digest that seals it (see the module docstring).
+_SEAL = b"\n#xxh3-128:"
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a stored object's JSON) followed by its seal line."""
+    return body + _SEAL + xxhash.xxh3_128_hexdigest(body).encode()
+
+
+def unseal(data: bytes, where: str) -> bytes:
+    """The JSON of a stored object, once its seal matches (an object without a seal is returned whole).
+
+    Raises:
+        IntegrityError: If the seal does not match the bytes it seals.
+    """
+    at = data.rfind(_SEAL)
+    if at < 0:
+        return data  # written before seals: parsing checks what it can
+    body = data[:at]
+    if data[at + len(_SEAL):] != xxhash.xxh3_128_hexdigest(body).encode():
+        raise IntegrityError(f"{where} is damaged: its bytes do not match their checksum")
+    return body
+
 
 class _Stored(_Model):
     """A model stored as one JSON object on the tiers; ``_what`` names it in errors."""
@@ -52,8 +83,8 @@ class _Stored(_Model):
     _what: ClassVar[str] = "object"
 
     def to_json(self) -> bytes:
-        """Serialize for storage."""
-        return self.model_dump_json().encode()
+        """Serialize for storage, sealed."""
+        return seal(self.model_dump_json().encode())
 
     @classmethod
     def from_json(cls: type[_Self], data: bytes, *, source: str = "") -> _Self:
@@ -62,11 +93,12 @@ class _Stored(_Model):
         Raises:
             IntegrityError: If the bytes are not a valid object of this kind.
         """
+        where = source or cls._what
+        body = unseal(bytes(data), where)
         try:
             with gc_paused():  # a manifest of many tensors is a large object graph (tiercache.gcpause)
-                return cls.model_validate_json(data)
+                return cls.model_validate_json(body)
         except (ValidationError, InvalidNameError, ValueError) as e:
-            where = source or cls._what
             raise IntegrityError(f"{where} is not a valid tiercache {cls._what}: {_first_error(e)}") from e
 
 
@@ -246,7 +278,7 @@ class Version(_Stored):
         empty = {name for name in ("parts", "nodes", "ranks") if not getattr(me, name)}
         if me.rank is None:
             empty.add("rank")
-        return me.model_dump_json(exclude=empty or None).encode()
+        return seal(me.model_dump_json(exclude=empty or None).encode())
 
 
 class RefRecord(_Stored):

@@ -98,7 +98,7 @@ class VerifyReport:
 
 
 def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample: int | None = None,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, every_manifest: bool = False) -> VerifyReport:
     """Check every copy of the chunks and manifests of ``versions`` on every available durable tier.
 
     A tier should hold a chunk when it holds the manifest of a version naming it, or when it
@@ -112,6 +112,8 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample:
         sample: Read only this many chunk copies, drawn at random (a quick check; every manifest
             and part is still read); ``None``: all.
         progress: Called with the bytes of chunk copies checked so far and the bytes to check.
+        every_manifest: Also read every manifest each tier lists, so that one the catalog left
+            out as unreadable (its only copy damaged, or this tier's) is reported too.
 
     Returns:
         The report; ``report.ok`` says whether everything is (now) good.
@@ -167,11 +169,15 @@ def verify(repo: Repo, versions: list[Version], *, repair: bool = False, sample:
     with ThreadPoolExecutor(max(1, repo.config.io_threads), thread_name_prefix="tiercache-verify") as pool:
         found = [d for d in pool.map(checked, todo) if d is not None]
     found += _check_manifests(repo, versions, tiers)
+    known = {v.id for v in versions}
+    left_out = _unreadable_manifests(repo, tiers, known) if every_manifest else []
+    found += left_out
     found += _check_parts(parts, tiers)
     if repair:
         found, unrepairable = _repair(repo, versions, found, wanted)
     else:
         unrepairable = _without_good_copy(found, wanted)
+        unrepairable += [d.key for d in left_out if _vid(d.key) not in known]
     holes = _holes(repo, versions, tiers)
     found += holes
     unrepairable = [*unrepairable, *(d.key for d in holes)]
@@ -279,6 +285,32 @@ def _check_manifests(repo: Repo, versions: list[Version], tiers: dict[str, Any])
     return out
 
 
+def _vid(key: str) -> str:
+    return key[len(VERSIONS) : -len(".json")]
+
+
+def _unreadable_manifests(repo: Repo, tiers: dict[str, Any], known: set[str]) -> list[Damage]:
+    """The manifests each tier lists that :func:`_check_manifests` does not read, and that do not parse or check.
+
+    The catalog leaves out a manifest that fails its checks: of a version no tier holds a good
+    copy of (it is not in ``known``), or this tier's copy of one it read elsewhere.
+    """
+    out = []
+    for name, tier in tiers.items():
+        for key in tier.list(VERSIONS):
+            vid = _vid(key)
+            if not key.endswith(".json") or (vid in known and repo.catalog.manifest_on(name, vid)):
+                continue
+            data = tier.get(key)
+            if data is None:
+                continue  # deleted since it was listed (a gc)
+            try:
+                Version.from_json(data, source=f"{name}:{key}")
+            except IntegrityError as e:
+                out.append(Damage(name, key, "damaged", str(e)))
+    return out
+
+
 def _without_good_copy(found: list[Damage], wanted: dict[tuple[str, str], tuple[int, str]]) -> list[str]:
     bad = {(d.tier, d.key) for d in found}
     holders: dict[str, set[str]] = {}
@@ -296,7 +328,11 @@ def _repair(repo: Repo, versions: list[Version], found: list[Damage],
     for d in found:
         tier = repo.durable[d.tier]
         if d.key.startswith(VERSIONS):
-            vid = d.key[len(VERSIONS) : -len(".json")]
+            vid = _vid(d.key)
+            if vid not in by_id:  # no tier holds a copy that checks
+                unrepairable.append(d.key)
+                out.append(d)
+                continue
             # The catalog's copy parsed and was checked when it was loaded: it is the good one.
             tier.put(d.key, by_id[vid].to_json())
             out.append(Damage(d.tier, d.key, d.problem, d.detail, repaired_from="catalog"))
