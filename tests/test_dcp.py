@@ -17,7 +17,13 @@ import tiercache
 from tiercache.cache import core_of
 from tiercache.config import S3Config
 from tiercache.errors import IntegrityError, InvalidArgumentError
-from tiercache.integrations.dcp import TierCacheStorageReader, TierCacheStorageWriter, _load_metadata
+from tiercache.integrations.dcp import (
+    TierCacheStorageReader,
+    TierCacheStorageWriter,
+    _load_metadata,
+    load_whole,
+    to_torch_save,
+)
 
 
 def test_save_four_ranks_load_two_ranks_and_one_process(tmp_path: Path, s3_config: S3Config) -> None:
@@ -44,6 +50,10 @@ def test_save_four_ranks_load_two_ranks_and_one_process(tmp_path: Path, s3_confi
         dcp.load(state, storage_reader=TierCacheStorageReader(cache, v1), no_dist=True)
         full = full_tensors(1)
         assert state["step"] == 1 and torch.equal(state["w"], full["w"]) and torch.equal(state["emb"], full["emb"])
+        # Whole, without a target state (what dcp_to_torch_save reads from a directory).
+        whole = load_whole(cache, "main")
+        assert sorted(whole) == ["emb", "step", "w"] and whole["step"] == 2
+        assert all(torch.equal(whole[k], v) for k, v in full_tensors(2).items())
 
 
 def test_one_disk_per_node_survives_the_loss_of_a_node_with_peer_copies(tmp_path: Path) -> None:
@@ -201,6 +211,16 @@ def test_a_reused_writer_saves_each_checkpoint_afresh_and_checkpoint_id_names_a_
                            "path"):
             dcp.load(out, checkpoint_id="ckpt/step5", storage_reader=TierCacheStorageReader(c))
         assert c.resolve("main") == head  # nothing saved by the refused calls
+
+
+def test_a_checkpoint_converts_to_one_torch_save_file(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(8, 4), "b": torch.arange(4)}, "step": 9, "note": "x"}
+    with tiercache.open({"disk": {"path": str(tmp_path / "d")}}) as c:
+        dcp.save(state, storage_writer=TierCacheStorageWriter(c, step=9), no_dist=True)
+        to_torch_save(c, "main@9", tmp_path / "whole.pt")
+    got = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert sorted(got) == ["model", "note", "step"] and (got["step"], got["note"]) == (9, "x")
+    assert torch.equal(got["model"]["w"], state["model"]["w"]) and torch.equal(got["model"]["b"], state["model"]["b"])
 
 
 def test_the_writer_refuses_to_move_to_another_process_in_one_line(tmp_path: Path) -> None:

@@ -27,6 +27,9 @@ Unchanged shards (a frozen base model) dedupe against earlier versions, DCP or n
 rank's needed entries from its own node, a peer or S3 (a chunk no node holds is read once and
 shared), and narrows them to the requested ranges.
 
+:func:`load_whole` and :func:`to_torch_save` read a checkpoint whole in one process, as
+``dcp_to_torch_save`` does for a directory (it can only read one).
+
 Both are handed the user's cache and work on its internal interface, which they get from
 :func:`tiercache.cache.core_of` (docs/design.md section 1, "The facade and the core").
 
@@ -601,6 +604,33 @@ class TierCacheStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """Never picked automatically from a checkpoint id: pass the reader explicitly."""
         return False
+
+
+def load_whole(cache: TierCache, ref: str = "main") -> dict[str, Any]:
+    """The whole state a DCP checkpoint holds, read by this process alone (no target state needed).
+
+    What ``dcp_to_torch_save`` reads from a directory, for a checkpoint of this cache: sharded
+    tensors come back whole, as the saving ranks' plan laid them out.
+
+    Args:
+        cache: The cache holding the checkpoint.
+        ref: The version: a branch, tag, id, ``NAME~N`` or ``NAME@STEP``.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=TierCacheStorageReader(cache, ref), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)  # as dcp_to_torch_save calls it: dcp.load would warn for an empty state
+    return state
+
+
+def to_torch_save(cache: TierCache, ref: str, path: str | os.PathLike[str]) -> None:
+    """Write a DCP checkpoint of this cache as one ``torch.save`` file (``dcp_to_torch_save`` for a cache).
+
+    Run it on one rank: the whole state is held in this process's memory.
+    """
+    torch.save(load_whole(cache, ref), path)
 
 
 def _select(entries: list[tuple[TensorEntry, tuple[ChunkRef, ...]]], vid: str, algo: str) -> Version:
