@@ -184,3 +184,37 @@ def test_verify_reports_a_parent_no_tier_holds_and_no_rule_pruned(
     assert [(d.key, d.problem, d.detail) for d in report.damage] == [
         (f"versions/{ids[1]}.json", "missing",
          f"version {ids[1]}, parent of {ids[2]}, is on no tier and no recorded rule pruned it")]
+
+
+def test_an_s3_that_lost_what_it_acknowledged_never_lets_the_disk_drop_its_copy(
+    tmp_path: Path, s3_config: S3Config, s3_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # S3 answered 200 for every chunk of the first versions, then kept none of them (as a store
+    # that drops PUTs does). The disk's capacity then asks to evict them "because S3 holds them".
+    import boto3
+
+    from tiercache.names import chunk_key
+
+    cfg = {"ram": {"capacity": 64 * MIB}, "disk": {"path": str(tmp_path / "disk"), "capacity": 7 * MIB},
+           "s3": s3_config.model_dump(), "chunk_bytes": "1MiB", "policy": {"name": "write-through"}}
+    states = [_state(100 + i, 3 * MIB // 2) for i in range(9)]
+    client = boto3.session.Session().client("s3", endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+    caplog.set_level(logging.WARNING, logger="tiercache")
+    with tiercache.open(cfg) as cache:
+        first = [cache.save(s, step=i) for i, s in enumerate(states[:3])]
+        for h in first:
+            h.wait("remote")
+        assert all({"disk", "s3"} <= set(v.tiers) for v in cache.versions())  # write-through: both
+        for cid in {c.id for h in first for c in cache.manifest(h.version).chunks}:  # behind the cache's back
+            client.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/{chunk_key(cid)}")
+        later = []
+        for i, s in enumerate(states[3:], 3):
+            later.append(cache.save(s, step=i))
+            cache.flush()  # one at a time: each asks the disk to make room
+    kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("keeping version")]
+    assert kept and all("s3 lacks" in m for m in kept), kept
+    acked = [h.version for h in first] + _acknowledged(later)
+    assert len(acked) == len(states)
+    with tiercache.open(cfg) as cache:
+        for vid, s in zip(acked, states, strict=True):
+            assert torch.equal(cache.restore(vid)["w"], s["w"]), vid

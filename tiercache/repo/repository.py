@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
@@ -439,6 +440,14 @@ class Repo:
                 f"promote it to another tier first"
             )
         elsewhere = not lonely and any(cat.manifest_on(n, version_id) for n in others)
+        if by == "policy" and elsewhere:
+            # The catalog says another tier holds it: that tier must show it, or nothing goes (a
+            # retention would then prune a copy it meant to leave on the other tier: not that either).
+            doubts = [self._unproven(n, version, ids - keep) for n in others if cat.manifest_on(n, version_id)]
+            if all(doubts):
+                log.warning("keeping version %s on %s: no other tier shows it holds the version (%s)",
+                            version_id, tier, "; ".join(doubts))
+                return None
         if by == "policy" and not elsewhere and rule is None:
             return None  # the keep rule: capacity alone never drops a last copy
         if by == "policy" and not elsewhere:
@@ -455,6 +464,33 @@ class Repo:
         else:
             log.info("pruned version %s from %s by %s (%d bytes freed)", version_id, tier, rule, freed)
         return freed
+
+    def _unproven(self, name: str, version: Version, chunk_ids: set[str]) -> str:
+        """Why tier ``name`` does not show that it holds ``version`` and ``chunk_ids`` (``""``: it does).
+
+        What a capacity eviction asks before it drops a copy on the strength of another tier's
+        (a store may have answered 200 and kept nothing, or lost it since): the other tier's
+        manifest is read and checked whole, every chunk to be dropped is there (a HEAD on S3),
+        and one of them, drawn at random, is read and verified against its id.
+        """
+        tier = self._durable[name]
+        try:
+            data = tier.get(version_key(version.id))
+            if data is None:
+                return f"{name} has no manifest of it"
+            if Version.from_json(data, source=f"{name}:{version_key(version.id)}").id != version.id:
+                return f"{name}'s manifest names another version"
+            missing = sorted(c for c in chunk_ids if tier.size(chunk_key(c)) is None)
+            if missing:
+                return f"{name} lacks {len(missing)} of its chunks ({missing[0]}...)"
+            sizes = {c.id: c.nbytes for c in version.chunks}
+            known = sorted(c for c in chunk_ids if c in sizes)
+            if known:
+                pick = random.choice(known)
+                read_verified(tier, pick, sizes[pick], version.hash_algo)
+        except TierCacheError as e:
+            return f"{name}: {e}"
+        return ""
 
     def sole_copies(self, tier: str) -> list[Version]:
         """Versions whose only durable copy is on ``tier``, oldest first (capacity eviction keeps them).
