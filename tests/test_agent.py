@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,8 +46,10 @@ TRAINER = Path(__file__).with_name("_agent_trainer.py")
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     d = short_dir()
-    yield d
-    remove_dir(d)
+    try:
+        yield d
+    finally:
+        remove_dir(d)
 
 
 @pytest.fixture
@@ -57,18 +60,31 @@ def shm_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[Any]:
-    """Starts agents (``agents(cfg, env=...)``); each one still running at the end must stop cleanly."""
+    """Starts agents (``agents(cfg, env=...)``); each one still running at the end must stop cleanly.
+
+    ``agents.sock_dir()`` makes a short directory for an agent's socket, removed once every agent stopped.
+    """
     started: list[AgentProcess] = []
+    dirs: list[Path] = []
 
     def start(cfg: dict[str, Any], env: dict[str, str] | None = None) -> AgentProcess:
         agent = AgentProcess(cfg, tmp_path / f"agent{len(started)}.log", env=env)
         started.append(agent)
         return agent
 
+    def sock_dir() -> Path:
+        dirs.append(short_dir())
+        return dirs[-1]
+
+    start.sock_dir = sock_dir  # type: ignore[attr-defined]
     yield start
-    for agent in started:
-        if agent.proc.poll() is None:
-            assert agent.stop() == 0
+    try:
+        for agent in started:
+            if agent.proc.poll() is None:
+                assert agent.stop() == 0
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _trainer(spec: dict[str, Any], timeout: float = 120.0) -> tuple[int, list[tuple[str, int, str]]]:
@@ -909,6 +925,8 @@ def test_gc_and_ram_eviction_run_in_the_agent(tmp_path: Path, sock_dir: Path, sh
     agents(cfg)
     with tiercache.open(cfg) as cache:
         a, b, c = (cache.save(state_for(s), step=s).wait("local") for s in (1, 2, 3))
+        # Until every save is finished in the agent (local is one level of it), gc keeps c as in flight.
+        cache.flush()
         cache.rollback("main", a)  # b and c are reachable from nothing now
         report = cache.gc(grace=0)
         assert set(report.versions) == {b, c} and report.chunks["disk"] > 0
@@ -998,7 +1016,7 @@ def _node_agents(tmp_path: Path, agents: Any, base: dict[str, Any], nodes: list[
     """
     started, per_rank = [], []
     for name in nodes:
-        sock = short_dir()
+        sock = agents.sock_dir()
         cfg = {**base, "node": name, "disk": {"path": str(tmp_path / f"disk-{name}")},
                "agent": {**base["agent"], "socket": str(sock / "a.sock")}}
         fault = (faults or {}).get(name)

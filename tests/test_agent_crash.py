@@ -63,9 +63,11 @@ def server() -> Iterator[ForkServer]:
 def places() -> Iterator[tuple[Path, Path]]:
     """A short directory for agent sockets and one in /dev/shm for their arenas."""
     sock = short_dir()
-    with shm_place() as shm:
-        yield sock, shm
-    remove_dir(sock)
+    try:
+        with shm_place() as shm:
+            yield sock, shm
+    finally:
+        remove_dir(sock)
 
 
 @dataclass

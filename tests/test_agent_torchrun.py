@@ -41,7 +41,9 @@ RANK_LINE = re.compile(r"rank \d+ (?:resumed at step \d+ from \[[^\]]*\]|saved s
 
 
 def _launch(work: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    tmp = work / "tmp"  # torchrun's own log directories (torchelastic_*) go here, not to the system's
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "train.py"], cwd=work, env=env, capture_output=True, text=True, timeout=240, check=False)
 
