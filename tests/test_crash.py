@@ -262,6 +262,8 @@ def test_kill_mid_gc_keeps_every_live_version(server: ForkServer, tmp_path: Path
     with tiercache.open(config_for(spec)) as cache:
         assert [v.step for v in cache.versions()] == [1]  # the manifests went first
         assert torch.equal(cache.restore("main")["w"], state_for(1)["w"])
+        checked = cache.verify()  # right after the kill, before another gc: nothing is damaged
+        assert checked.ok and checked.damage == (), checked.damage
         report = cache.gc(grace=0)  # the next gc finishes the job
         assert sum(report.chunks.values()) > 0
         assert torch.equal(cache.restore("main")["v"], state_for(1)["v"])
