@@ -18,6 +18,12 @@ from typing import Any
 
 import pytest
 
+# Tests kill ranks and stores on purpose; torch's C++ layer then logs each broken store socket as a
+# warning with a C++ stack trace on stderr, which would land among pytest's output. Errors still
+# print; what a test checks is what the Python side raised. Set before torch is imported, here and
+# in every process the tests start (they inherit the environment).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from tiercache.config import S3Config
 from tiercache.testing import aws_env
 
