@@ -559,21 +559,39 @@ class TierCache:
         self._write_ref_everywhere(RefRecord(kind="branch", name=name, version=vid, seq=0), None, "branch")
         return vid
 
-    def rollback(self, branch: str, ref: str) -> str:
-        """Move the head of ``branch`` to the version ``ref`` resolves to; history is kept.
+    def rollback(self, branch: str, ref: str, *, reset: bool = False) -> str:
+        """Move the head of ``branch`` back to the version ``ref`` resolves to; history is kept.
+
+        ``ref`` must be in the branch's history (its head or an ancestor of it); with ``reset``
+        the head moves to any version (``git reset --hard``), and the reflog keeps what it left.
 
         Raises:
             BranchNotFoundError: If the branch does not exist.
+            InvalidArgumentError: If ``ref`` is not in the branch's history and ``reset`` is not set.
         """
         check_name(branch, "branch")
         vid = self.resolve(ref)
         cur = self._core.catalog.ref("branch", branch)
         if cur is None:
             raise BranchNotFoundError(f"branch {branch!r} does not exist: create it with branch()", branch=branch)
+        if not reset and vid not in self._ancestry(cur.version):
+            raise InvalidArgumentError(
+                f"rollback {branch}: {ref!r} (version {vid}) is not in {branch}'s history, so moving there is not "
+                f"a rollback: give a version of `tiercache log {branch}`, or move the branch anyway with reset "
+                "(tiercache rollback --reset)")
         self._core.follow_head(branch)  # the branch's head is where the next save continues
         self._write_ref_everywhere(RefRecord(kind="branch", name=branch, version=vid, seq=cur.seq + 1), cur,
                                    "rollback")
         return vid
+
+    def _ancestry(self, head: str) -> set[str]:
+        """``head`` and every ancestor the catalog knows (pruned versions keep their place)."""
+        out: set[str] = set()
+        vid: str | None = head
+        while vid is not None and vid not in out:
+            out.add(vid)
+            vid = self._core.catalog.parent_of(vid)
+        return out
 
     def tag(self, name: str, ref: str) -> str:
         """Tag the version ``ref`` resolves to as ``name``; a tag never moves.

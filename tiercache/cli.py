@@ -822,13 +822,16 @@ def rollback(
     ctx: typer.Context,
     branch: Annotated[str, typer.Argument(help="Branch to move.", metavar="BRANCH")],
     ref: Annotated[str, typer.Argument(help="Version to move its head back to.", metavar="REF")],
+    reset: Annotated[bool, typer.Option("--reset", help="Move the head to REF even if it is not in BRANCH's "
+                                                        "history (git reset --hard).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
-    """Move a branch's head back (history is kept).
+    """Move a branch's head back to a version of its history (history is kept).
 
-    Versions after REF stay stored (and listed) until gc collects them.
+    REF must be the head or one of its ancestors; --reset moves it anywhere. Versions after REF
+    stay stored (and listed), and in the reflog (log --reflog), until gc collects them.
     """
-    _ref_verb(ctx, "rollback", branch, as_json, lambda cache: cache.rollback(branch, ref))
+    _ref_verb(ctx, "rollback", branch, as_json, lambda cache: cache.rollback(branch, ref, reset=reset))
 
 
 @app.command("tag", epilog=_examples("tiercache tag best main@1000", "tiercache tag release-1 main --json"))

@@ -1364,17 +1364,26 @@ class Catalog:
                 raise VersionNotFoundError(f"{ref!r} points at version {vid}, which no tier holds")
             return vid
 
+    def parent_of(self, version_id: str) -> str | None:
+        """The parent of a version this catalog knows (or pruned), ``None`` if none or unknown."""
+        with self._lock:
+            v = self._known.get(version_id) or self._pruned.get(version_id)
+            return v.parent if v is not None else None
+
     def _match_id(self, prefix: str, ref: str) -> str:
         if prefix in self._known:
             return prefix
-        hits = [v for v in self._known if v.startswith(prefix.upper())] if len(prefix) >= _MIN_PREFIX else []
+        hits = sorted(v for v in self._known if v.startswith(prefix.upper()))
         if not hits and len(prefix) >= _MIN_PREFIX:
             # A pruned version resolves (for ~N) to itself; resolve() then says why it is gone.
             hits = [v for v in self._pruned if v.startswith(prefix.upper())]
-        if len(hits) == 1:
+        if len(hits) == 1 and len(prefix) >= _MIN_PREFIX:
             return hits[0]
-        if len(hits) > 1:
-            raise AmbiguousRefError(f"{ref!r} matches {len(hits)} versions: give more characters of the id")
+        if hits:
+            some = ", ".join(hits[:3]) + (", ..." if len(hits) > 3 else "")
+            more = "more characters" if len(prefix) >= _MIN_PREFIX else f"at least {_MIN_PREFIX} characters"
+            raise AmbiguousRefError(f"{ref!r} is ambiguous: it matches {len(hits)} version(s) ({some}): "
+                                    f"give {more} of the id")
         known = ", ".join(sorted(n for _, n in self._refs)[:8]) or "none yet"
         raise VersionNotFoundError(
             f"unknown ref {ref!r}: not a branch, tag or version id (refs: {known}); see `tiercache ls`"
@@ -1387,9 +1396,10 @@ class Catalog:
             if v.step == step:
                 return vid
             vid = v.parent
-        # Not in the current history (e.g. rolled back past it): the newest version of that
-        # step saved on the branch.
-        same = [v.id for v in self._known.values() if v.branch == base and v.step == step]
+        # Not in the current history (e.g. rolled back past it): said so, with how to reach it.
+        same = sorted(v.id for v in self._known.values() if v.branch == base and v.step == step)
         if same:
-            return max(same)
+            raise VersionNotFoundError(f"{ref!r}: step {step} is not in {base}'s history (a rollback or resume "
+                                       f"left it behind): name the version by id ({', '.join(same[-3:])}), "
+                                       f"see `tiercache log --reflog {base}`")
         raise VersionNotFoundError(f"{ref!r}: no version of step {step} on {base!r}")
