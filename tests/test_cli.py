@@ -202,7 +202,7 @@ def test_ls_json(repo: _Repo) -> None:
         {
             "id": vid, "step": step, "branch": branch, "parent": parent, "created_at": created[vid],
             "nbytes": nbytes, "meta": meta, "tiers": ["disk"],
-            "states": {"disk": {"state": "held", "reason": "", "at": None}}, "refs": refs,
+            "states": {"disk": {"state": "held", "reason": "", "at": None}}, "refs": refs, "rolled_back": False,
         }
         for vid, step, branch, parent, meta, refs in expected
     ]

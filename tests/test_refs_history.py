@@ -59,3 +59,18 @@ def test_name_at_step_resolves_within_history_and_a_short_prefix_is_ambiguous(tm
                 rf"^'{prefix}' is ambiguous: it matches 4 version\(s\) \({a}, {b}, {c}, \.\.\.\): give at least 4 "
                 "characters of the id$")):
             cache.resolve(prefix)
+
+
+def test_ls_marks_a_rolled_back_version_as_log_graph_does(tmp_path: Path) -> None:
+    import json
+
+    with tiercache.open({"disk": {"path": str(tmp_path / "d")}}) as cache:
+        a, b = (_save(cache, s) for s in (1, 2))
+        cache.rollback("main", a)
+    out = CliRunner().invoke(app, ["--disk", str(tmp_path / "d"), "ls"])
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert "(rolled back)" in rows[b[:10]] and "(rolled back)" not in rows[a[:10]]
+    listed = json.loads(CliRunner().invoke(app, ["--disk", str(tmp_path / "d"), "ls", "--json"]).stdout)
+    assert [(v["id"], v["rolled_back"]) for v in listed] == [(a, False), (b, True)]
+    graph = CliRunner().invoke(app, ["--disk", str(tmp_path / "d"), "log", "--graph"]).stdout
+    assert "[rolled back: not in main's history]" in next(line for line in graph.splitlines() if b[:10] in line)

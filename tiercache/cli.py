@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
@@ -310,10 +310,12 @@ def _listed_tiers(cache: "TierCache") -> list[str]:
     return [t for t in cache.tier_names if t != "ram" or cache.config.agent is not None]
 
 
-def _version_json(v: "VersionInfo", refs: Mapping[str, str], tiers: Sequence[str] = ()) -> dict[str, Any]:
+def _version_json(v: "VersionInfo", refs: Mapping[str, str], tiers: Sequence[str] = (),
+                  behind: "Set[str]" = frozenset()) -> dict[str, Any]:
     """A version as ``ls --json`` / ``log --json`` print it (full id, refs as ``branch/main``).
 
-    ``states`` has the durable tiers, and RAM if it is in ``tiers`` (see :func:`_listed_tiers`).
+    ``states`` has the durable tiers, and RAM if it is in ``tiers`` (see :func:`_listed_tiers`);
+    ``rolled_back``: the version is not in its branch's history any more (``behind``).
     """
     return {
         "id": v.id,
@@ -327,6 +329,7 @@ def _version_json(v: "VersionInfo", refs: Mapping[str, str], tiers: Sequence[str
         "states": {t: {"state": st.state, "reason": st.reason, "at": st.at.isoformat() if st.at else None}
                    for t, st in v.states.items() if t != "ram" or t in tiers},
         "refs": sorted(key for key, vid in refs.items() if vid == v.id),
+        "rolled_back": v.id in behind,
     }
 
 
@@ -528,13 +531,17 @@ def ls(
     column while no agent runs), with the reasons of the newest such versions under the table.
     With --branch, only that branch's history: what `tiercache log BRANCH` walks.
     """
+    from tiercache.manifest import left_behind  # not at import: `--help` stays quick
+
     with _session(ctx) as cache:
-        versions = _with_pruned(cache) if branch is None else _history(cache, branch)
+        everything = _with_pruned(cache)
+        versions = everything if branch is None else _history(cache, branch)
         refs = cache.refs()
         tiers = _listed_tiers(cache)
         no_agent = "ram" in tiers and cache.agent is None
+    behind = left_behind(everything, refs)
     if as_json:
-        _echo_json([_version_json(v, refs, tiers) for v in versions])
+        _echo_json([_version_json(v, refs, tiers, behind) for v in versions])
         return
     labels = _ref_labels(refs)
     width = short_id_length(v.id for v in versions)
@@ -547,7 +554,8 @@ def ls(
         states = {t: v.states[t].state if t in v.states else ("held" if t in v.tiers else "absent") for t in tiers}
         rows.append([
             v.id[:width], str(v.step), v.branch, human_bytes(v.nbytes),
-            human_age(v.created_at, now), ", ".join(labels.get(v.id, [])),
+            human_age(v.created_at, now), ", ".join([*labels.get(v.id, []), *(["(rolled back)"] if v.id in behind
+                                                                          else [])]),
             *("no agent" if t == "ram" and no_agent and states[t] == "absent" else _MARKS[states[t]]
               for t in tiers),
         ])
@@ -594,7 +602,7 @@ def log(
         everything = _with_pruned(cache)
         behind = left_behind(everything, refs)
     if as_json:
-        _echo_json([_version_json(v, refs) for v in versions])
+        _echo_json([_version_json(v, refs, behind=behind) for v in versions])
         return
     labels = _ref_labels(refs)
 
