@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,12 +54,17 @@ def test_every_single_bit_flip_of_a_manifest_and_a_ref_is_refused(tmp_path: Path
     assert seal(body) == manifest
 
 
-def test_a_flipped_manifest_on_disk_never_restores_wrong_data_and_s3s_copy_is_used(
-        tmp_path: Path, s3_config: S3Config) -> None:
+def _saved_on_disk_and_s3(tmp_path: Path, s3_config: S3Config) -> tuple[dict[str, Any], str]:
+    """A config of a disk and S3 (write-through: both hold every version) and a version saved to both."""
     cfg = {"disk": {"path": str(tmp_path / "d")}, "s3": s3_config.model_dump(mode="json"),
            "policy": {"name": "write-through"}}
     with tiercache.open(cfg) as cache:
-        vid = cache.save(_state(), step=7).wait("remote")
+        return cfg, cache.save(_state(), step=7).wait("remote")
+
+
+def test_a_flipped_manifest_on_disk_never_restores_wrong_data_and_s3s_copy_is_used(
+        tmp_path: Path, s3_config: S3Config) -> None:
+    cfg, vid = _saved_on_disk_and_s3(tmp_path, s3_config)
     path = tmp_path / "d" / "versions" / f"{vid}.json"
     good = path.read_bytes()
     rng = random.Random(5)
@@ -77,10 +83,7 @@ def test_a_flipped_manifest_on_disk_never_restores_wrong_data_and_s3s_copy_is_us
 
 def test_verify_reports_a_damaged_manifest_and_repair_rewrites_it_from_a_good_copy(
         tmp_path: Path, s3_config: S3Config) -> None:
-    cfg = {"disk": {"path": str(tmp_path / "d")}, "s3": s3_config.model_dump(mode="json"),
-           "policy": {"name": "write-through"}}
-    with tiercache.open(cfg) as cache:
-        vid = cache.save(_state(), step=7).wait("remote")
+    cfg, vid = _saved_on_disk_and_s3(tmp_path, s3_config)
     key = f"versions/{vid}.json"
     path = tmp_path / "d" / key
     good = path.read_bytes()
