@@ -17,7 +17,7 @@ import tiercache
 from tiercache import failpoints
 from tiercache.cache import TierCache, core_of
 from tiercache.config import S3Config
-from tiercache.errors import StorageError, VersionNotFoundError
+from tiercache.errors import IntegrityError, StorageError, VersionNotFoundError
 from tiercache.names import chunk_key, version_key
 from tiercache.tiers.disk import DiskTier
 
@@ -253,3 +253,39 @@ def test_gc_on_disk_and_s3(tmp_path: Path, s3_config: S3Config) -> None:
         assert young.total_bytes == 0
         got = cache.restore("main")
         assert all(torch.equal(got[k], s1[k]) for k in s1)
+
+
+def test_a_listing_that_hides_manifests_never_lets_gc_free_what_a_ref_reaches(
+        tmp_path: Path, s3_config: S3Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An S3 whose listings leave out manifests (as a store behind on its index may): gc reads each
+    # version a ref reaches by its key, and frees nothing those versions name.
+    from tiercache.tiers.s3 import S3Tier
+
+    cfg = {"s3": s3_config.model_dump(mode="json")}
+    states = [{"w": torch.full((1 << 16,), float(i))} for i in range(3)]
+    with tiercache.open(cfg) as cache:
+        vids = [cache.save(s, step=i).wait("remote") for i, s in enumerate(states)]
+    hidden = {f"versions/{v}.json" for v in vids[:2]}
+    real_list = S3Tier.list
+    monkeypatch.setattr(S3Tier, "list", lambda self, prefix="": [k for k in real_list(self, prefix) if k not in hidden])
+    with tiercache.open(cfg) as cache:
+        report = cache.gc(grace=0)
+        assert report.versions == () and sum(report.chunks.values()) == 0
+    monkeypatch.setattr(S3Tier, "list", real_list)
+    with tiercache.open(cfg) as cache:
+        for vid, s in zip(vids, states, strict=True):
+            assert torch.equal(cache.restore(vid)["w"], s["w"])
+
+
+def test_gc_refuses_while_a_ref_points_at_a_version_no_tier_holds(tmp_path: Path) -> None:
+    cfg = {"disk": {"path": str(tmp_path / "d")}}
+    with tiercache.open(cfg) as cache:
+        a = cache.save({"w": torch.ones(8)}, step=1).wait("local")
+        b = cache.save({"w": torch.zeros(8)}, step=2).wait("local")
+    (tmp_path / "d" / "versions" / f"{b}.json").unlink()  # the head's manifest is gone
+    with tiercache.open(cfg) as cache, pytest.raises(IntegrityError, match=(
+            rf"^gc refused: a ref points at version {b}, which no tier holds a readable manifest of, so what it "
+            r"reaches cannot be told: run `tiercache verify`$")):
+        cache.gc(grace=0)
+    with tiercache.open(cfg) as cache:
+        assert torch.equal(cache.restore(a)["w"], torch.ones(8))  # nothing was collected

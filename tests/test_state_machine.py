@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import tiercache
 from tiercache import failpoints
-from tiercache.errors import ConflictError
+from tiercache.errors import ConflictError, InvalidArgumentError
 from tiercache.handle import SaveHandle
 
 BRANCHES = ("main", "dev", "ft")
@@ -137,7 +137,17 @@ class CacheModel(RuleBasedStateMachine):
     def rollback(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(k for k in self.refs if k.startswith("branch/"))))
         vid = data.draw(st.sampled_from(self._targets()))
-        assert self.cache.rollback(key.split("/")[1], vid) == vid
+        history, cur = set(), self.refs[key]
+        while cur is not None and cur not in history:
+            history.add(cur)
+            cur = self.parents.get(cur)
+        branch = key.split("/")[1]
+        if vid not in history:  # not back: refused, unless the move is asked for as a reset
+            with pytest.raises(InvalidArgumentError, match=f"^rollback {branch}: "):
+                self.cache.rollback(branch, vid)
+            assert self.cache.rollback(branch, vid, reset=True) == vid
+        else:
+            assert self.cache.rollback(branch, vid) == vid
         self.refs[key] = vid
         self.resumed.pop(key.split("/")[1], None)
 

@@ -143,6 +143,44 @@ def _live(versions: dict[str, Version], roots: Iterable[str], extra: Iterable[st
         holes = []
 
 
+def _reachable(repo: Repo, tiers: dict[str, Tier], versions: dict[str, Version], roots: set[str],
+               extra: list[str], refs: set[str]) -> set[str]:
+    """:func:`_live`, with every reachable manifest no listing showed read by its key on each tier.
+
+    A listing is not trusted to be whole (an S3 that lies in listings, or one behind on its
+    index): a version a ref reaches is looked up by its key before its chunks may count as
+    unreferenced. A ref whose version no tier holds stops gc: its history cannot be told.
+
+    Raises:
+        IntegrityError: If a ref points at a version no tier holds a readable manifest of.
+    """
+    tried: set[str] = set()
+    while True:
+        live = _live(versions, roots, extra, warn=False)
+        unseen = sorted(vid for vid in live if vid not in versions and vid not in tried)
+        if not unseen:
+            break
+        for vid in unseen:
+            tried.add(vid)
+            for name, tier in tiers.items():
+                data = tier.get(version_key(vid))
+                if data is None:
+                    continue
+                try:
+                    found = Version.from_json(data, source=f"{name}:{version_key(vid)}")
+                except IntegrityError as e:
+                    log.warning("gc: unreadable manifest of reachable version %s on %s: %s", vid, name, e)
+                    continue
+                versions[vid] = repo.catalog.materialize(found)
+                break
+    pruned = {r.version for r in repo.catalog.pruned()}
+    lost = sorted(r for r in refs if r not in versions and r not in pruned)
+    if lost:
+        raise IntegrityError(f"gc refused: a ref points at version {lost[0]}, which no tier holds a readable "
+                             "manifest of, so what it reaches cannot be told: run `tiercache verify`")
+    return _live(versions, roots, extra)
+
+
 def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
        on_chunks_deleted: Callable[[list[str]], None] | None = None) -> GcReport:
     """Delete versions no ref reaches and chunks no remaining manifest names, on every durable tier.
@@ -187,7 +225,7 @@ def gc(repo: Repo, *, dry_run: bool = False, grace: float | None = None,
     pending = repo.leases.pending()
     young = [vid for vid, v in versions.items() if now - v.created_at.timestamp() < grace]
     extra = [*pending, *(p for p in pending.values() if p is not None), *young]
-    live = _live(versions, roots, extra)
+    live = _reachable(repo, tiers, versions, roots, extra, ref_roots)
     dead = sorted(vid for vid in versions if vid not in live)
     # What only the reflog keeps: a gc that frees nothing says why (see reflog_keep).
     by_reflog = tuple(sorted(vid for vid in live - _live(versions, ref_roots, extra, warn=False) if vid in versions))
