@@ -218,3 +218,31 @@ def test_an_s3_that_lost_what_it_acknowledged_never_lets_the_disk_drop_its_copy(
     with tiercache.open(cfg) as cache:
         for vid, s in zip(acked, states, strict=True):
             assert torch.equal(cache.restore(vid)["w"], s["w"]), vid
+
+
+def test_a_manifest_put_the_store_answered_but_did_not_keep_is_not_a_commit(
+    tmp_path: Path, s3_config: S3Config, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store answers 200 to the manifest's PUT and keeps nothing (as a relay that drops PUTs):
+    # the commit fails before a ref names the version there, so `remote` never claims it.
+    import boto3
+
+    from tiercache.cache import core_of
+    from tiercache.errors import StorageError
+    from tiercache.tiers.s3 import S3Tier
+
+    cfg = {"disk": {"path": str(tmp_path / "disk")}, "s3": s3_config.model_dump(),
+           "policy": {"name": "write-through"}}
+    with tiercache.open(cfg) as cache:
+        version = cache.manifest(cache.save(_state(7, MIB), step=1).wait("remote"))
+        key = f"versions/{version.id}.json"
+        client = boto3.session.Session().client("s3", endpoint_url=s3_server.endpoint_url,
+                                                region_name=s3_server.region)
+        client.delete_object(Bucket=s3_config.bucket, Key=f"{s3_config.prefix}/{key}")
+        real_put = S3Tier.put
+        monkeypatch.setattr(S3Tier, "put", lambda self, k, data, **kw: None if k == key else real_put(
+            self, k, data, **kw))
+        with pytest.raises(StorageError, match=(
+                rf"^s3 accepted the manifest of version {version.id} but does not hold it \(no such object\): "
+                "the version is not committed there$")):
+            core_of(cache).repo.commit("s3", version, None)

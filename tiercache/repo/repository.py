@@ -37,6 +37,7 @@ from tiercache.errors import (
     IntegrityError,
     InvalidArgumentError,
     LastCopyError,
+    StorageError,
     TierCacheError,
     TierUnavailableError,
 )
@@ -188,7 +189,15 @@ class Repo:
         if node is not None:
             self._record_node(tier, t, node)
         self.catalog.add(version)
-        t.put(version_key(version.id), version.to_json())
+        key, data = version_key(version.id), version.to_json()
+        t.put(key, data)
+        if t.confirm_puts:
+            # The store said 200: before a ref names the version there, it must show the manifest.
+            held = t.size(key)
+            if held != len(data):
+                what = "no such object" if held is None else f"{held} bytes, not {len(data)}"
+                raise StorageError(f"{tier} accepted the manifest of version {version.id} but does not hold it "
+                                   f"({what}): the version is not committed there")
         self.catalog.mark_on(tier, version.id)
         if owner is not None:
             self.leases.release(owner, tier)  # the manifest protects its chunks from here on

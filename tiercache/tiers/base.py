@@ -80,6 +80,9 @@ class Tier(ABC):
     #: Whether reads may borrow the stored bytes in place (the tier is a :class:`Lender`) instead
     #: of copying them out. Reach ``borrow`` through :func:`lender`.
     lends: bool = False
+    #: Whether a put's success does not prove the object is kept (a store across a network may
+    #: answer 200 and keep nothing): the repo then checks a manifest is there before a ref names it.
+    confirm_puts: bool = False
     #: Threads the engine writes this tier's chunks with (``None``: the config's ``io_threads``).
     write_threads: int | None = None
     #: Seconds a version's chunk writes may take here, retries included (``None``: no limit).

@@ -173,6 +173,7 @@ class S3Tier(Tier):
 
     name = "s3"
     durable = True
+    confirm_puts = True
     capacity = None
 
     def __init__(self, cfg: S3Config) -> None:
