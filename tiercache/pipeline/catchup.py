@@ -199,9 +199,9 @@ class CatchUp:
             if err is None:
                 w.future.set_result(w.version)
                 continue
-            w.future.set_exception(err)
-            if isinstance(err, SkippedError):
+            if isinstance(err, SkippedError):  # recorded first: whoever sees the level fail can read why
                 self._note(w.version, name, TierOutcome(state="skipped", reason=str(err)))
+            w.future.set_exception(err)
         if rerun:
             self.request(name)
 

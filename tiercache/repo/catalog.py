@@ -128,6 +128,10 @@ class Catalog:
         self._durable = [n for n, t in tiers().items() if t.durable]
         self._health = health
         self._lock = threading.RLock()
+        # Serializes each read-merge-write of a version's outcomes (catch-up's "superseded" note and
+        # a writer's own outcome for another tier may come at once): without it one record's write
+        # could carry the other's old view and drop its outcome. Not _lock: the writes do I/O.
+        self._outcomes_lock = threading.Lock()
         # Every known version, from the tiers' indexes or this process's commits.
         self._known: dict[str, Summary] = {}
         # The manifests read so far (or made by this process): a subset of _known.
@@ -1086,19 +1090,22 @@ class Catalog:
             on: Only these of those tiers (the ranks of a group share the work: see
                 :mod:`tiercache.group.round`).
         """
-        self._store_outcomes(version_id, self.outcomes(version_id), on)
+        with self._outcomes_lock:
+            self._store_outcomes(version_id, self.outcomes(version_id), on)
 
     def record_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
         """Record why tiers do not hold a version, on every available tier that holds its manifest."""
-        merged = {**self.outcomes(version_id), **outcomes}
-        self._store_outcomes(version_id, merged)
+        with self._outcomes_lock:
+            merged = {**self.outcomes(version_id), **outcomes}
+            self._store_outcomes(version_id, merged)
 
     def clear_outcome(self, version_id: str, tier: str) -> None:
         """Forget why ``tier`` did not hold a version (it holds it now)."""
-        current = self.outcomes(version_id)
-        if tier in current:
-            del current[tier]
-            self._store_outcomes(version_id, current)
+        with self._outcomes_lock:
+            current = self.outcomes(version_id)
+            if tier in current:
+                del current[tier]
+                self._store_outcomes(version_id, current)
 
     def _store_outcomes(self, version_id: str, outcomes: dict[str, TierOutcome],
                         on: Collection[str] | None = None) -> None:
