@@ -26,15 +26,22 @@ import tiercache
 from tiercache.pipeline import staging
 
 
+def _ack(*words: object) -> None:
+    """Print one line in one write: the tests SIGKILL this process at any moment, and print() under
+    PYTHONUNBUFFERED writes each word apart, so a kill could leave a torn line for the test to read."""
+    sys.stdout.write(" ".join(map(str, words)) + "\n")
+    sys.stdout.flush()
+
+
 def main(spec: dict) -> None:
     cache = tiercache.open(spec["config"])
     big = int(spec.get("big", 0))
     for step in spec["steps"]:
         h = cache.save(state_for(step, big), step=step)
-        print("staged", step, h.version, flush=True)
+        _ack("staged", step, h.version)
         for level in spec.get("wait", ()):
             h.wait(level)
-            print(level, step, h.version, flush=True)
+            _ack(level, step, h.version)
     end = spec.get("end", "close")
     if end == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
