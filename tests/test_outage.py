@@ -118,7 +118,8 @@ def test_an_s3_outage_mid_loop_costs_no_save_and_no_local_version(
     with tiercache.open(cfg) as fresh:  # a fresh process still says why the others missed S3
         infos = {v.id: v for v in fresh.versions()}
         missed = [infos[h.version].states["s3"] for h in handles[3:-1]]
-        assert all(s.state == "skipped" and "superseded it while s3 was unavailable" in s.reason for s in missed), missed
+        assert all(s.state == "skipped" and "superseded it while s3 was unavailable" in s.reason
+                   for s in missed), missed
     toml = tmp_path / "tiercache.toml"
     toml.write_text(f'[disk]\npath = "{cfg["disk"]["path"]}"\n[s3]\nurl = "{cfg["s3"]["url"]}"\n'
                     f'endpoint_url = "{cfg["s3"]["endpoint_url"]}"\nregion = "{cfg["s3"]["region"]}"\n')
