@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache.repo.catalog")
 
 _MIN_PREFIX = 4
+#: Locks a version's outcome writes are serialized by (see Catalog.__init__).
+_OUTCOME_STRIPES = 64
 #: Characters of a version id (:func:`tiercache.manifest.new_version_id`).
 
 
@@ -130,8 +132,9 @@ class Catalog:
         self._lock = threading.RLock()
         # Serializes each read-merge-write of a version's outcomes (catch-up's "superseded" note and
         # a writer's own outcome for another tier may come at once): without it one record's write
-        # could carry the other's old view and drop its outcome. Not _lock: the writes do I/O.
-        self._outcomes_lock = threading.Lock()
+        # could carry the other's old view and drop its outcome. Not _lock: the writes do I/O. Striped
+        # by version: a status write stuck on a hanging tier holds up only versions of its stripe.
+        self._outcome_locks = [threading.Lock() for _ in range(_OUTCOME_STRIPES)]
         # Every known version, from the tiers' indexes or this process's commits.
         self._known: dict[str, Summary] = {}
         # The manifests read so far (or made by this process): a subset of _known.
@@ -1090,18 +1093,21 @@ class Catalog:
             on: Only these of those tiers (the ranks of a group share the work: see
                 :mod:`tiercache.group.round`).
         """
-        with self._outcomes_lock:
+        with self._outcome_lock(version_id):
             self._store_outcomes(version_id, self.outcomes(version_id), on)
+
+    def _outcome_lock(self, version_id: str) -> threading.Lock:
+        return self._outcome_locks[hash(version_id) % _OUTCOME_STRIPES]
 
     def record_outcomes(self, version_id: str, outcomes: Mapping[str, TierOutcome]) -> None:
         """Record why tiers do not hold a version, on every available tier that holds its manifest."""
-        with self._outcomes_lock:
+        with self._outcome_lock(version_id):
             merged = {**self.outcomes(version_id), **outcomes}
             self._store_outcomes(version_id, merged)
 
     def clear_outcome(self, version_id: str, tier: str) -> None:
         """Forget why ``tier`` did not hold a version (it holds it now)."""
-        with self._outcomes_lock:
+        with self._outcome_lock(version_id):
             current = self.outcomes(version_id)
             if tier in current:
                 del current[tier]
